@@ -1,0 +1,19 @@
+"""moelens: TransformerLens-style hooks, caches and analysis for Mixture-of-Experts language models."""
+
+from moelens.cache import ActivationCache
+from moelens.config import MoeConfig
+from moelens.hooks import HookedRootModule, HookPoint
+from moelens.loaders import CheckpointError
+from moelens.models import FAMILIES, HookedQwen2Moe, HookedTransformer
+
+__all__ = [
+    "ActivationCache",
+    "CheckpointError",
+    "FAMILIES",
+    "HookPoint",
+    "HookedQwen2Moe",
+    "HookedRootModule",
+    "HookedTransformer",
+    "MoeConfig",
+]
+__version__ = "0.1.0"

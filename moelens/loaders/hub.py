@@ -1,0 +1,39 @@
+"""Find a checkpoint: a local folder is read in place; anything else is a Hub repo id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Only what moelens reads: no pickle weights, no remote code.
+HUB_FILES = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+]
+
+
+def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"{path} is a file; a checkpoint is a folder with config.json and *.safetensors")
+    name = str(name_or_path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise FileNotFoundError(f"no checkpoint folder at {path}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES))
+    except Exception as online_error:  # offline, or the Hub unreachable: fall back on the local cache
+        try:
+            return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES, local_files_only=True))
+        except Exception:
+            raise FileNotFoundError(
+                f"{name!r} is not a local folder, and the Hub repo could not be fetched nor found in the local "
+                f"cache: {online_error}"
+            ) from online_error

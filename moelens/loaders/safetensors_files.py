@@ -1,0 +1,92 @@
+"""The safetensors files of a checkpoint: which key lives in which file, its shape, and lazy reads."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moelens.loaders.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+class SafetensorsFiles:
+    """Reads only headers when built; tensors are read one at a time, file by file."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.files = self._find_files()
+        self.location: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for path in self.files:
+            for key, shape in self._read_header(path).items():
+                if key in self.location:
+                    raise CheckpointError(f"tensor {key!r} appears in both {self.location[key].name} and {path.name}")
+                self.location[key], self.shapes[key] = path, shape
+        self._check_index()
+
+    def _find_files(self) -> list[Path]:
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map'): {err}") from err
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (self.folder / n).is_file()]
+            if missing:
+                raise CheckpointError(f"{index} lists files that are not in {self.folder}: {missing}")
+            self._index = weight_map
+            return [self.folder / n for n in names]
+        self._index = None
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            pickles = sorted(p.name for p in self.folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            if pickles:
+                raise CheckpointError(
+                    f"{self.folder} has only pickle weights ({', '.join(pickles)}); moelens reads safetensors "
+                    "and never loads pickle files. Convert the checkpoint to safetensors first."
+                )
+            raise CheckpointError(f"no *.safetensors files in {self.folder}")
+        return files
+
+    @staticmethod
+    def _read_header(path: Path) -> dict[str, tuple[int, ...]]:
+        try:
+            with safe_open(path, framework="pt") as f:
+                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        except Exception as err:  # safetensors raises its own error types for bad headers and short files
+            raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({err})") from err
+
+    def _check_index(self) -> None:
+        if self._index is None:
+            return
+        for key, file in self._index.items():
+            if self.location.get(key) is None or self.location[key].name != file:
+                raise CheckpointError(f"{INDEX_FILE} places tensor {key!r} in {file}, but that file does not hold it")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.location
+
+    def keys(self) -> list[str]:
+        return list(self.location)
+
+    def read(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (key, tensor) for these keys, opening each file once."""
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.location[key], []).append(key)
+        for path, file_keys in by_file.items():
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for key in file_keys:
+                        yield key, f.get_tensor(key)
+            except CheckpointError:
+                raise
+            except Exception as err:
+                raise CheckpointError(f"{path}: cannot read its tensors ({err})") from err

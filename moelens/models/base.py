@@ -1,0 +1,246 @@
+"""HookedTransformer: the model every family shares; families add only their config and checkpoint mapping."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import nn
+
+from moelens.config import MoeConfig
+from moelens.hooks import HookedRootModule, HookPoint
+from moelens.models.components import Block, RMSNorm, Rotary
+from moelens.names import alias_candidates
+from moelens.tokenizer import MoeTokenizer
+
+if TYPE_CHECKING:
+    from moelens.loaders.checkpoint import CheckpointNames
+    from moelens.support import SupportTable
+
+ReturnType = Literal["logits", "loss", "both"] | None
+
+
+class HookedTransformer(HookedRootModule):
+    """A decoder-only MoE language model with a HookPoint at every site (see model.support()).
+
+    Layout conventions: tensors crossing the API are [batch pos ...]; per-expert data is dense per routing
+    slot ([batch pos top_k ...]); weights keep the checkpoint's [out, in] layout.
+    """
+
+    model_type: ClassVar[str] = ""
+    checkpoint_names: ClassVar[CheckpointNames]
+
+    def __init__(self, cfg: MoeConfig, tokenizer: MoeTokenizer | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        self.hook_embed = HookPoint("batch pos d_model", "token embeddings")
+        self.rotary = Rotary(cfg)
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
+        self.ln_final = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
+        self.hook_logits = HookPoint("batch pos d_vocab", "logits")
+        self.tie_weights()
+        self.setup()
+
+    # ---- construction helpers used by the loader ---------------------------------------------------
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.unembed.weight = self.embed.weight
+
+    @classmethod
+    def config_from_hf(cls, hf: dict) -> MoeConfig:  # pragma: no cover - every family overrides
+        raise NotImplementedError(f"{cls.__name__} does not define config_from_hf")
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        revision: str | None = None,
+        progress: bool | None = None,
+    ) -> HookedTransformer:
+        """Load a checkpoint (local folder or Hub id); the family is chosen from config.json's model_type."""
+        from moelens.loaders import load_pretrained
+
+        return load_pretrained(cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress)
+
+    # ---- tokens -----------------------------------------------------------------------------------
+    def _require_tokenizer(self) -> MoeTokenizer:
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model has no tokenizer (the checkpoint has no tokenizer.json): pass token ids "
+                "as a LongTensor [batch pos] instead of text"
+            )
+        return self.tokenizer
+
+    def to_tokens(self, text: str | list[str], prepend_bos: bool = False) -> Int[torch.Tensor, "batch pos"]:
+        """Token ids [batch pos]; a list of texts is left-padded (see tokenize() for the mask)."""
+        return self.tokenize(text, prepend_bos)[0]
+
+    def tokenize(
+        self, text: str | list[str], prepend_bos: bool = False
+    ) -> tuple[Int[torch.Tensor, "batch pos"], Int[torch.Tensor, "batch pos"]]:
+        tokens, mask = self._require_tokenizer().batch(text, prepend_bos)
+        return tokens.to(self.device), mask.to(self.device)
+
+    def to_str_tokens(self, text: str | torch.Tensor | list[int]) -> list[str]:
+        tok = self._require_tokenizer()
+        if isinstance(text, str):
+            ids = tok.encode(text)
+        elif isinstance(text, torch.Tensor):
+            if text.dim() > 1 and text.shape[0] != 1:
+                raise ValueError(f"to_str_tokens takes one sequence, got tokens of shape {tuple(text.shape)}")
+            ids = text.flatten().tolist()
+        else:
+            ids = list(text)
+        return [tok.id_to_str(i) for i in ids]
+
+    def to_string(self, tokens: torch.Tensor | list[int]) -> str | list[str]:
+        tok = self._require_tokenizer()
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            return [tok.decode(row.tolist()) for row in tokens]
+        return tok.decode(tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens))
+
+    def set_attention_backend(self, backend: Literal["auto", "eager"]) -> None:
+        """"auto" uses fused SDPA where no hook reads the scores or pattern; "eager" always computes them
+        explicitly (bit-for-bit the reference's eager attention, also in bfloat16)."""
+        if backend not in ("auto", "eager"):
+            raise ValueError(f"attention backend must be 'auto' or 'eager', got {backend!r}")
+        for block in self.blocks:
+            block.attn.backend = backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def forward(
+        self,
+        input: str | list[str] | Int[torch.Tensor, "batch pos"] | Float[torch.Tensor, "batch pos d_model"],
+        return_type: ReturnType = "logits",
+        attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        loss_per_token: bool = False,
+        position_ids: Int[torch.Tensor, "batch pos"] | None = None,
+    ):
+        """Logits / loss / both / None, or the residual stream when stop_at_layer is given.
+
+        With left padding (zeros on the left of attention_mask) positions count from each row's first real
+        token, so each row gives the logits it would give alone. start_at_layer takes the residual stream
+        [batch pos d_model] entering that block.
+        """
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
+        tokens = None
+        if isinstance(input, (str, list)):
+            input, text_mask = self.tokenize(input)
+            attention_mask = text_mask if attention_mask is None else attention_mask
+        if start_at_layer is None:
+            tokens = self._check_tokens(input)
+            resid = self.hook_embed(self.embed(tokens))
+        else:
+            if return_type in ("loss", "both"):
+                raise ValueError("a loss needs token ids: it cannot be computed with start_at_layer")
+            resid = input
+            if resid.dim() != 3 or resid.shape[-1] != self.cfg.d_model:
+                raise ValueError(
+                    f"with start_at_layer the input is the residual stream [batch pos {self.cfg.d_model}], "
+                    f"got shape {tuple(resid.shape)}"
+                )
+        b, p = resid.shape[:2]
+        if attention_mask is not None and attention_mask.shape != (b, p):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, p)}")
+        positions = self._positions(b, p, attention_mask, position_ids)
+        cos, sin = self.rotary(positions, resid.dtype)
+        allowed = self._allowed(p, attention_mask)
+        for block in self.blocks[start_at_layer:stop_at_layer]:
+            resid = block(resid, cos, sin, allowed)
+        if stop_at_layer is not None:
+            return resid
+        if return_type is None:
+            return None
+        logits = self.hook_logits(self.unembed(self.ln_final(resid)))
+        if return_type == "logits":
+            return logits
+        loss = self.loss(logits, tokens, attention_mask, per_token=loss_per_token)
+        return loss if return_type == "loss" else (logits, loss)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input must be text or integer token ids [batch pos], got {getattr(tokens, 'dtype', type(tokens))}")
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.dim() != 2:
+            raise ValueError(f"token ids must be [batch pos], got shape {tuple(tokens.shape)}")
+        bad = (tokens < 0) | (tokens >= self.cfg.d_vocab)
+        if bad.any():
+            row, pos = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"token id {int(tokens[row, pos])} at [{row}, {pos}] is outside the vocabulary [0, {self.cfg.d_vocab})"
+            )
+        return tokens.to(self.device)
+
+    def _positions(self, b: int, p: int, mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
+        if position_ids is not None:
+            return position_ids.to(self.device).expand(b, p)
+        if mask is None:
+            return torch.arange(p, device=self.device).expand(b, p)
+        return (mask.to(self.device).long().cumsum(-1) - 1).clamp(min=0)
+
+    def _allowed(self, p: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """[batch|1, 1, query, key] bool: causal, padding keys masked, a padded query sees itself."""
+        causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
+        if mask is None:
+            return causal[None, None]
+        keys = mask.to(self.device).bool()[:, None, None, :]
+        eye = torch.eye(p, dtype=torch.bool, device=self.device)
+        return (causal & keys) | eye
+
+    @staticmethod
+    def loss(
+        logits: Float[torch.Tensor, "batch pos d_vocab"],
+        tokens: Int[torch.Tensor, "batch pos"],
+        attention_mask: torch.Tensor | None = None,
+        per_token: bool = False,
+    ) -> torch.Tensor:
+        """Next-token cross entropy; predictions of padding tokens are left out."""
+        if tokens.shape[1] < 2:
+            raise ValueError("a loss needs at least two positions")
+        log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll = -log_probs.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        keep = torch.ones_like(nll) if attention_mask is None else attention_mask[:, 1:].to(nll)
+        nll = nll * keep
+        return nll if per_token else nll.sum() / keep.sum()
+
+    # ---- names and documentation -----------------------------------------------------------------
+    def canonical_hook_name(self, name: str, layer: int | None = None) -> str:
+        for candidate in alias_candidates(name, layer) if layer is not None or "." not in name else [name]:
+            if candidate in self.hook_dict:
+                return candidate
+        if layer is None and "." not in name:
+            for candidate in _safe_candidates(name):
+                if candidate in self.hook_dict:
+                    return candidate
+        return name
+
+    def support(self, print_table: bool = True) -> SupportTable:
+        """Every hook point: name, layout, shape for this model, meaning, standard name (and absent sites)."""
+        from moelens.support import support_table
+
+        table = support_table(self)
+        if print_table:
+            print(table)
+        return table
+
+
+def _safe_candidates(name: str) -> list[str]:
+    try:
+        return alias_candidates(name)
+    except KeyError:
+        return []

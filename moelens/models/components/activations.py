@@ -1,0 +1,23 @@
+"""Activation functions by their config.json name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"hidden_act {name!r} is not supported; expected one of {sorted(_ACTIVATIONS)}") from None

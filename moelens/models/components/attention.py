@@ -1,0 +1,66 @@
+"""Causal self-attention with grouped kv heads, optional qkv bias and per-head q/k norm; hooked everywhere."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float
+from torch import nn
+
+from moelens.config import MoeConfig
+from moelens.hooks import HookPoint
+from moelens.models.components.norm import RMSNorm
+from moelens.models.components.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        self.scale = cfg.d_head**-0.5
+        self.backend = "auto"  # "auto": fused SDPA unless scores/pattern are hooked; "eager": always explicit
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Hunyuan: RMSNorm of each rotated head
+            self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+            self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+        self.hook_q = HookPoint("batch pos head d_head", "query projection")
+        self.hook_k = HookPoint("batch pos kv_head d_head", "key projection")
+        self.hook_v = HookPoint("batch pos kv_head d_head", "value projection")
+        self.hook_rot_q = HookPoint("batch pos head d_head", "queries entering attention")
+        self.hook_rot_k = HookPoint("batch pos kv_head d_head", "keys entering attention")
+        self.hook_attn_scores = HookPoint("batch head query key", "scaled, masked scores")
+        self.hook_pattern = HookPoint("batch head query key", "attention probabilities")
+        self.hook_z = HookPoint("batch pos head d_head", "per-head outputs")
+
+    def forward(
+        self,
+        x: Float[torch.Tensor, "batch pos d_model"],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed: Bool[torch.Tensor, "batch 1 query key"],
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
+        b, p, _ = x.shape
+        q = self.hook_q(self.q_proj(x).view(b, p, self.n_heads, self.d_head))
+        k = self.hook_k(self.k_proj(x).view(b, p, self.n_kv_heads, self.d_head))
+        v = self.hook_v(self.v_proj(x).view(b, p, self.n_kv_heads, self.d_head))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.hook_rot_q(q), self.hook_rot_k(k)
+
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # batch head pos d_head
+        group = self.n_heads // self.n_kv_heads
+        if self.backend == "eager" or self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+            # finfo.min, not -inf: a row with nothing allowed must not turn into NaN
+            scores = self.hook_attn_scores(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min))
+            pattern = self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
+            z = torch.matmul(pattern, v)
+        else:  # nothing reads the pattern: the fused kernel gives the same result
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
+        z = self.hook_z(z.transpose(1, 2))
+        return self.o_proj(z.reshape(b, p, self.n_heads * self.d_head))

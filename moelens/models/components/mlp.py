@@ -1,0 +1,30 @@
+"""Gated (SwiGLU) MLP: dense blocks and shared experts."""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import nn
+
+from moelens.hooks import HookPoint
+from moelens.models.components.activations import activation
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d_model: int, d_mlp: int, act_fn: str, width_name: str = "d_mlp", hook_out: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_mlp, bias=False)
+        self.up_proj = nn.Linear(d_model, d_mlp, bias=False)
+        self.down_proj = nn.Linear(d_mlp, d_model, bias=False)
+        self.act = activation(act_fn)
+        self.hook_pre = HookPoint(f"batch pos {width_name}", "gate pre-activation")
+        self.hook_pre_linear = HookPoint(f"batch pos {width_name}", "up projection")
+        self.hook_post = HookPoint(f"batch pos {width_name}", "act(gate) * up")
+        if hook_out:
+            self.hook_out = HookPoint("batch pos d_model", "output")
+
+    def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        pre = self.hook_pre(self.gate_proj(x))
+        pre_linear = self.hook_pre_linear(self.up_proj(x))
+        out = self.down_proj(self.hook_post(self.act(pre) * pre_linear))
+        return self.hook_out(out) if hasattr(self, "hook_out") else out

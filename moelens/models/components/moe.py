@@ -1,0 +1,95 @@
+"""Sparse mixture-of-experts block: router, routed experts, optional (gated) shared expert."""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import nn
+
+from moelens.config import MoeConfig
+from moelens.hooks import HookPoint
+from moelens.kernels import ExpertHooks, routed_experts
+from moelens.models.components.activations import activation
+from moelens.models.components.mlp import GatedMLP
+from moelens.models.components.router import Router
+
+
+class Experts(nn.Module):
+    """Stacked expert weights: W_gate_up [E, 2*d_expert, d_model] (gate rows first), W_down [E, d_model, d_expert]."""
+
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.n_experts, self.d_expert = cfg.n_experts, cfg.d_expert
+        self.W_gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.d_expert, cfg.d_model))
+        self.W_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, cfg.d_expert))
+        self.act = activation(cfg.act_fn)
+        self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
+        self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
+        self.hook_post = HookPoint("batch pos top_k d_expert", "expert neurons per slot")
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, d_expert={self.d_expert}"
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, cfg: MoeConfig, layer: int) -> None:
+        super().__init__()
+        self.shared_first = cfg.shared_first
+        self.router = Router(cfg, cfg.top_k[layer])
+        self.experts = Experts(cfg)
+        if cfg.d_shared:
+            self.shared_expert = GatedMLP(cfg.d_model, cfg.d_shared, cfg.act_fn, "d_shared", hook_out=True)
+            self.hook_shared_out = HookPoint("batch pos d_model", "shared expert output as added")
+        if cfg.shared_gate:
+            self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
+            self.hook_shared_gate = HookPoint("batch pos 1", "shared expert gate logit, before the sigmoid")
+        self.hook_router_logits = HookPoint("batch pos n_experts", "router logits")
+        self.hook_router_scores = HookPoint("batch pos n_experts", "scores of every expert")
+        if cfg.correction_bias:
+            self.hook_choice_scores = HookPoint("batch pos n_experts", "scores + correction bias, for the choice")
+        self.hook_expert_indices = HookPoint("batch pos top_k", "expert of each slot")
+        self.hook_expert_weights = HookPoint("batch pos top_k", "weight of each slot")
+        self.hook_expert_outputs = HookPoint("batch pos top_k d_model", "weighted output of each slot")
+        self.hook_routed_out = HookPoint("batch pos d_model", "routed experts' sum")
+        self._expert_hooks = ExpertHooks(
+            self.experts.hook_pre, self.experts.hook_pre_linear, self.experts.hook_post, self.hook_expert_outputs
+        )
+
+    def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        # The order of the hooks is the family's order: Qwen2-MoE runs the shared expert first and gates it
+        # after the routed experts; Hunyuan adds it ungated, first; Solar runs it after the routed experts.
+        shared = ungated = None
+        if hasattr(self, "shared_expert") and self.shared_first:
+            ungated = self.shared_expert(x)
+            if not hasattr(self, "shared_gate"):
+                shared = self.hook_shared_out(ungated)
+        routed = self._routed(x)
+        if hasattr(self, "shared_expert") and shared is None:
+            if ungated is None:
+                ungated = self.shared_expert(x)
+            if hasattr(self, "shared_gate"):
+                ungated = torch.sigmoid(self.hook_shared_gate(self.shared_gate(x))) * ungated
+            shared = self.hook_shared_out(ungated)
+        return routed if shared is None else routed + shared
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        b, p, d = x.shape
+        router = self.router
+        logits = self.hook_router_logits(router.logits(x))
+        scores = self.hook_router_scores(router.scores(logits))
+        choice = router.choice_scores(scores)
+        if hasattr(self, "hook_choice_scores"):
+            choice = self.hook_choice_scores(choice)
+        indices = self.hook_expert_indices(router.choose(choice))
+        weights = self.hook_expert_weights(router.weights(scores, indices, logits.dtype))
+        routed = routed_experts(
+            x.reshape(b * p, d),
+            indices.reshape(b * p, -1),
+            weights.reshape(b * p, -1),
+            self.experts.W_gate_up,
+            self.experts.W_down,
+            self.experts.act,
+            self._expert_hooks,
+            (b, p),
+        )
+        return self.hook_routed_out(routed.view(b, p, d))

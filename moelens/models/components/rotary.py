@@ -1,0 +1,103 @@
+"""Rotary position embedding: inverse frequencies (default, YaRN) and their application to q and k."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jaxtyping import Float, Int
+from torch import nn
+
+from moelens.config import MoeConfig, RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim/2], attention scaling applied to cos and sin)."""
+    base = rope.theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.kind == "default":
+        return inv_freq, 1.0
+    if rope.kind == "yarn":
+        return _yarn(rope, dim, inv_freq)
+    raise ValueError(f"unsupported rotary kind {rope.kind!r}")
+
+
+def _yarn(rope: RopeConfig, dim: int, pos_freqs_inv: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN: blend interpolated and extrapolated frequencies over a linear ramp; scale cos/sin."""
+    factor = rope.factor
+    original_max = rope.original_max_position_embeddings
+    if original_max is None:
+        raise ValueError("YaRN rotary needs original_max_position_embeddings")
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = get_mscale(factor, rope.mscale) / get_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = get_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = 1.0 / pos_freqs_inv  # base ** (2i / dim)
+    interpolation = 1.0 / (factor * pos_freqs)
+    extrapolation = 1.0 / pos_freqs
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    return inv_freq, attention_factor
+
+
+class Rotary(nn.Module):
+    """cos and sin for given positions; rotates the first d_rot dims of each head, passes the rest."""
+
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.d_rot, self.rope = cfg.d_rot, cfg.rope
+        self.attention_scaling = inverse_frequencies(cfg.rope, self.d_rot)[1]
+        # Not a buffer: it is derived from the config, must stay float32 whatever model.to(dtype) does, and
+        # must not be built on the meta device when the loader builds the model there.
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            with torch.device("cpu"):
+                self._inv_freq[device] = inverse_frequencies(self.rope, self.d_rot)[0].to(device)
+        return self._inv_freq[device]
+
+    def forward(
+        self, positions: Int[torch.Tensor, "batch pos"], dtype: torch.dtype
+    ) -> tuple[Float[torch.Tensor, "batch pos d_rot"], Float[torch.Tensor, "batch pos d_rot"]]:
+        freqs = positions[..., None].float() * self.inv_freq(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"d_rot={self.d_rot}, attention_scaling={self.attention_scaling:.4f}"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(
+    x: Float[torch.Tensor, "batch pos head d_head"],
+    cos: Float[torch.Tensor, "batch pos d_rot"],
+    sin: Float[torch.Tensor, "batch pos d_rot"],
+) -> Float[torch.Tensor, "batch pos head d_head"]:
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    d_rot = cos.shape[-1]
+    if d_rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :d_rot], x[..., d_rot:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)

@@ -1,0 +1,115 @@
+"""support(): the table of a model's hook points, with shapes for this model and the sites it lacks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moelens.names import SITES, layer_of, site_for, site_pattern
+
+
+@dataclass(frozen=True)
+class SupportRow:
+    name: str  # with L for per-block sites
+    layout: str
+    shape: str
+    meaning: str
+    standard: str
+    layers: str  # which blocks have it ("all", "1,3", or "-" for model-level sites)
+
+
+@dataclass(frozen=True)
+class SupportTable:
+    model: str
+    rows: tuple[SupportRow, ...]
+    absent: tuple[str, ...]  # "site: why" lines
+    config_fields: tuple[str, ...]
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.rows]
+
+    def __str__(self) -> str:
+        header = ("hook", "layout", "shape", "blocks", "standard name", "meaning")
+        lines = [header] + [(r.name, r.layout, r.shape, r.layers, r.standard, r.meaning) for r in self.rows]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+        text = [f"{self.model}: hook points"]
+        for line in lines:
+            text.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1])
+        if self.absent:
+            text.append("absent:")
+            text += [f"  {a}" for a in self.absent]
+        text.append("config.json fields read: " + ", ".join(self.config_fields))
+        return "\n".join(text)
+
+    __repr__ = __str__
+
+
+def _dims(model) -> dict[str, str]:
+    cfg = model.cfg
+    dims = {
+        "d_model": cfg.d_model,
+        "d_head": cfg.d_head,
+        "head": cfg.n_heads,
+        "kv_head": cfg.n_kv_heads,
+        "d_vocab": cfg.d_vocab,
+        "d_mlp": cfg.d_mlp,
+        "n_experts": cfg.n_experts,
+        "d_expert": cfg.d_expert,
+        "d_shared": cfg.d_shared,
+        "1": 1,
+    }
+    return {k: str(v) for k, v in dims.items()}
+
+
+def _shape(layout: str, dims: dict[str, str], top_k: set[int]) -> str:
+    out = []
+    for axis in layout.split():
+        if axis == "top_k":
+            out.append("|".join(str(k) for k in sorted(top_k)) or "top_k")
+        else:
+            out.append(dims.get(axis, axis))
+    return "[" + ", ".join(out) + "]"
+
+
+def _span(layers: list[int], n_layers: int) -> str:
+    if not layers:
+        return "-"
+    return "all" if layers == list(range(n_layers)) else ",".join(map(str, layers))
+
+
+def support_table(model) -> SupportTable:
+    cfg = model.cfg
+    dims = _dims(model)
+    present: dict[str, list[int]] = {}
+    for name in model.hook_dict:
+        layer = layer_of(name)
+        present.setdefault(site_pattern(name), [])
+        if layer is not None:
+            present[site_pattern(name)].append(layer)
+    rows = []
+    for pattern, layers in present.items():
+        site = site_for(pattern)
+        hp = model.hook_dict[pattern.replace("blocks.L.", f"blocks.{layers[0]}.")] if layers else model.hook_dict[pattern]
+        layout = site.layout if site else hp.layout
+        top_k = {cfg.top_k[layer] for layer in layers} if "top_k" in layout else set()
+        rows.append(
+            SupportRow(
+                name=pattern,
+                layout=layout,
+                shape=_shape(layout, dims, top_k),
+                meaning=site.meaning if site else hp.meaning,
+                standard=(site.standard if site and site.standard else "-"),
+                layers=_span(layers, cfg.n_layers),
+            )
+        )
+    absent = []
+    dense = [i for i, m in enumerate(cfg.moe_layers) if not m]
+    for site in SITES:
+        if site.name not in present:
+            why = "this family has no such site"
+            if site.name.startswith("blocks.L.mlp.hook_pre") or site.name == "blocks.L.mlp.hook_post":
+                why = "no dense MLP block"
+            absent.append(f"{site.name}: {why}")
+        elif dense and site.name.startswith("blocks.L.mlp.") and len(present[site.name]) < cfg.n_layers:
+            missing = [i for i in range(cfg.n_layers) if i not in present[site.name]]
+            absent.append(f"{site.name}: not on blocks {_span(missing, cfg.n_layers)} (dense MLP)")
+    return SupportTable(type(model).__name__, tuple(rows), tuple(absent), cfg.fields_read)

@@ -1,0 +1,85 @@
+"""Tiny, non-degenerate checkpoints built with transformers' own classes (fixed seeds, no downloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """Weights ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.3), biases ~ N(0, 0.3): every sublayer moves the stream."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(noise * p.shape[-1] ** -0.5)
+
+
+def qwen2_moe_config(**overrides):
+    from transformers import Qwen2MoeConfig
+
+    kwargs = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=3,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    )
+    kwargs.update(overrides)
+    return Qwen2MoeConfig(**kwargs)
+
+
+def save_hf(model, folder: Path, max_shard_size: str | None = None) -> Path:
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def build_qwen2_moe(folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    from transformers import Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(qwen2_moe_config(**overrides))
+    perturb(model, seed)
+    return save_hf(model, folder, max_shard_size)
+
+
+def fuse_experts(folder: Path) -> None:
+    """Rewrite a single-file per-expert checkpoint in transformers' fused layout (gate_up_proj, down_proj)."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    layers = sorted({k.split(".")[2] for k in tensors if ".mlp.experts.0.gate_proj" in k})
+    for layer in layers:
+        prefix = f"model.layers.{layer}.mlp.experts"
+        n = len({k.split(".")[5] for k in tensors if k.startswith(prefix + ".")})
+        gate_up = [torch.cat([tensors.pop(f"{prefix}.{e}.gate_proj.weight"), tensors.pop(f"{prefix}.{e}.up_proj.weight")]) for e in range(n)]
+        down = [tensors.pop(f"{prefix}.{e}.down_proj.weight") for e in range(n)]
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{prefix}.down_proj"] = torch.stack(down)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
