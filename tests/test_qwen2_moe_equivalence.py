@@ -12,9 +12,11 @@ VARIANTS = ["gqa", "norm_topk", "plain_attn", "dense_block", "tied", "sharded", 
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_float32_logits_and_sites(qwen_checkpoints, variant, tokens):
+@pytest.mark.parametrize("attention", ["eager", "fused"])
+def test_float32_logits_and_sites(qwen_checkpoints, variant, attention, tokens):
     path = qwen_checkpoints[variant]
     model = HookedTransformer.from_pretrained(path, progress=False)
+    model.set_attention_backend(attention)
     assert isinstance(model, HookedQwen2Moe)
     report = compare(model, load_reference(path), tokens)
     assert report.max_logit_diff <= 1e-5, report
@@ -60,7 +62,6 @@ def test_bfloat16_eager_is_bit_exact(qwen_checkpoints, variant, tokens):
     """With eager attention every op matches the reference's, so bf16 results are identical."""
     path = qwen_checkpoints[variant]
     model = HookedTransformer.from_pretrained(path, dtype=torch.bfloat16, progress=False)
-    model.set_attention_backend("eager")
     report = compare(model, load_reference(path, torch.bfloat16), tokens)
     assert report.index_mismatches == 0
     assert report.max_logit_diff == 0.0, report
@@ -71,6 +72,7 @@ def test_bfloat16_fused_attention_is_as_close_as_the_reference_itself(qwen_path)
     """SDPA in bf16 rounds differently; its error against float32 is that of transformers' own bf16 run."""
     ref32, ref16 = load_reference(qwen_path), load_reference(qwen_path, torch.bfloat16)
     model = HookedTransformer.from_pretrained(qwen_path, dtype=torch.bfloat16, progress=False)
+    model.set_attention_backend("fused")
     ours_err, ref_err = [], []
     for seed in range(4):
         toks = torch.randint(0, 96, (2, 48), generator=torch.Generator().manual_seed(seed))

@@ -68,7 +68,11 @@ class SafetensorsFiles:
             return
         for key, file in self._index.items():
             if self.location.get(key) is None or self.location[key].name != file:
-                raise CheckpointError(f"{INDEX_FILE} places tensor {key!r} in {file}, but that file does not hold it")
+                actual = f"it is in {self.location[key].name}" if key in self.location else "no listed file holds it"
+                raise CheckpointError(
+                    f"{self.folder / INDEX_FILE} places tensor {key!r} in {file}, but that file does not hold it "
+                    f"({actual})"
+                )
 
     def __contains__(self, key: str) -> bool:
         return key in self.location

@@ -106,11 +106,12 @@ class HookedTransformer(HookedRootModule):
             return [tok.decode(row.tolist()) for row in tokens]
         return tok.decode(tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens))
 
-    def set_attention_backend(self, backend: Literal["auto", "eager"]) -> None:
-        """"auto" uses fused SDPA where no hook reads the scores or pattern; "eager" always computes them
-        explicitly (bit-for-bit the reference's eager attention, also in bfloat16)."""
-        if backend not in ("auto", "eager"):
-            raise ValueError(f"attention backend must be 'auto' or 'eager', got {backend!r}")
+    def set_attention_backend(self, backend: Literal["eager", "fused"]) -> None:
+        """"eager" (default) computes scores and pattern explicitly, bit for bit the reference's eager attention
+        (also in bfloat16), whatever hooks are on. "fused" uses SDPA wherever no hook reads the scores or
+        pattern: faster, but a run with those hooks and one without then differ by rounding."""
+        if backend not in ("eager", "fused"):
+            raise ValueError(f"attention backend must be 'eager' or 'fused', got {backend!r}")
         for block in self.blocks:
             block.attn.backend = backend
 
@@ -209,12 +210,12 @@ class HookedTransformer(HookedRootModule):
         attention_mask: torch.Tensor | None = None,
         per_token: bool = False,
     ) -> torch.Tensor:
-        """Next-token cross entropy; predictions of padding tokens are left out."""
+        """Next-token cross entropy; predictions of or from padding tokens are left out."""
         if tokens.shape[1] < 2:
             raise ValueError("a loss needs at least two positions")
         log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
         nll = -log_probs.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-        keep = torch.ones_like(nll) if attention_mask is None else attention_mask[:, 1:].to(nll)
+        keep = torch.ones_like(nll) if attention_mask is None else (attention_mask[:, 1:] * attention_mask[:, :-1]).to(nll)
         nll = nll * keep
         return nll if per_token else nll.sum() / keep.sum()
 

@@ -18,7 +18,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         self.scale = cfg.d_head**-0.5
-        self.backend = "auto"  # "auto": fused SDPA unless scores/pattern are hooked; "eager": always explicit
+        # "eager" (default): explicit scores and pattern, so results do not depend on which hooks are on;
+        # "fused": SDPA whenever no hook reads the scores or pattern (faster, rounds differently).
+        self.backend = "eager"
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
