@@ -142,12 +142,15 @@ def load_reference(path, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
 
 
-def verify(path, dtype: torch.dtype = torch.float32, tokens: torch.Tensor | None = None, seed: int = 0) -> VerifyReport:
+def verify(path, dtype: torch.dtype = torch.float32, tokens: torch.Tensor | None = None, seed: int = 0, seq_len: int = 24) -> VerifyReport:
+    """Load `path` with moelens and with transformers and compare them on random tokens (2 x seq_len)."""
     from moelens import HookedTransformer
+    from moelens.loaders.hub import resolve_checkpoint
 
+    path = resolve_checkpoint(path)
     model = HookedTransformer.from_pretrained(path, dtype=dtype, progress=False)
     hf_model = load_reference(path, dtype)
     if tokens is None:
         gen = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, model.cfg.d_vocab, (2, 24), generator=gen)
+        tokens = torch.randint(0, model.cfg.d_vocab, (2, seq_len), generator=gen)
     return compare(model, hf_model, tokens)

@@ -120,13 +120,16 @@ def fill(model: nn.Module, files: SafetensorsFiles, keys: dict[str, Target], pro
     uncovered = set(slots) - {t.param for t in keys.values()}
     if uncovered:  # a bug in the key map, not in the checkpoint: these would stay uninitialised
         raise RuntimeError(f"the checkpoint key map leaves these parameters unfilled: {sorted(uncovered)}")
-    for key, target in keys.items():  # shapes first, from the headers: fail before reading any data
-        expected = tuple(slots[target.param][target.index].shape)
-        if files.shapes[key] != expected:
-            raise CheckpointError(
-                f"{files.location[key].name}: tensor {key!r} has shape {files.shapes[key]}, but the config "
-                f"({files.folder / 'config.json'}) needs {expected} for {target.param}"
-            )
+    # shapes first, from the headers: fail before reading any data
+    wrong = {key: tuple(slots[t.param][t.index].shape) for key, t in keys.items()}
+    wrong = {key: shape for key, shape in wrong.items() if files.shapes[key] != shape}
+    if wrong:
+        key, expected = next(iter(wrong.items()))
+        more = f" ({len(wrong) - 1} more tensor(s) mismatch too: {_list(list(wrong)[1:], 3)})" if len(wrong) > 1 else ""
+        raise CheckpointError(
+            f"{files.location[key].name}: tensor {key!r} has shape {files.shapes[key]}, but the config "
+            f"({files.folder / 'config.json'}) needs {expected} for {keys[key].param}{more}"
+        )
     bar = tqdm(total=len(keys), desc="loading", unit="tensor", disable=None if progress is None else not progress)
     with torch.no_grad():
         for key, tensor in files.read(list(keys)):

@@ -1,0 +1,5 @@
+import sys
+
+from moelens.cli import main
+
+sys.exit(main())

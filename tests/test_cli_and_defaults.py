@@ -1,0 +1,62 @@
+"""The moelens command and the embedded default checkpoint."""
+
+import hashlib
+
+import pytest
+import torch
+
+from moelens import HookedTransformer
+from moelens.cli import main
+from moelens.defaults import default_checkpoint
+
+
+@pytest.fixture(scope="module")
+def default_path(tmp_path_factory):
+    return default_checkpoint(root=tmp_path_factory.mktemp("cache"))
+
+
+def test_default_checkpoint_is_deterministic(default_path, tmp_path):
+    again = default_checkpoint(root=tmp_path)
+    digest = lambda p: hashlib.sha256((p / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
+    assert digest(again) == digest(default_path)
+
+
+def test_default_checkpoint_matches_transformers(default_path):
+    from moelens.verify import verify
+
+    report = verify(default_path)
+    assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0
+
+
+def test_default_tokenizer_round_trips(default_path):
+    model = HookedTransformer.from_pretrained(default_path, progress=False)
+    text = "Grüße, 世界!"
+    assert model.to_string(model.to_tokens(text)[0]) == text
+    tokens, mask = model.tokenize(["a", "abc"])
+    assert mask.tolist() == [[0, 0, 1], [1, 1, 1]] and tokens[0, :2].tolist() == [model.tokenizer.pad_token_id] * 2
+
+
+def test_inspect_prints_the_routing(default_path, monkeypatch, capsys):
+    monkeypatch.setattr("moelens.defaults.cache_root", lambda: default_path.parent.parent)
+    assert main(["inspect", "--prompt", "Hi you"]) == 0
+    out = capsys.readouterr().out
+    model = HookedTransformer.from_pretrained(default_path, progress=False)
+    _, cache = model.run_with_cache("Hi you")
+    for layer in range(model.cfg.n_layers):
+        assert f"layer {layer}" in out
+        w, idx = cache["expert_weights", layer][0, 1], cache["expert_indices", layer][0, 1]
+        best = int(w.argmax())
+        assert f"E{int(idx[best]):<3d}{float(w[best]):.3f}" in out.split(f"layer {layer}")[1].splitlines()[2]
+    assert "next token:" in out
+
+
+def test_verify_command(qwen_path, capsys):
+    assert main(["verify", str(qwen_path), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "float32: OK" in out and "blocks.2.mlp.hook_router_logits" in out
+
+
+def test_string_input_without_tokenizer(qwen_model):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        qwen_model("hello")
+    assert torch.is_tensor(qwen_model(torch.tensor([[1, 2, 3]])))
