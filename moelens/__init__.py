@@ -4,14 +4,16 @@ from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
 from moelens.loaders import CheckpointError
-from moelens.models import FAMILIES, HookedQwen2Moe, HookedTransformer
+from moelens.models import FAMILIES, HookedHunyuanMoe, HookedQwen2Moe, HookedSolarOpen, HookedTransformer
 
 __all__ = [
     "ActivationCache",
     "CheckpointError",
     "FAMILIES",
     "HookPoint",
+    "HookedHunyuanMoe",
     "HookedQwen2Moe",
+    "HookedSolarOpen",
     "HookedRootModule",
     "HookedTransformer",
     "MoeConfig",

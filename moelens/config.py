@@ -53,7 +53,8 @@ class MoeConfig:
     shared_gate: bool = False  # sigmoid-gated shared expert (Qwen2-MoE)
     shared_first: bool = True  # hooks fire in the family's order
     router_scoring: Literal["softmax", "sigmoid"] = "softmax"
-    router_in_float32: bool = False  # router weight kept and applied in float32
+    router_in_float32: bool = False  # router weight kept float32 at load (and applied in float32 while it is)
+    router_compute_float32: bool = False  # router always applied in float32, whatever the weight's dtype (Solar)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False  # Solar: e_score_correction_bias, used only for the choice
@@ -63,6 +64,7 @@ class MoeConfig:
     tie_word_embeddings: bool = False
     # bookkeeping: which config.json fields the family reads, for the printout
     fields_read: tuple[str, ...] = field(default=(), compare=False)
+    fields_ignored: tuple[str, ...] = field(default=(), compare=False)  # present, but unused (as in transformers)
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
@@ -120,14 +122,14 @@ class HFConfig:
         if kind == "default":
             return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial))
         if kind == "yarn":
+            factor = merged.get("factor")
+            original_max = merged.get("original_max_position_embeddings") or self.req("max_position_embeddings")
             return RopeConfig(
                 theta=float(theta),
                 kind="yarn",
                 partial_rotary_factor=float(partial),
-                factor=float(merged["factor"]),
-                original_max_position_embeddings=int(
-                    merged.get("original_max_position_embeddings") or self.req("max_position_embeddings")
-                ),
+                factor=float(factor) if factor is not None else self.req("max_position_embeddings") / original_max,
+                original_max_position_embeddings=int(original_max),
                 beta_fast=float(merged.get("beta_fast") or 32.0),
                 beta_slow=float(merged.get("beta_slow") or 1.0),
                 mscale=merged.get("mscale"),

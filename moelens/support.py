@@ -23,6 +23,7 @@ class SupportTable:
     rows: tuple[SupportRow, ...]
     absent: tuple[str, ...]  # "site: why" lines
     config_fields: tuple[str, ...]
+    ignored_fields: tuple[str, ...] = ()
 
     def names(self) -> list[str]:
         return [r.name for r in self.rows]
@@ -38,6 +39,8 @@ class SupportTable:
             text.append("absent:")
             text += [f"  {a}" for a in self.absent]
         text.append("config.json fields read: " + ", ".join(self.config_fields))
+        if self.ignored_fields:
+            text.append("config.json fields present but unused (as in transformers): " + ", ".join(self.ignored_fields))
         return "\n".join(text)
 
     __repr__ = __str__
@@ -112,4 +115,4 @@ def support_table(model) -> SupportTable:
         elif dense and site.name.startswith("blocks.L.mlp.") and len(present[site.name]) < cfg.n_layers:
             missing = [i for i in range(cfg.n_layers) if i not in present[site.name]]
             absent.append(f"{site.name}: not on blocks {_span(missing, cfg.n_layers)} (dense MLP)")
-    return SupportTable(type(model).__name__, tuple(rows), tuple(absent), cfg.fields_read)
+    return SupportTable(type(model).__name__, tuple(rows), tuple(absent), cfg.fields_read, cfg.fields_ignored)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 # A reference site: (moelens hook pattern with L, module path under the transformers decoder layer
-# (or under the model for model-level sites), what to read: "in" | "out" | "out.N").
+# (or under the model for model-level sites), what to read: "in" | "out" | "out.N" | "out.heads_first"
+# (an output laid out [batch head pos d_head], shown as moelens's [batch pos head d_head]).
 RefSite = tuple[str, str, str]
 
 LLAMA_LIKE_SITES: tuple[RefSite, ...] = (
@@ -58,6 +59,8 @@ class VerifyReport:
 def _capture(module: torch.nn.Module, what: str, store: dict, key: str) -> Callable[[], None]:
     if what == "in":
         handle = module.register_forward_pre_hook(lambda m, args, kwargs: store.__setitem__(key, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    elif what == "out.heads_first":
+        handle = module.register_forward_hook(lambda m, args, out: store.__setitem__(key, out.transpose(1, 2)))
     else:
         index = int(what.split(".")[1]) if "." in what else None
 

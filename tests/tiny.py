@@ -83,3 +83,74 @@ def edit_config(folder: Path, **changes) -> None:
         else:
             config[key] = value
     path.write_text(json.dumps(config))
+
+
+def hunyuan_config(**overrides):
+    from transformers import HunYuanMoEV1Config
+
+    kwargs = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        moe_topk=[2, 3, 1],
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
+    )
+    kwargs.update(overrides)
+    return HunYuanMoEV1Config(**kwargs)
+
+
+def build_hunyuan(folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    from transformers import HunYuanMoEV1ForCausalLM
+
+    torch.manual_seed(seed)
+    model = HunYuanMoEV1ForCausalLM(hunyuan_config(**overrides))
+    perturb(model, seed)
+    return save_hf(model, folder, max_shard_size)
+
+
+def solar_config(**overrides):
+    from transformers import SolarOpenConfig
+
+    kwargs = dict(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=False,
+        attention_bias=True,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+    )
+    kwargs.update(overrides)
+    return SolarOpenConfig(**kwargs)
+
+
+def build_solar(folder: Path, seed: int = 0, max_shard_size: str | None = None, bias_scale: float = 0.3, **overrides) -> Path:
+    """Solar with a correction bias large enough to change the chosen experts for many tokens."""
+    from transformers import SolarOpenForCausalLM
+
+    torch.manual_seed(seed)
+    model = SolarOpenForCausalLM(solar_config(**overrides))
+    perturb(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(bias_scale * torch.randn(bias.shape, generator=gen))
+    return save_hf(model, folder, max_shard_size)

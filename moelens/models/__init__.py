@@ -6,9 +6,13 @@ from pathlib import Path
 
 from moelens.loaders.errors import CheckpointError
 from moelens.models.base import HookedTransformer
+from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
 from moelens.models.qwen2_moe import HookedQwen2Moe
+from moelens.models.solar_open import HookedSolarOpen
 
-FAMILIES: dict[str, type[HookedTransformer]] = {cls.model_type: cls for cls in (HookedQwen2Moe,)}
+FAMILIES: dict[str, type[HookedTransformer]] = {
+    cls.model_type: cls for cls in (HookedQwen2Moe, HookedHunyuanMoe, HookedSolarOpen)
+}
 
 
 def family_for(model_type: str | None, config_path: Path | str = "config.json") -> type[HookedTransformer]:
@@ -19,4 +23,4 @@ def family_for(model_type: str | None, config_path: Path | str = "config.json") 
     return FAMILIES[model_type]
 
 
-__all__ = ["FAMILIES", "HookedQwen2Moe", "HookedTransformer", "family_for"]
+__all__ = ["FAMILIES", "HookedHunyuanMoe", "HookedQwen2Moe", "HookedSolarOpen", "HookedTransformer", "family_for"]

@@ -12,20 +12,19 @@ from moelens.config import MoeConfig, RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [dim/2], attention scaling applied to cos and sin)."""
-    base = rope.theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    """(inv_freq [dim/2], attention scaling applied to cos and sin), as transformers computes them."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     if rope.kind == "default":
-        return inv_freq, 1.0
+        return 1.0 / pos_freqs, 1.0
     if rope.kind == "yarn":
-        return _yarn(rope, dim, inv_freq)
+        return _yarn(rope, dim, pos_freqs)
     raise ValueError(f"unsupported rotary kind {rope.kind!r}")
 
 
-def _yarn(rope: RopeConfig, dim: int, pos_freqs_inv: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """YaRN: blend interpolated and extrapolated frequencies over a linear ramp; scale cos/sin."""
-    factor = rope.factor
-    original_max = rope.original_max_position_embeddings
+def _yarn(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN: blend interpolated (/factor) and extrapolated frequencies over a linear ramp of dimensions
+    between the beta_fast and beta_slow rotation counts; cos and sin are scaled by the attention factor."""
+    factor, original_max = rope.factor, rope.original_max_position_embeddings
     if original_max is None:
         raise ValueError("YaRN rotary needs original_max_position_embeddings")
 
@@ -35,7 +34,7 @@ def _yarn(rope: RopeConfig, dim: int, pos_freqs_inv: torch.Tensor) -> tuple[torc
     if rope.attention_factor is not None:
         attention_factor = rope.attention_factor
     elif rope.mscale and rope.mscale_all_dim:
-        attention_factor = get_mscale(factor, rope.mscale) / get_mscale(factor, rope.mscale_all_dim)
+        attention_factor = float(get_mscale(factor, rope.mscale) / get_mscale(factor, rope.mscale_all_dim))
     else:
         attention_factor = get_mscale(factor)
 
@@ -50,9 +49,7 @@ def _yarn(rope: RopeConfig, dim: int, pos_freqs_inv: torch.Tensor) -> tuple[torc
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
-    pos_freqs = 1.0 / pos_freqs_inv  # base ** (2i / dim)
-    interpolation = 1.0 / (factor * pos_freqs)
-    extrapolation = 1.0 / pos_freqs
+    interpolation, extrapolation = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
     inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
     return inv_freq, attention_factor
 

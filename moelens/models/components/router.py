@@ -21,13 +21,13 @@ class Router(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.in_float32 = cfg.router_in_float32
+        self.compute_float32 = cfg.router_compute_float32
         self.weight = nn.Parameter(torch.zeros(cfg.n_experts, cfg.d_model))
         if cfg.correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
 
     def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
-        if self.in_float32:
+        if self.compute_float32 or self.weight.dtype == torch.float32:
             return F.linear(x.float(), self.weight.float())
         return F.linear(x.to(self.weight.dtype), self.weight)
 

@@ -1,0 +1,94 @@
+"""HookedHunyuanMoe: Hunyuan-A13B (model_type hunyuan_v1_moe).
+
+What is special about the family: per-head RMSNorm of queries and keys after the rotary (so
+attention_queries / attention_keys are read after the norms); a rotary base stretched by NTK alpha,
+theta * alpha ** (d_head / (d_head - 2)); a float32 router (`mlp.gate.wg`) whose softmax top-k weights are
+always renormalised and stay float32; top-k per layer (`moe_topk` list); a shared expert (`shared_mlp`) run
+first and added ungated; experts and shared expert `intermediate_size` wide. Like transformers, it ignores
+moe_intermediate_size, num_shared_expert, routed_scaling_factor and norm_topk_prob.
+"""
+
+from __future__ import annotations
+
+from moelens.config import HFConfig, MoeConfig, RopeConfig
+from moelens.loaders.checkpoint import CheckpointNames
+from moelens.models.base import HookedTransformer
+
+IGNORED_FIELDS = ("moe_intermediate_size", "num_shared_expert", "routed_scaling_factor", "norm_topk_prob", "use_qk_norm")
+
+
+def _per_layer(value, n_layers: int, field: str) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * n_layers
+    if len(value) != n_layers:
+        raise ValueError(f"{field} has {len(value)} entries, expected one per layer ({n_layers})")
+    return tuple(int(v) for v in value)
+
+
+class HookedHunyuanMoe(HookedTransformer):
+    model_type = "hunyuan_v1_moe"
+    checkpoint_names = CheckpointNames(
+        router="mlp.gate.wg.weight", shared_expert="mlp.shared_mlp", q_norm="self_attn.query_layernorm",
+        k_norm="self_attn.key_layernorm",
+    )
+    reference_sites = (
+        ("blocks.L.mlp.hook_router_logits", "mlp.gate", "out.0"),
+        ("blocks.L.mlp.hook_expert_weights", "mlp.gate", "out.1"),
+        ("blocks.L.mlp.hook_expert_indices", "mlp.gate", "out.2"),
+        ("blocks.L.mlp.hook_routed_out", "mlp.experts", "out"),
+        ("blocks.L.mlp.shared_expert.hook_out", "mlp.shared_mlp", "out"),
+        ("blocks.L.attn.hook_rot_q", "self_attn.query_layernorm", "out.heads_first"),
+        ("blocks.L.attn.hook_rot_k", "self_attn.key_layernorm", "out.heads_first"),
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> MoeConfig:
+        hf = HFConfig(raw)
+        n_layers = hf.req("num_hidden_layers")
+        n_heads = hf.req("num_attention_heads")
+        # Tencent's own config names it attention_head_dim; transformers' needs head_dim
+        d_head = hf.opt("head_dim") or hf.opt("attention_head_dim") or hf.req("hidden_size") // n_heads
+        experts = set(_per_layer(hf.req("num_experts"), n_layers, "num_experts"))
+        if len(experts) != 1:
+            raise ValueError(f"num_experts must be the same on every layer, got {sorted(experts)}")
+        width = hf.req("intermediate_size")
+        return MoeConfig(
+            family=cls.model_type,
+            d_model=hf.req("hidden_size"),
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=hf.opt("num_key_value_heads", n_heads),
+            d_head=d_head,
+            d_vocab=hf.req("vocab_size"),
+            norm_eps=hf.opt("rms_norm_eps", 1e-5),
+            rope=_ntk_alpha_rope(hf, d_head),
+            max_position_embeddings=hf.opt("max_position_embeddings", 2048),
+            qkv_bias=hf.opt("attention_bias", False),
+            o_bias=hf.opt("attention_bias", False),
+            qk_norm=True,  # transformers builds the q/k norms whatever use_qk_norm says
+            act_fn=hf.opt("hidden_act", "silu"),
+            moe_layers=(True,) * n_layers,
+            n_experts=experts.pop(),
+            top_k=_per_layer(hf.req("moe_topk"), n_layers, "moe_topk"),
+            d_expert=width,
+            d_shared=width,
+            shared_first=True,
+            router_scoring="softmax",
+            router_in_float32=True,
+            norm_topk_prob=True,
+            tie_word_embeddings=hf.opt("tie_word_embeddings", False),
+            fields_read=tuple(hf.read),
+            fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
+        )
+
+
+def _ntk_alpha_rope(hf: HFConfig, d_head: int) -> RopeConfig:
+    params = {**(hf.opt("rope_scaling") or {}), **(hf.opt("rope_parameters") or {})}
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.opt("rope_theta", 10000.0)))
+    if kind == "dynamic" and params.get("alpha"):
+        # a fixed alpha only stretches the base (transformers calls this ntk_alpha)
+        return RopeConfig(theta=theta * params["alpha"] ** (d_head / (d_head - 2)))
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    raise ValueError(f"Hunyuan rope settings {params} are not supported (expected 'dynamic' with an 'alpha', or none)")
