@@ -11,10 +11,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _load(model: str | None, dtype: str):
+    """A checkpoint folder, Hub id or embedded default name -> (model, where it came from)."""
     from moelens import HookedTransformer
-    from moelens.defaults import default_checkpoint
+    from moelens.defaults import CONFIGS, default_checkpoint
 
-    path = model if model else default_checkpoint()
+    path = default_checkpoint(model) if model is None or model in CONFIGS else model
     return HookedTransformer.from_pretrained(path, dtype=DTYPES[dtype]), path
 
 
@@ -40,8 +41,11 @@ def verify(args: argparse.Namespace) -> int:
         print("moelens verify needs transformers: pip install 'moelens[test]'", file=sys.stderr)
         return 2
     status = 0
+    from moelens.defaults import CONFIGS, default_checkpoint
+
+    path = default_checkpoint(args.model) if args.model in CONFIGS else args.model
     for name in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
-        report = run_verify(args.model, DTYPES[name], seq_len=args.seq_len)
+        report = run_verify(path, DTYPES[name], seq_len=args.seq_len)
         print(report)
         ok = report.index_mismatches == 0 and (report.worst() <= 1e-5 if name == "float32" else True)
         print(f"{name}: {'OK' if ok else 'MISMATCH'}\n")
@@ -53,13 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="per layer, the experts each token is routed to, and the next tokens")
-    p.add_argument("model", nargs="?", help="Hub id or local folder (default: an embedded tiny Qwen2-MoE)")
+    p.add_argument(
+        "model", nargs="?", help="Hub id, local folder, or an embedded default: tiny-qwen2-moe (the default), "
+        "tiny-hunyuan-moe, tiny-solar-open"
+    )
     p.add_argument("--prompt", default="The quick brown fox", help="text (or space-separated ids without tokenizer)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--top", type=int, default=5, help="how many next tokens to show")
     p.set_defaults(run=inspect)
     p = sub.add_parser("verify", help="max logit and per-site differences against transformers")
-    p.add_argument("model", help="Hub id or local folder")
+    p.add_argument("model", help="Hub id, local folder or embedded default name")
     p.add_argument("--dtype", choices=[*DTYPES, "both"], default="both")
     p.add_argument("--seq-len", type=int, default=24)
     p.set_defaults(run=verify)

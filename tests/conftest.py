@@ -1,3 +1,4 @@
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,30 +11,42 @@ import tiny  # noqa: E402
 
 torch.set_num_threads(2)
 
-QWEN_VARIANTS = {
-    "gqa": dict(),
-    "norm_topk": dict(norm_topk_prob=True),
-    "plain_attn": dict(num_key_value_heads=4),
-    "dense_block": dict(mlp_only_layers=[1]),
-    "tied": dict(tie_word_embeddings=True),
+# (family, variant) -> how to build it. Every family has a "base" variant, used by the generic tests.
+VARIANTS = {
+    ("qwen2_moe", "base"): lambda d: tiny.build_qwen2_moe(d, seed=0),
+    ("qwen2_moe", "norm_topk"): lambda d: tiny.build_qwen2_moe(d, seed=1, norm_topk_prob=True),
+    ("qwen2_moe", "plain_attn"): lambda d: tiny.build_qwen2_moe(d, seed=2, num_key_value_heads=4),
+    ("qwen2_moe", "dense_block"): lambda d: tiny.build_qwen2_moe(d, seed=3, mlp_only_layers=[1]),
+    ("qwen2_moe", "tied"): lambda d: tiny.build_qwen2_moe(d, seed=4, tie_word_embeddings=True),
+    ("qwen2_moe", "sharded"): lambda d: tiny.build_qwen2_moe(d, seed=7, max_shard_size="100KB"),
+    ("qwen2_moe", "fused"): lambda d: tiny.fused(tiny.build_qwen2_moe(d, seed=8)),
+    ("hunyuan_v1_moe", "base"): lambda d: tiny.build_hunyuan(d, seed=0),
+    ("hunyuan_v1_moe", "untied_biased"): lambda d: tiny.build_hunyuan(d, seed=1, tie_word_embeddings=False, attention_bias=True),
+    ("hunyuan_v1_moe", "sharded"): lambda d: tiny.build_hunyuan(d, seed=2, max_shard_size="100KB"),
+    ("hunyuan_v1_moe", "fused"): lambda d: tiny.fused(tiny.build_hunyuan(d, seed=3)),
+    ("solar_open", "base"): lambda d: tiny.build_solar(d, seed=0),
+    ("solar_open", "renormalised"): lambda d: tiny.build_solar(d, seed=1, norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0),
+    ("solar_open", "sharded"): lambda d: tiny.build_solar(d, seed=2, max_shard_size="100KB"),
+    ("solar_open", "fused"): lambda d: tiny.fused(tiny.build_solar(d, seed=3)),
 }
+FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open"]
 
 
 @pytest.fixture(scope="session")
-def qwen_checkpoints(tmp_path_factory):
-    """variant -> folder, built once per session."""
-    root = tmp_path_factory.mktemp("qwen2_moe")
-    out = {name: tiny.build_qwen2_moe(root / name, seed=i, **kw) for i, (name, kw) in enumerate(QWEN_VARIANTS.items())}
-    out["sharded"] = tiny.build_qwen2_moe(root / "sharded", seed=7, max_shard_size="100KB")
-    fused = tiny.build_qwen2_moe(root / "fused", seed=8)
-    tiny.fuse_experts(fused)
-    out["fused"] = fused
-    return out
+def checkpoints(tmp_path_factory):
+    """(family, variant) -> folder, built once per session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {key: build(root / f"{key[0]}-{key[1]}") for key, build in VARIANTS.items()}
 
 
 @pytest.fixture(scope="session")
-def qwen_path(qwen_checkpoints):
-    return qwen_checkpoints["gqa"]
+def qwen_checkpoints(checkpoints):
+    return {("gqa" if v == "base" else v): p for (f, v), p in checkpoints.items() if f == "qwen2_moe"}
+
+
+@pytest.fixture(scope="session")
+def qwen_path(checkpoints):
+    return checkpoints["qwen2_moe", "base"]
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +56,23 @@ def qwen_model(qwen_path):
     return HookedTransformer.from_pretrained(qwen_path, progress=False)
 
 
+@pytest.fixture(scope="session")
+def family_models(checkpoints):
+    from moelens import HookedTransformer
+
+    return {f: HookedTransformer.from_pretrained(checkpoints[f, "base"], progress=False) for f in FAMILIES}
+
+
 @pytest.fixture
 def tokens():
     return torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture
+def copy_checkpoint(tmp_path, checkpoints):
+    def copy(family: str, variant: str = "base") -> Path:
+        dst = tmp_path / f"{family}-{variant}"
+        shutil.copytree(checkpoints[family, variant], dst)
+        return dst
+
+    return copy

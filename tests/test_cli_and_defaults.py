@@ -60,3 +60,18 @@ def test_string_input_without_tokenizer(qwen_model):
     with pytest.raises(ValueError, match="no tokenizer"):
         qwen_model("hello")
     assert torch.is_tensor(qwen_model(torch.tensor([[1, 2, 3]])))
+
+
+@pytest.mark.parametrize("name", ["tiny-hunyuan-moe", "tiny-solar-open"])
+def test_other_family_defaults_inspect_and_verify(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("moelens.defaults.cache_root", lambda: tmp_path)
+    assert main(["inspect", name, "--prompt", "Hey"]) == 0
+    out = capsys.readouterr().out
+    model = HookedTransformer.from_pretrained(default_checkpoint(name), progress=False)
+    assert type(model).__name__ in out
+    for layer in range(model.cfg.n_layers):
+        row = out.split(f"layer {layer}\n")[1].splitlines()[0]
+        assert row.count(" E") == model.cfg.top_k[layer]  # one entry per slot, per-layer top_k honoured
+    assert main(["verify", name]) == 0
+    out = capsys.readouterr().out
+    assert "float32: OK" in out and "bfloat16: OK" in out

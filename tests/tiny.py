@@ -59,6 +59,11 @@ def build_qwen2_moe(folder: Path, seed: int = 0, max_shard_size: str | None = No
     return save_hf(model, folder, max_shard_size)
 
 
+def fused(folder: Path) -> Path:
+    fuse_experts(folder)
+    return folder
+
+
 def fuse_experts(folder: Path) -> None:
     """Rewrite a single-file per-expert checkpoint in transformers' fused layout (gate_up_proj, down_proj)."""
     path = folder / "model.safetensors"

@@ -11,8 +11,8 @@ import torch
 class RoutingTable:
     str_tokens: list[str]
     layers: list[int]  # mixture layers, in order
-    indices: torch.Tensor  # [n_layers_moe, pos, top_k], slots sorted by weight, descending
-    weights: torch.Tensor  # [n_layers_moe, pos, top_k]
+    indices: list[torch.Tensor]  # per mixture layer: [pos, top_k], slots sorted by weight, descending
+    weights: list[torch.Tensor]  # per mixture layer: [pos, top_k] (top_k may differ between layers)
     next_tokens: list[tuple[str, float]]  # top predictions after the last token
 
     def __str__(self) -> str:
@@ -22,7 +22,7 @@ class RoutingTable:
             lines.append(f"layer {layer}")
             for pos, tok in enumerate(self.str_tokens):
                 slots = "  ".join(
-                    f"E{int(e):<3d}{float(w):.3f}" for e, w in zip(self.indices[li, pos], self.weights[li, pos])
+                    f"E{int(e):<3d}{float(w):.3f}" for e, w in zip(self.indices[li][pos], self.weights[li][pos])
                 )
                 lines.append(f"  {pos:>4d} {repr(tok):<{width}}  {slots}")
         lines.append("next token:")
@@ -52,11 +52,10 @@ def routing_table(model, prompt: str | torch.Tensor, top_next: int = 5) -> Routi
     ids = tokens[0].tolist()
     str_tokens = model.to_str_tokens(tokens[0]) if model.tokenizer is not None else [str(i) for i in ids]
     decode = model.tokenizer.id_to_str if model.tokenizer is not None else str
-    stack = (lambda xs: torch.stack(xs)) if layers else (lambda xs: torch.empty(0, len(ids), 0))
     return RoutingTable(
         str_tokens=str_tokens,
         layers=layers,
-        indices=stack(indices),
-        weights=stack(weights),
+        indices=indices,
+        weights=weights,
         next_tokens=[(decode(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
     )

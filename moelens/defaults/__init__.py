@@ -13,7 +13,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-CONFIGS = {"tiny-qwen2-moe": "tiny_qwen2_moe.json"}
+CONFIGS = {
+    "tiny-qwen2-moe": "tiny_qwen2_moe.json",
+    "tiny-hunyuan-moe": "tiny_hunyuan_v1_moe.json",
+    "tiny-solar-open": "tiny_solar_open.json",
+}
 DEFAULT = "tiny-qwen2-moe"
 SEED = 0
 
@@ -22,8 +26,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOELENS_CACHE", Path.home() / ".cache" / "moelens"))
 
 
-def default_checkpoint(name: str = DEFAULT, root: Path | None = None) -> Path:
+def default_checkpoint(name: str | None = None, root: Path | None = None) -> Path:
     """Folder of the named default checkpoint, built on first use."""
+    name = name or DEFAULT
     if name not in CONFIGS:
         raise KeyError(f"no embedded default {name!r}; there are {sorted(CONFIGS)}")
     config = json.loads((Path(__file__).parent / CONFIGS[name]).read_text())

@@ -42,6 +42,8 @@ def load_pretrained(cls, name_or_path, dtype=torch.float32, device="cpu", revisi
         cfg = family.config_from_hf(hf)
     except KeyError as err:
         raise CheckpointError(f"{folder / 'config.json'} lacks the field {err.args[0]!r} that {family.__name__} needs") from err
+    except ValueError as err:
+        raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
     cfg = dataclasses.replace(cfg, dtype=dtype)
     files = SafetensorsFiles(folder)
     keys, untie = plan_load(cfg, family.checkpoint_names, files)

@@ -1,0 +1,211 @@
+"""The family notes' identities and DESIGN.md's intervention rules, on every family."""
+
+import pytest
+import torch
+from conftest import FAMILIES
+
+from moelens import HookedTransformer
+
+zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
+
+
+def moe_layers(model):
+    return [i for i, m in enumerate(model.cfg.moe_layers) if m]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_identities(family_models, family, tokens):
+    model = family_models[family]
+    _, cache = model.run_with_cache(tokens)
+    for layer in range(model.cfg.n_layers):
+        torch.testing.assert_close(
+            cache["resid_pre", layer] + cache["attn_out", layer] + cache["mlp_out", layer], cache["resid_post", layer],
+            rtol=0, atol=1e-6,
+        )
+        mlp = f"blocks.{layer}.mlp"
+        torch.testing.assert_close(cache[f"{mlp}.hook_routed_out"] + cache[f"{mlp}.hook_shared_out"], cache["mlp_out", layer], rtol=0, atol=0)
+        if family == "qwen2_moe":
+            gated = torch.sigmoid(cache[f"{mlp}.hook_shared_gate"]) * cache[f"{mlp}.shared_expert.hook_out"]
+            torch.testing.assert_close(gated, cache[f"{mlp}.hook_shared_out"], rtol=0, atol=0)
+        else:
+            assert torch.equal(cache[f"{mlp}.hook_shared_out"], cache[f"{mlp}.shared_expert.hook_out"])
+        torch.testing.assert_close(cache[f"{mlp}.hook_expert_outputs"].sum(2).to(cache["mlp_out", layer].dtype),
+                                   cache[f"{mlp}.hook_routed_out"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_rules(family_models, family, tokens):
+    """Each family's router rule, recomputed by hand from the cached logits."""
+    model = family_models[family]
+    _, cache = model.run_with_cache(tokens)
+    for layer in moe_layers(model):
+        logits, w, idx = cache["router_logits", layer], cache["expert_weights", layer], cache["expert_indices", layer]
+        k = model.cfg.top_k[layer]
+        if family == "solar_open":
+            scores = logits.float().sigmoid()
+            bias = model.blocks[layer].mlp.router.e_score_correction_bias
+            biased = (scores + bias).unflatten(-1, (model.cfg.n_group, -1))
+            best_groups = biased.topk(2, -1).values.sum(-1).topk(model.cfg.topk_group, -1).indices
+            keep = torch.zeros(biased.shape[:-1], dtype=torch.bool).scatter_(-1, best_groups, True)
+            choice = biased.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+            assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
+            expected = scores.gather(-1, idx) * model.cfg.routed_scaling_factor
+        else:
+            top = logits.float().softmax(-1).topk(k, dim=-1)
+            assert torch.equal(top.indices, idx)
+            expected = top.values / top.values.sum(-1, keepdim=True) if model.cfg.norm_topk_prob else top.values
+        torch.testing.assert_close(expected.to(w.dtype), w, rtol=0, atol=1e-7)
+        assert w.dtype == (torch.float32 if family != "qwen2_moe" else model.cfg.dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_ablation_touches_only_routed_tokens(checkpoints, family, dtype, tokens):
+    model = HookedTransformer.from_pretrained(checkpoints[family, "base"], dtype=dtype, progress=False)
+    _, cache = model.run_with_cache(tokens)
+    for layer in moe_layers(model):
+        idx, clean = cache["expert_indices", layer], cache["mlp_out", layer]
+        hit = 0
+        for e in range(model.cfg.n_experts):
+            ablate = lambda w, hook, e=e, idx=idx: w.masked_fill(idx == e, 0)  # noqa: E731
+            with model.hooks([(f"blocks.{layer}.mlp.hook_expert_weights", ablate)]):
+                _, ablated = model.run_with_cache(tokens, names_filter=f"blocks.{layer}.hook_mlp_out")
+            changed = (ablated["mlp_out", layer] != clean).any(-1)
+            assert torch.equal(changed, (idx == e).any(-1)), (layer, e)
+            hit += int(changed.any())
+        assert hit > 1  # several experts were used, so the check was not vacuous
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replacing_router_logits_reroutes_and_reweights(family_models, family, tokens):
+    model, layer, forced = family_models[family], 0, [5, 4, 2]  # within two of Solar's groups
+    k = model.cfg.top_k[layer]
+
+    def force(logits, hook):
+        new = torch.full_like(logits, -10.0)
+        for rank, e in enumerate(forced[:k]):
+            new[..., e] = 4.0 - rank
+        return new
+
+    with model.hooks([(f"blocks.{layer}.mlp.hook_router_logits", force)]):
+        _, cache = model.run_with_cache(tokens)
+    idx, w = cache["expert_indices", layer], cache["expert_weights", layer]
+    assert torch.equal(idx.sort(-1).values, torch.tensor(sorted(forced[:k])).expand_as(idx))
+    new_logits = torch.tensor([4.0 - r for r in range(k)])
+    if family == "solar_open":  # (the correction bias is small next to the forced gap)
+        expected = torch.sigmoid(new_logits) * model.cfg.routed_scaling_factor
+    else:
+        probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (model.cfg.n_experts - k)), -1)[:k]
+        expected = probs / probs.sum() if model.cfg.norm_topk_prob else probs
+    order = idx.argsort(-1)
+    by_expert = torch.tensor(forced[:k]).argsort()
+    torch.testing.assert_close(w.gather(-1, order), expected[by_expert].expand_as(w), rtol=0, atol=1e-6)
+    # only the forced experts ran: slot 0's gate pre-activation is that expert applied to the token
+    x = cache[f"blocks.{layer}.ln2.hook_normalized"]
+    W = model.blocks[layer].mlp.experts.W_gate_up
+    slot0 = idx[..., 0]
+    gate = torch.einsum("bpd,bpid->bpi", x, W[slot0, : model.cfg.d_expert])
+    torch.testing.assert_close(cache[f"blocks.{layer}.mlp.experts.hook_pre"][:, :, 0], gate, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
+    """Writing hook_expert_indices re-routes; the weights are read from the scores of the new experts."""
+    model = family_models[family]
+    k = model.cfg.top_k[0]
+    new = torch.arange(k)
+    with model.hooks([("blocks.0.mlp.hook_expert_indices", lambda idx, hook: new.expand_as(idx).contiguous())]):
+        _, cache = model.run_with_cache(tokens)
+    scores = cache["blocks.0.mlp.hook_router_scores"][..., :k]
+    if model.cfg.norm_topk_prob:
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(cache["expert_weights", 0], (scores * model.cfg.routed_scaling_factor).to(cache["expert_weights", 0].dtype), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_new_weights_are_not_renormalised(family_models, family, tokens):
+    model = family_models[family]
+    half = lambda w, hook: w * 0.5  # noqa: E731
+    _, clean = model.run_with_cache(tokens)
+    with model.hooks([("blocks.0.mlp.hook_expert_weights", half)]):
+        _, cache = model.run_with_cache(tokens)
+    torch.testing.assert_close(cache["expert_weights", 0], clean["expert_weights", 0] * 0.5)
+    torch.testing.assert_close(cache["blocks.0.mlp.hook_routed_out"], clean["blocks.0.mlp.hook_routed_out"] * 0.5, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replacing_expert_neurons_and_shared_out(family_models, family, tokens):
+    model = family_models[family]
+    with model.hooks([("blocks.1.mlp.experts.hook_post", zero)]):
+        _, cache = model.run_with_cache(tokens)
+    assert torch.count_nonzero(cache["blocks.1.mlp.hook_routed_out"]) == 0
+    torch.testing.assert_close(cache["mlp_out", 1], cache["blocks.1.mlp.hook_shared_out"], rtol=0, atol=0)
+    with model.hooks([("blocks.0.mlp.hook_shared_out", zero)]):
+        _, cache = model.run_with_cache(tokens)
+    torch.testing.assert_close(cache["mlp_out", 0], cache["blocks.0.mlp.hook_routed_out"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hooks_fire_in_family_order(family_models, family, tokens):
+    order = []
+    family_models[family].run_with_hooks(tokens, fwd_hooks=[(lambda n: n.startswith("blocks.0.mlp"), lambda t, hook: order.append(hook.name))])
+    pos = {n: i for i, n in enumerate(order)}
+    shared, router = pos["blocks.0.mlp.shared_expert.hook_out"], pos["blocks.0.mlp.hook_router_logits"]
+    routed, shared_out = pos["blocks.0.mlp.hook_routed_out"], pos["blocks.0.mlp.hook_shared_out"]
+    if family == "qwen2_moe":  # shared expert first, gated after the routed experts
+        assert shared < router and routed < pos["blocks.0.mlp.hook_shared_gate"] < shared_out
+    elif family == "hunyuan_v1_moe":  # shared expert first, added as it is
+        assert shared_out < router
+    else:  # Solar: the shared expert after the routed experts
+        assert routed < shared
+    if family == "solar_open":
+        assert pos["blocks.0.mlp.hook_router_scores"] < pos["blocks.0.mlp.hook_choice_scores"] < pos["blocks.0.mlp.hook_expert_indices"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_query_scaling_at_rot_q_survives_into_scores(family_models, family, tokens):
+    """hook_rot_q is the query entering attention (after Hunyuan's q norm): scaling it scales the scores."""
+    model = family_models[family]
+
+    def double_head_1(q, hook):
+        q = q.clone()
+        q[:, :, 1] *= 2
+        return q
+
+    _, clean = model.run_with_cache(tokens, names_filter="blocks.0.attn.hook_attn_scores")
+    with model.hooks([("blocks.0.attn.hook_rot_q", double_head_1)]):
+        _, cache = model.run_with_cache(tokens, names_filter="blocks.0.attn.hook_attn_scores")
+    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).tril()
+    a, b = clean["attn_scores", 0], cache["attn_scores", 0]
+    torch.testing.assert_close(b[:, 1][:, causal], 2 * a[:, 1][:, causal], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b[:, 0], a[:, 0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shapes_and_support_table(family_models, family, tokens):
+    model = family_models[family]
+    _, cache = model.run_with_cache(tokens)
+    b, p = tokens.shape
+    cfg = model.cfg
+    for layer in range(cfg.n_layers):
+        k = cfg.top_k[layer]
+        assert cache[f"blocks.{layer}.attn.hook_q"].shape == (b, p, cfg.n_heads, cfg.d_head)
+        assert cache[f"blocks.{layer}.attn.hook_k"].shape == (b, p, cfg.n_kv_heads, cfg.d_head)
+        assert cache[f"blocks.{layer}.attn.hook_pattern"].shape == (b, cfg.n_heads, p, p)
+        assert cache["router_logits", layer].shape == (b, p, cfg.n_experts)
+        assert cache["expert_indices", layer].shape == (b, p, k)
+        assert cache[f"blocks.{layer}.mlp.experts.hook_post"].shape == (b, p, k, cfg.d_expert)
+        assert cache[f"blocks.{layer}.mlp.hook_expert_outputs"].shape == (b, p, k, cfg.d_model)
+        assert cache[f"blocks.{layer}.mlp.shared_expert.hook_post"].shape == (b, p, cfg.d_shared)
+    table = model.support(print_table=False)
+    names = set(table.names())
+    assert names == {n if not n.startswith("blocks.") else "blocks.L." + n.split(".", 2)[2] for n in model.hook_dict}
+    assert ("blocks.L.mlp.hook_shared_gate" in names) == (family == "qwen2_moe")
+    assert ("blocks.L.mlp.hook_choice_scores" in names) == (family == "solar_open")
+    row = {r.name: r for r in table.rows}["blocks.L.mlp.hook_expert_indices"]
+    assert row.shape == "[batch, pos, " + "|".join(str(k) for k in sorted(set(cfg.top_k))) + "]"
+    assert row.standard == "expert_indices"
+    text = str(table)
+    assert "absent:" in text and "config.json fields read:" in text
+    if family == "hunyuan_v1_moe":
+        assert "moe_topk" in text and "q_norm" in repr(model)
