@@ -3,6 +3,7 @@
 from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
+from moelens.kv_cache import KVCache
 from moelens.loaders import CheckpointError
 from moelens.models import FAMILIES, HookedHunyuanMoe, HookedQwen2Moe, HookedSolarOpen, HookedTransformer
 
@@ -16,6 +17,7 @@ __all__ = [
     "HookedSolarOpen",
     "HookedRootModule",
     "HookedTransformer",
+    "KVCache",
     "MoeConfig",
 ]
 __version__ = "0.1.0"

@@ -6,15 +6,20 @@ from collections.abc import Iterator
 
 import torch
 
+from moelens.cache_analysis import CacheAnalysis
 from moelens.names import alias_candidates
 
 
-class ActivationCache:
+class ActivationCache(CacheAnalysis):
     """Dict-like cache of hook tensors.
 
     Look-ups: ``cache["blocks.3.mlp.hook_router_logits"]``, ``cache["router_logits", 3]``,
     ``cache["layer_output", 0]`` (the family notes' standard names), ``cache["normalized", 2, "ln2"]``,
     and gradients as ``cache["blocks.0.hook_resid_pre_grad"]``. Negative layers count from the end.
+
+    Analyses (moelens.cache_analysis): accumulated_resid, decompose_resid, stack_activation,
+    apply_ln_to_stack, logit_attrs, compute_head_results / stack_head_results,
+    get_full_resid_decomposition (heads, shared expert and each routed expert) and expert_logit_attribution.
     """
 
     def __init__(self, cache_dict: dict[str, torch.Tensor], model, has_batch_dim: bool = True) -> None:

@@ -13,9 +13,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def _load(model: str | None, dtype: str):
     """A checkpoint folder, Hub id or embedded default name -> (model, where it came from)."""
     from moelens import HookedTransformer
-    from moelens.defaults import CONFIGS, default_checkpoint
+    from moelens.defaults import DEFAULT
 
-    path = default_checkpoint(model) if model is None or model in CONFIGS else model
+    path = model or DEFAULT
     return HookedTransformer.from_pretrained(path, dtype=DTYPES[dtype]), path
 
 
@@ -28,7 +28,17 @@ def inspect(args: argparse.Namespace) -> int:
         tokens = torch.tensor([[int(t) for t in args.prompt.split()]])
     else:
         tokens = model.to_tokens(args.prompt)
-    print(routing_table(model, tokens, top_next=args.top))
+    table = routing_table(model, tokens, top_next=args.top)
+    print(table)
+    if args.plot:
+        from moelens.analysis import plot_routing
+
+        try:
+            plot_routing(table, args.plot, n_experts=model.cfg.n_experts)
+        except ImportError as err:
+            print(err, file=sys.stderr)
+            return 2
+        print(f"routing plot written to {args.plot}")
     return 0
 
 
@@ -41,11 +51,8 @@ def verify(args: argparse.Namespace) -> int:
         print("moelens verify needs transformers: pip install 'moelens[test]'", file=sys.stderr)
         return 2
     status = 0
-    from moelens.defaults import CONFIGS, default_checkpoint
-
-    path = default_checkpoint(args.model) if args.model in CONFIGS else args.model
     for name in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
-        report = run_verify(path, DTYPES[name], seq_len=args.seq_len)
+        report = run_verify(args.model, DTYPES[name], seq_len=args.seq_len)
         print(report)
         ok = report.index_mismatches == 0 and (report.worst() <= 1e-5 if name == "float32" else True)
         print(f"{name}: {'OK' if ok else 'MISMATCH'}\n")
@@ -64,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="The quick brown fox", help="text (or space-separated ids without tokenizer)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--top", type=int, default=5, help="how many next tokens to show")
+    p.add_argument("--plot", metavar="OUT.png", help="also write the routing plot [token x layer] (needs moelens[plot])")
     p.set_defaults(run=inspect)
     p = sub.add_parser("verify", help="max logit and per-site differences against transformers")
     p.add_argument("model", help="Hub id, local folder or embedded default name")

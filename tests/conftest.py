@@ -1,3 +1,4 @@
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tiny  # noqa: E402
 
 torch.set_num_threads(2)
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # (family, variant) -> how to build it. Every family has a "base" variant, used by the generic tests.
 VARIANTS = {

@@ -1,5 +1,5 @@
 """Routed-expert computation: one entry point, `routed_experts`, with a torch path (reference)."""
 
-from moelens.kernels.experts import ExpertHooks, routed_experts
+from moelens.kernels.experts import BACKENDS, ExpertHooks, routed_experts
 
-__all__ = ["ExpertHooks", "routed_experts"]
+__all__ = ["BACKENDS", "ExpertHooks", "routed_experts"]

@@ -30,7 +30,9 @@ def read_config(folder: Path) -> dict:
     return config
 
 
-def load_pretrained(cls, name_or_path, dtype=torch.float32, device="cpu", revision=None, progress=None):
+def load_pretrained(
+    cls, name_or_path, dtype=torch.float32, device="cpu", revision=None, progress=None, fold_ln=False, center_unembed=False
+):
     from moelens.models import family_for
 
     folder = resolve_checkpoint(name_or_path, revision)
@@ -59,6 +61,7 @@ def load_pretrained(cls, name_or_path, dtype=torch.float32, device="cpu", revisi
     model.to_empty(device=device)
     model.tie_weights()
     fill(model, files, keys, progress=progress)
+    model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default
     model.tokenizer = MoeTokenizer.from_folder(folder, hf)
     model.name_or_path = str(name_or_path)
     return model.eval()

@@ -17,6 +17,11 @@ HUB_FILES = [
 
 
 def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) -> Path:
+    """Folder of a checkpoint: a local folder, an embedded default ("tiny-qwen2-moe", ...) or a Hub repo."""
+    from moelens.defaults import CONFIGS, default_checkpoint
+
+    if str(name_or_path) in CONFIGS and not Path(name_or_path).exists():
+        return default_checkpoint(str(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path

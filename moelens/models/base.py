@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
@@ -9,11 +10,15 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import nn
 
+from moelens import generation
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
+from moelens.kernels import BACKENDS
+from moelens.kv_cache import KVCache
 from moelens.models.components import Block, RMSNorm, Rotary
 from moelens.names import alias_candidates
 from moelens.tokenizer import MoeTokenizer
+from moelens.weights import WeightViews
 
 if TYPE_CHECKING:
     from moelens.loaders.checkpoint import CheckpointNames
@@ -22,7 +27,7 @@ if TYPE_CHECKING:
 ReturnType = Literal["logits", "loss", "both"] | None
 
 
-class HookedTransformer(HookedRootModule):
+class HookedTransformer(WeightViews, HookedRootModule):
     """A decoder-only MoE language model with a HookPoint at every site (see model.support()).
 
     Layout conventions: tensors crossing the API are [batch pos ...]; per-expert data is dense per routing
@@ -63,11 +68,25 @@ class HookedTransformer(HookedRootModule):
         device: torch.device | str = "cpu",
         revision: str | None = None,
         progress: bool | None = None,
+        experts_backend: str = "auto",
+        fold_ln: bool = False,
+        center_unembed: bool = False,
     ) -> HookedTransformer:
-        """Load a checkpoint (local folder or Hub id); the family is chosen from config.json's model_type."""
+        """Load a checkpoint (local folder or Hub id); the family is chosen from config.json's model_type.
+
+        experts_backend: "auto" (Triton kernels on CUDA, torch otherwise), "torch" or "triton".
+        fold_ln: fold every RMSNorm weight into the weights that read it and set the norms' weights to 1
+        (logits unchanged; Hunyuan's per-head q/k norms stay, see moelens.fold). center_unembed: subtract
+        the vocabulary mean from W_U (logits move by a per-position constant; probabilities unchanged).
+        """
         from moelens.loaders import load_pretrained
 
-        return load_pretrained(cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress)
+        model = load_pretrained(
+            cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress,
+            fold_ln=fold_ln, center_unembed=center_unembed,
+        )
+        model.set_experts_backend(experts_backend)
+        return model
 
     # ---- tokens -----------------------------------------------------------------------------------
     def _require_tokenizer(self) -> MoeTokenizer:
@@ -106,6 +125,15 @@ class HookedTransformer(HookedRootModule):
             return [tok.decode(row.tolist()) for row in tokens]
         return tok.decode(tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens))
 
+    def set_experts_backend(self, backend: str) -> None:
+        """Routed experts: "torch" (reference path), "triton" (kernels; CUDA, or CPU under TRITON_INTERPRET=1)
+        or "auto" (triton on CUDA when available, torch otherwise). Both give the same hook tensors."""
+        if backend not in BACKENDS:
+            raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
+        for block in self.blocks:
+            if block.is_moe:
+                block.mlp.experts.backend = backend
+
     def set_attention_backend(self, backend: Literal["eager", "fused"]) -> None:
         """"eager" (default) computes scores and pattern explicitly, bit for bit the reference's eager attention
         (also in bfloat16), whatever hooks are on. "fused" uses SDPA wherever no hook reads the scores or
@@ -129,12 +157,17 @@ class HookedTransformer(HookedRootModule):
         stop_at_layer: int | None = None,
         loss_per_token: bool = False,
         position_ids: Int[torch.Tensor, "batch pos"] | None = None,
+        past_kv_cache: KVCache | None = None,
     ):
         """Logits / loss / both / None, or the residual stream when stop_at_layer is given.
 
         With left padding (zeros on the left of attention_mask) positions count from each row's first real
         token, so each row gives the logits it would give alone. start_at_layer takes the residual stream
         [batch pos d_model] entering that block.
+
+        With past_kv_cache (moelens.kv_cache.KVCache), the input holds only the new tokens (attention_mask,
+        if given, covers only them): they continue each row's positions, attend to the cached keys and to
+        each other causally, and are appended to the cache. Hooks see only the new positions.
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
@@ -157,11 +190,22 @@ class HookedTransformer(HookedRootModule):
         b, p = resid.shape[:2]
         if attention_mask is not None and attention_mask.shape != (b, p):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, p)}")
-        positions = self._positions(b, p, attention_mask, position_ids)
+        kvs: list = [None] * len(self.blocks)
+        key_mask, extending = attention_mask, contextlib.nullcontext()
+        if past_kv_cache is not None:
+            if start_at_layer is not None or stop_at_layer is not None:
+                raise ValueError("past_kv_cache needs every layer to run: it cannot go with start_at_layer / stop_at_layer")
+            if attention_mask is None:  # the cache keeps a mask history whatever the input
+                attention_mask = torch.ones(b, p, dtype=torch.long, device=self.device)
+            attention_mask = attention_mask.to(self.device)
+            kvs, key_mask = past_kv_cache.layers, past_kv_cache.full_mask(attention_mask)
+            extending = past_kv_cache.extending(attention_mask)
+        positions = self._positions(b, p, attention_mask, position_ids, past_kv_cache)
         cos, sin = self.rotary(positions, resid.dtype)
-        allowed = self._allowed(p, attention_mask)
-        for block in self.blocks[start_at_layer:stop_at_layer]:
-            resid = block(resid, cos, sin, allowed)
+        allowed = self._allowed(p, key_mask)
+        with extending:
+            for block, kv in zip(self.blocks[start_at_layer:stop_at_layer], kvs[start_at_layer:stop_at_layer]):
+                resid = block(resid, cos, sin, allowed, kv)
         if stop_at_layer is not None:
             return resid
         if return_type is None:
@@ -187,21 +231,32 @@ class HookedTransformer(HookedRootModule):
             )
         return tokens.to(self.device)
 
-    def _positions(self, b: int, p: int, mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def _positions(
+        self, b: int, p: int, mask: torch.Tensor | None, position_ids: torch.Tensor | None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         if position_ids is not None:
             return position_ids.to(self.device).expand(b, p)
+        if cache is not None:
+            return cache.positions(mask)
         if mask is None:
             return torch.arange(p, device=self.device).expand(b, p)
         return (mask.to(self.device).long().cumsum(-1) - 1).clamp(min=0)
 
     def _allowed(self, p: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """[batch|1, 1, query, key] bool: causal, padding keys masked, a padded query sees itself."""
-        causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
+        """[batch|1, 1, query, key] bool: causal, padding keys masked, a padded query sees itself.
+
+        The queries are the last p of the mask's positions (with a KV cache the keys start earlier)."""
+        n_keys = p if mask is None else mask.shape[1]
+        query = torch.arange(n_keys - p, n_keys, device=self.device)[:, None]
+        key = torch.arange(n_keys, device=self.device)[None, :]
+        causal = key <= query
         if mask is None:
             return causal[None, None]
         keys = mask.to(self.device).bool()[:, None, None, :]
-        eye = torch.eye(p, dtype=torch.bool, device=self.device)
-        return (causal & keys) | eye
+        return (causal & keys) | (key == query)
+
+    # greedy or sampled continuation, hooks active at every step (the function, so signature and docs show)
+    generate = generation.generate
 
     @staticmethod
     def loss(

@@ -9,6 +9,7 @@ from torch import nn
 
 from moelens.config import MoeConfig
 from moelens.hooks import HookPoint
+from moelens.kv_cache import LayerKV
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary
 
@@ -43,7 +44,10 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed: Bool[torch.Tensor, "batch 1 query key"],
+        kv: LayerKV | None = None,
     ) -> Float[torch.Tensor, "batch pos d_model"]:
+        """With `kv`, x holds only the new positions: their keys and values are appended to the cache and the
+        queries attend to every cached position too (so scores and pattern are [batch head new all])."""
         b, p, _ = x.shape
         q = self.hook_q(self.q_proj(x).view(b, p, self.n_heads, self.d_head))
         k = self.hook_k(self.k_proj(x).view(b, p, self.n_kv_heads, self.d_head))
@@ -52,6 +56,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
+        if kv is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds for later tokens
+            k, v = kv.append(k, v)
 
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # batch head pos d_head
         group = self.n_heads // self.n_kv_heads

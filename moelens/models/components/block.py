@@ -8,6 +8,7 @@ from torch import nn
 
 from moelens.config import MoeConfig
 from moelens.hooks import HookPoint
+from moelens.kv_cache import LayerKV
 from moelens.models.components.attention import Attention
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.moe import SparseMoe
@@ -29,10 +30,15 @@ class Block(nn.Module):
         self.hook_resid_post = HookPoint("batch pos d_model", "residual stream leaving the block")
 
     def forward(
-        self, resid: Float[torch.Tensor, "batch pos d_model"], cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor
+        self,
+        resid: Float[torch.Tensor, "batch pos d_model"],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed: torch.Tensor,
+        kv: LayerKV | None = None,
     ) -> Float[torch.Tensor, "batch pos d_model"]:
         resid = self.hook_resid_pre(resid)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid), cos, sin, allowed))
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid), cos, sin, allowed, kv))
         resid_mid = self.hook_resid_mid(resid + attn_out)
         mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_mid)))
         return self.hook_resid_post(resid_mid + mlp_out)

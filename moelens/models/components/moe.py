@@ -23,12 +23,13 @@ class Experts(nn.Module):
         self.W_gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.d_expert, cfg.d_model))
         self.W_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, cfg.d_expert))
         self.act = activation(cfg.act_fn)
+        self.backend = "auto"  # "torch" | "triton" | "auto" (triton on CUDA); see moelens.kernels
         self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
         self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
         self.hook_post = HookPoint("batch pos top_k d_expert", "expert neurons per slot")
 
     def extra_repr(self) -> str:
-        return f"n_experts={self.n_experts}, d_expert={self.d_expert}"
+        return f"n_experts={self.n_experts}, d_expert={self.d_expert}, backend={self.backend}"
 
 
 class SparseMoe(nn.Module):
@@ -91,5 +92,6 @@ class SparseMoe(nn.Module):
             self.experts.act,
             self._expert_hooks,
             (b, p),
+            self.experts.backend,
         )
         return self.hook_routed_out(routed.view(b, p, d))

@@ -1,0 +1,431 @@
+"""Residual-stream analyses on an ActivationCache: TransformerLens's API, extended to mixture layers.
+
+Stacks put the component axis first: [component, batch, pos, d_model] (no batch axis after
+remove_batch_dim; an int pos_slice drops the pos axis, a slice / list / tensor keeps it).
+
+"Applying the norm" to a stack divides it by the RMS that the norm computed on the real stream during the run
+(its cached hook_scale, float32); the norm's weight is NOT applied, as in TransformerLens, where fold_ln has put
+it into the next weights. This is what makes the final norm linear in the components, so attributions add up.
+Direct logit attribution here stays exact without fold_ln too, because the token directions it uses
+(model.tokens_to_residual_directions) carry ln_final's weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from jaxtyping import Float, Int
+
+if TYPE_CHECKING:
+    from moelens.models.base import HookedTransformer
+
+PosSlice = int | slice | tuple | list | torch.Tensor | None
+Tokens = int | str | Int[torch.Tensor, "..."]
+Stack = Float[torch.Tensor, "component *batch_and_pos d_model"]
+
+
+class MissingHooksError(KeyError):
+    """A method needs hook tensors that the run did not cache (names_filter left them out)."""
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return str(self.args[0])
+
+
+def slice_pos(t: torch.Tensor, pos_slice: PosSlice, dim: int) -> torch.Tensor:
+    """TransformerLens's Slice: None keeps all, an int selects (and drops the axis), a tuple is slice(*t),
+    a slice slices, a list / tensor of indices gathers."""
+    if pos_slice is None:
+        return t
+    if isinstance(pos_slice, int):
+        return t.select(dim, pos_slice)
+    if isinstance(pos_slice, tuple):
+        pos_slice = slice(*pos_slice)
+    if isinstance(pos_slice, slice):
+        return t[(slice(None),) * dim + (pos_slice,)]
+    return t.index_select(dim, torch.as_tensor(pos_slice, device=t.device).long())
+
+
+class CacheAnalysis:
+    """Mixin for ActivationCache (see the module docstring for the conventions)."""
+
+    cache_dict: dict[str, torch.Tensor]
+    model: HookedTransformer
+    has_batch_dim: bool
+    _full_name: Callable[[object], str]
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    @property
+    def _pos_dim(self) -> int:
+        return 1 if self.has_batch_dim else 0
+
+    def _require(self, what: str, names: list[str]) -> None:
+        missing = [n for n in names if n not in self.cache_dict]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise MissingHooksError(
+                f"{what} needs hook tensors that are not in this cache: {shown}. Run run_with_cache without a "
+                f"names_filter, or with one that keeps these names."
+            )
+
+    def _get(self, name: str, pos_slice: PosSlice) -> torch.Tensor:
+        return slice_pos(self.cache_dict[name], pos_slice, self._pos_dim)
+
+    def _layer_bound(self, layer: int | None) -> int:
+        """None and -1 mean "after the last block" (n_layers); 0..n_layers mean "entering that block"."""
+        n = self.model.cfg.n_layers
+        if layer is None or layer == -1:
+            return n
+        if not 0 <= layer <= n:
+            raise ValueError(f"layer must be in [0, {n}] (or None / -1 for the final stream), got {layer}")
+        return layer
+
+    def _resid_name(self, layer: int) -> str:
+        n = self.model.cfg.n_layers
+        return f"blocks.{n - 1}.hook_resid_post" if layer == n else f"blocks.{layer}.hook_resid_pre"
+
+    # ---- stacks of the stream ----------------------------------------------------------------------
+    def accumulated_resid(
+        self,
+        layer: int | None = None,
+        incl_mid: bool = False,
+        apply_ln: bool = False,
+        pos_slice: PosSlice = None,
+        mlp_input: bool = False,
+        return_labels: bool = False,
+    ) -> Stack | tuple[Stack, list[str]]:
+        """The residual stream entering each block up to `layer` (labels "0_pre", "0_mid", ..., and
+        "final_post" when layer is None / -1 / n_layers), as TransformerLens. incl_mid adds each resid_mid;
+        mlp_input adds the resid_mid of `layer` itself. apply_ln divides by the cached scale of the norm that
+        reads the stream at `layer` (ln_final, or that block's ln1 / ln2 with mlp_input), without its weight."""
+        n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
+        names, labels = [], []
+        for l in range(layer + 1):
+            if l == n:
+                names.append(self._resid_name(n))
+                labels.append("final_post")
+                continue
+            names.append(f"blocks.{l}.hook_resid_pre")
+            labels.append(f"{l}_pre")
+            if (incl_mid and l < layer) or (mlp_input and l == layer):
+                names.append(f"blocks.{l}.hook_resid_mid")
+                labels.append(f"{l}_mid")
+        self._require("accumulated_resid", names)
+        stack = torch.stack([self._get(name, pos_slice) for name in names])
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    def decompose_resid(
+        self,
+        layer: int | None = None,
+        mlp_input: bool = False,
+        mode: Literal["all", "attn", "mlp"] = "all",
+        apply_ln: bool = False,
+        pos_slice: PosSlice = None,
+        incl_embeds: bool = True,
+        return_labels: bool = False,
+    ) -> Stack | tuple[Stack, list[str]]:
+        """The stream entering `layer` as the sum of its sublayer outputs: "embed", "{l}_attn_out",
+        "{l}_mlp_out" for l < layer (mlp_out is the whole mixture: routed experts plus shared expert);
+        mlp_input adds `layer`'s own attention output (the stream ln2 reads). mode picks attn / mlp only."""
+        if mode not in ("all", "attn", "mlp"):
+            raise ValueError(f"mode must be 'all', 'attn' or 'mlp', got {mode!r}")
+        n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
+        if mlp_input and layer == n:
+            raise ValueError("mlp_input=True needs a block to input into: layer must be < n_layers")
+        names, labels = ([("hook_embed")], ["embed"]) if incl_embeds else ([], [])
+        for l in range(layer + (1 if mlp_input else 0)):
+            if mode != "mlp":
+                names.append(f"blocks.{l}.hook_attn_out")
+                labels.append(f"{l}_attn_out")
+            if mode != "attn" and l < layer:
+                names.append(f"blocks.{l}.hook_mlp_out")
+                labels.append(f"{l}_mlp_out")
+        if not names:
+            raise ValueError("decompose_resid: these arguments select no component")
+        self._require("decompose_resid", names)
+        stack = torch.stack([self._get(name, pos_slice) for name in names])
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    def stack_activation(self, activation_name: str, layer: int = -1, sublayer_type: str | None = None) -> torch.Tensor:
+        """One hook site of every block up to `layer` (exclusive; -1 / None: all), stacked: [n_layers, ...].
+        The name is a short or standard name ("resid_pre", "router_logits") or a pattern "blocks.L.<...>"."""
+        layer = self._layer_bound(layer)
+        keys = [
+            activation_name.replace("blocks.L.", f"blocks.{l}.") if activation_name.startswith("blocks.L.")
+            else (activation_name, l) if sublayer_type is None else (activation_name, l, sublayer_type)
+            for l in range(layer)
+        ]
+        names, missing = [], []
+        for l, key in enumerate(keys):
+            try:
+                names.append(self._full_name(key))
+            except KeyError:
+                missing.append(l)
+        if missing:
+            raise MissingHooksError(
+                f"stack_activation({activation_name!r}): blocks {missing} have no such tensor in this cache "
+                "(left out by names_filter, or a site those blocks do not have, e.g. a router in a dense block)"
+            )
+        shapes = {tuple(self.cache_dict[name].shape) for name in names}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"stack_activation({activation_name!r}): the blocks' tensors differ in shape {sorted(shapes)} "
+                "(e.g. a top_k that differs per layer); read them per layer instead"
+            )
+        return torch.stack([self.cache_dict[name] for name in names])
+
+    def apply_ln_to_stack(
+        self, residual_stack: Stack, layer: int | None = None, mlp_input: bool = False, pos_slice: PosSlice = None
+    ) -> Stack:
+        """Divide each component by the RMS its norm computed on the real stream (the cached hook_scale of
+        ln_final for layer None / -1 / n_layers, else of block `layer`'s ln1, or ln2 with mlp_input).
+        RMSNorm has no centering, so this is all the norm does apart from its weight, which is NOT applied
+        (fold_ln moves it into the next weights; tokens_to_residual_directions includes ln_final's).
+        The result is float32 (the scale's dtype) for a lower-precision stack. pos_slice must be the one the
+        stack was made with."""
+        n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
+        name = "ln_final.hook_scale" if layer == n else f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
+        self._require("apply_ln_to_stack", [name])
+        scale = self._get(name, pos_slice)
+        if residual_stack.shape[-scale.dim() : -1] != scale.shape[:-1]:
+            raise ValueError(
+                f"apply_ln_to_stack: the stack's {tuple(residual_stack.shape)} does not match {name} "
+                f"{tuple(scale.shape)} after pos_slice={pos_slice!r}; pass the pos_slice the stack was made with"
+            )
+        return residual_stack / scale
+
+    # ---- attention heads ---------------------------------------------------------------------------
+    def _head_result(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
+        name = f"blocks.{layer}.attn.hook_result"
+        if name in self.cache_dict:
+            return self.cache_dict[name]
+        self._require("the per-head attention results", [f"blocks.{layer}.attn.hook_z"])
+        z = self.cache_dict[f"blocks.{layer}.attn.hook_z"]
+        cfg = self.model.cfg
+        # head h's output is z_h @ W_O[h]: o_proj's input columns of head h; the o bias is left out
+        W_O = self.model.blocks[layer].attn.o_proj.weight.view(cfg.d_model, cfg.n_heads, cfg.d_head)
+        return torch.einsum("...hk,mhk->...hm", z, W_O.to(z.device, z.dtype))
+
+    def compute_head_results(self) -> None:
+        """Add blocks.L.attn.hook_result [batch pos head d_model] (each head's output, o_proj's bias not
+        included) to the cache, from hook_z and the model's *current* o_proj weight."""
+        n = self.model.cfg.n_layers
+        self._require("compute_head_results", [f"blocks.{l}.attn.hook_z" for l in range(n)])
+        for l in range(n):
+            self.cache_dict[f"blocks.{l}.attn.hook_result"] = self._head_result(l)
+
+    def stack_head_results(
+        self,
+        layer: int | None = -1,
+        return_labels: bool = False,
+        incl_remainder: bool = False,
+        pos_slice: PosSlice = None,
+        apply_ln: bool = False,
+    ) -> Stack | tuple[Stack, list[str]]:
+        """Each head's output ("L{l}H{h}") for blocks before `layer` (-1 / None: all), o_proj biases not
+        included (get_full_resid_decomposition has them as "L{l}.attn_bias"). incl_remainder adds
+        "remainder": the stream at `layer` minus the heads. apply_ln: as accumulated_resid."""
+        layer = self._layer_bound(layer)
+        self._require("stack_head_results", [f"blocks.{l}.attn.hook_z" for l in range(layer)
+                                             if f"blocks.{l}.attn.hook_result" not in self.cache_dict])
+        parts = [slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0) for l in range(layer)]
+        labels = [f"L{l}H{h}" for l in range(layer) for h in range(self.model.cfg.n_heads)]
+        if parts:
+            stack = torch.cat(parts)
+        else:
+            self._require("stack_head_results", [self._resid_name(layer)])
+            stack = self._get(self._resid_name(layer), pos_slice)[None, ...][:0]
+        if incl_remainder:
+            self._require("stack_head_results(incl_remainder=True)", [self._resid_name(layer)])
+            remainder = self._get(self._resid_name(layer), pos_slice) - stack.sum(0)
+            stack, labels = torch.cat([stack, remainder[None]]), labels + ["remainder"]
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    # ---- the full decomposition --------------------------------------------------------------------
+    def _attn_parts(self, l: int, pos_slice: PosSlice) -> tuple[list[torch.Tensor], list[str]]:
+        heads = slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0)
+        parts, labels = [heads], [f"L{l}H{h}" for h in range(heads.shape[0])]
+        bias = self.model.blocks[l].attn.o_proj.bias
+        if bias is not None:  # added once per position, whatever the heads do
+            parts.append(bias.to(heads.device, heads.dtype).expand_as(heads[:1]))
+            labels.append(f"L{l}.attn_bias")
+        return parts, labels
+
+    def _mlp_parts(self, l: int, expand: bool, pos_slice: PosSlice) -> tuple[list[torch.Tensor], list[str]]:
+        block, what = self.model.blocks[l], "get_full_resid_decomposition"
+        pre = f"blocks.{l}.mlp"
+        if not block.is_moe:
+            if not expand:
+                self._require(what, [f"blocks.{l}.hook_mlp_out"])
+                return [self._get(f"blocks.{l}.hook_mlp_out", pos_slice)[None]], [f"L{l}.mlp"]
+            self._require(what, [f"{pre}.hook_post"])
+            post, W = self._get(f"{pre}.hook_post", pos_slice), block.mlp.down_proj.weight
+            return [_neurons(post, W)], [f"L{l}.mlp.N{i}" for i in range(post.shape[-1])]
+        parts, labels = [], []
+        if hasattr(block.mlp, "shared_expert"):
+            if not expand:
+                self._require(what, [f"{pre}.hook_shared_out"])
+                parts.append(self._get(f"{pre}.hook_shared_out", pos_slice)[None])
+                labels.append(f"L{l}.shared")
+            else:
+                gated = hasattr(block.mlp, "shared_gate")
+                self._require(what, [f"{pre}.shared_expert.hook_post"] + ([f"{pre}.hook_shared_gate"] if gated else []))
+                post = self._get(f"{pre}.shared_expert.hook_post", pos_slice)
+                if gated:  # Qwen2-MoE: sigmoid(gate) scales the whole shared expert, so each neuron
+                    post = post * torch.sigmoid(self._get(f"{pre}.hook_shared_gate", pos_slice))
+                parts.append(_neurons(post, block.mlp.shared_expert.down_proj.weight))
+                labels += [f"L{l}.shared.N{i}" for i in range(post.shape[-1])]
+        n_experts = self.model.cfg.n_experts
+        self._require(what, [f"{pre}.hook_expert_indices"])
+        onehot = torch.nn.functional.one_hot(self._get(f"{pre}.hook_expert_indices", pos_slice), n_experts)
+        if not expand:
+            self._require(what, [f"{pre}.hook_expert_outputs"])
+            outputs = self._get(f"{pre}.hook_expert_outputs", pos_slice)
+            # expert e's share of a token = the sum of that token's slots routed to e (zero if none)
+            parts.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
+            labels += [f"L{l}.E{e}" for e in range(n_experts)]
+        else:
+            self._require(what, [f"{pre}.experts.hook_post", f"{pre}.hook_expert_weights"])
+            post = self._get(f"{pre}.experts.hook_post", pos_slice)
+            weights = self._get(f"{pre}.hook_expert_weights", pos_slice)
+            dtype = torch.promote_types(post.dtype, weights.dtype)
+            coef = torch.einsum("...k,...ki,...ke->e...i", weights.to(dtype), post.to(dtype), onehot.to(dtype))
+            W_down = block.mlp.experts.W_down.to(post.device, dtype)  # [E, d_model, d_expert]
+            parts.append(torch.einsum("e...i,edi->ei...d", coef, W_down).flatten(0, 1))
+            labels += [f"L{l}.E{e}.N{i}" for e in range(n_experts) for i in range(post.shape[-1])]
+        return parts, labels
+
+    def get_full_resid_decomposition(
+        self,
+        layer: int | None = None,
+        mlp_input: bool = False,
+        expand_neurons: bool = False,
+        apply_ln: bool = False,
+        pos_slice: PosSlice = None,
+        return_labels: bool = True,
+    ) -> Stack | tuple[Stack, list[str]]:
+        """The stream entering `layer` (None / -1: the final stream, resid_post of the last block) as a sum
+        of: "embed"; each head "L{l}H{h}" (+ "L{l}.attn_bias" where o_proj has a bias); each mixture
+        block's shared expert as added ("L{l}.shared", Qwen2-MoE's sigmoid gate included) and each of its
+        routed experts "L{l}.E{e}" (a token's share from expert e is the sum of its slots routed to e; an
+        expert that a token did not choose contributes zero there); each dense block "L{l}.mlp".
+        expand_neurons splits every MLP part into neurons: "L{l}.E{e}.N{i}", "L{l}.shared.N{i}",
+        "L{l}.mlp.N{i}" (memory grows with n_experts * d_expert per layer). mlp_input adds block `layer`'s
+        heads. Components are in the promoted dtype of the cached tensors."""
+        n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
+        if mlp_input and layer == n:
+            raise ValueError("mlp_input=True needs a block to input into: layer must be < n_layers")
+        what = "get_full_resid_decomposition"
+        n_attn = layer + 1 if mlp_input else layer  # blocks whose heads are in
+        self._require(what, ["hook_embed"] + [f"blocks.{l}.attn.hook_z" for l in range(n_attn)
+                                               if f"blocks.{l}.attn.hook_result" not in self.cache_dict])
+        parts, labels = [self._get("hook_embed", pos_slice)[None]], ["embed"]
+        for l in range(n_attn):
+            attn_parts, attn_labels = self._attn_parts(l, pos_slice)
+            parts, labels = parts + attn_parts, labels + attn_labels
+            if l < layer:
+                mlp_parts, mlp_labels = self._mlp_parts(l, expand_neurons, pos_slice)
+                parts, labels = parts + mlp_parts, labels + mlp_labels
+        dtype = parts[0].dtype
+        for p in parts:
+            dtype = torch.promote_types(dtype, p.dtype)
+        stack = torch.cat([p.to(dtype) for p in parts])
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    # ---- logit attribution -------------------------------------------------------------------------
+    def _as_directions(self, x: Tokens | torch.Tensor, pos_slice: PosSlice, rest: torch.Size) -> torch.Tensor:
+        """Token ids or residual directions -> directions [..., d_model] broadcastable to [*rest, d_model]."""
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            dirs, lead = x, x.shape[:-1]
+        else:
+            if isinstance(x, str):
+                dirs = self.model.tokens_to_residual_directions(x)
+                lead = torch.Size()
+            else:
+                ids = torch.as_tensor(x)
+                dirs, lead = self.model.tokens_to_residual_directions(ids), ids.shape
+        full = (2 if self.has_batch_dim else 1)
+        if len(lead) == full:  # has a pos axis: full length (slice it) or already sliced
+            n_pos = self._n_pos()
+            if pos_slice is not None and (n_pos is None or lead[-1] == n_pos):
+                dirs = slice_pos(dirs, pos_slice, len(lead) - 1)
+        elif self.has_batch_dim and len(lead) == 1 and len(rest) == 2:  # one token per batch row
+            dirs = dirs.unsqueeze(1)
+        elif len(lead) != 0 and not (self.has_batch_dim and len(lead) == 1):
+            raise ValueError(
+                f"tokens / directions of leading shape {tuple(lead)} do not match the stack's {tuple(rest)}"
+            )
+        return dirs
+
+    def _n_pos(self) -> int | None:
+        for name in ("ln_final.hook_scale", "hook_embed", "blocks.0.hook_resid_pre"):
+            if name in self.cache_dict:
+                return self.cache_dict[name].shape[self._pos_dim]
+        return None
+
+    def _directions(self, tokens, incorrect_tokens, pos_slice: PosSlice, rest: torch.Size) -> torch.Tensor:
+        dirs = self._as_directions(tokens, pos_slice, rest)
+        if incorrect_tokens is not None:
+            dirs = dirs - self._as_directions(incorrect_tokens, pos_slice, rest)
+        return dirs
+
+    def logit_attrs(
+        self,
+        residual_stack: Stack,
+        tokens: Tokens | Float[torch.Tensor, "... d_model"],
+        incorrect_tokens: Tokens | None = None,
+        pos_slice: PosSlice = None,
+    ) -> Float[torch.Tensor, "component *batch_and_pos"]:
+        """Each component's contribution to a token's logit (or to the logit difference tokens -
+        incorrect_tokens): component . direction, with directions from model.tokens_to_residual_directions
+        (W_U column times ln_final's weight). Apply the final norm first (apply_ln=True when stacking) for
+        direct logit attribution: then the components' sum is the logit itself (RMSNorm has no centering
+        constant; the unembedding has no bias). tokens: one id / one-token string for all positions, Int
+        [batch] (one per row), Int [batch pos] (full length, then pos_slice applies, or already sliced), or
+        float directions [..., d_model] in the same layouts."""
+        dirs = self._directions(tokens, incorrect_tokens, pos_slice, residual_stack.shape[1:-1])
+        dtype = torch.promote_types(residual_stack.dtype, dirs.dtype)
+        return (residual_stack.to(dtype) * dirs.to(residual_stack.device, dtype)).sum(-1)
+
+    def expert_logit_attribution(
+        self,
+        tokens_or_logit_directions: Tokens | Float[torch.Tensor, "... d_model"],
+        pos_slice: PosSlice = None,
+        incorrect_tokens: Tokens | None = None,
+    ) -> Float[torch.Tensor, "n_layers n_experts *batch_and_pos"]:
+        """Direct logit attribution of every routed expert of every layer: [n_layers, n_experts, batch, pos]
+        (batch absent after remove_batch_dim, pos absent for an int pos_slice). Entry [l, e] is what expert
+        e of block l wrote into the stream (its slots' weighted outputs), divided by the final norm's cached
+        scale and dotted with the token's direction (W_U column times ln_final's weight): it sums, with every
+        other component's, to the logit. Zero where a token did not choose e, and for dense blocks. The
+        shared expert is not in it (see get_full_resid_decomposition, "L{l}.shared"). Computed in float32."""
+        cfg = self.model.cfg
+        moe = [l for l in range(cfg.n_layers) if cfg.moe_layers[l]]
+        names = ["ln_final.hook_scale"]
+        names += [f"blocks.{l}.mlp.hook_expert_{s}" for l in moe for s in ("outputs", "indices")]
+        self._require("expert_logit_attribution", names)
+        scale = self._get("ln_final.hook_scale", pos_slice).float()  # [*rest, 1]
+        rest = scale.shape[:-1]
+        dirs = self._directions(tokens_or_logit_directions, incorrect_tokens, pos_slice, rest).float()
+        out = scale.new_zeros(cfg.n_layers, cfg.n_experts, *rest)
+        for l in moe:
+            outputs = self._get(f"blocks.{l}.mlp.hook_expert_outputs", pos_slice).float()  # [*rest, k, d]
+            indices = self._get(f"blocks.{l}.mlp.hook_expert_indices", pos_slice)
+            per_slot = (outputs * dirs.to(outputs.device).unsqueeze(-2)).sum(-1) / scale  # [*rest, k]
+            per_expert = per_slot.new_zeros(*rest, cfg.n_experts).scatter_add_(-1, indices, per_slot)
+            out[l] = per_expert.movedim(-1, 0)
+        return out
+
+
+def _neurons(post: Float[torch.Tensor, "... n"], W_down: Float[torch.Tensor, "d_model n"]) -> torch.Tensor:
+    """Each neuron's write into the stream: post[..., i] * W_down[:, i] -> [n, ..., d_model]."""
+    return torch.einsum("...i,mi->i...m", post, W_down.to(post.device, post.dtype))

@@ -1,0 +1,83 @@
+"""FactoredMatrix: a low-rank product A @ B kept as its two factors (TransformerLens's idea, kept small).
+
+Used for the OV and QK circuits: [d_model, d_head] @ [d_head, d_model] per head, whose product is a
+d_model x d_model matrix of rank d_head; the factors are what one should store and decompose.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+
+
+class FactoredMatrix:
+    """A @ B with A [..., m, r] and B [..., r, n]; leading (batch) axes broadcast, e.g. [layer, head]."""
+
+    def __init__(self, A: Float[torch.Tensor, "... m r"], B: Float[torch.Tensor, "... r n"]) -> None:
+        if A.dim() < 2 or B.dim() < 2 or A.shape[-1] != B.shape[-2]:
+            raise ValueError(
+                f"FactoredMatrix needs A [..., m, r] and B [..., r, n], got {tuple(A.shape)} and {tuple(B.shape)}"
+            )
+        self.A, self.B = A, B
+
+    @property
+    def shape(self) -> torch.Size:
+        lead = torch.broadcast_shapes(self.A.shape[:-2], self.B.shape[:-2])
+        return torch.Size((*lead, self.A.shape[-2], self.B.shape[-1]))
+
+    @property
+    def AB(self) -> Float[torch.Tensor, "... m n"]:
+        """The full product (m x n per leading index): large, built on demand."""
+        return self.A @ self.B
+
+    @property
+    def BA(self) -> Float[torch.Tensor, "... r r"]:
+        """B @ A (needs m == n): the small r x r matrix with the same non-zero eigenvalues as AB."""
+        if self.A.shape[-2] != self.B.shape[-1]:
+            raise ValueError(f"BA needs a square product, this one is {tuple(self.shape[-2:])}")
+        return self.B @ self.A
+
+    @property
+    def T(self) -> FactoredMatrix:
+        return FactoredMatrix(self.B.transpose(-2, -1), self.A.transpose(-2, -1))
+
+    def svd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Thin SVD of AB without forming it: (U [..., m, r'], S [..., r'], Vh [..., r', n]) with
+        AB = U @ diag(S) @ Vh (torch.linalg.svd's convention; r' = min(m, r, n)).
+
+        Done in float32 at least: SVD of bfloat16 is not supported and loses the small singular values."""
+        dtype = torch.promote_types(torch.promote_types(self.A.dtype, self.B.dtype), torch.float32)
+        A, B = self.A.to(dtype), self.B.to(dtype)
+        # AB = Ua Sa Vha B, and Sa Vha B is only r x n: decompose that small matrix instead.
+        Ua, Sa, Vha = torch.linalg.svd(A, full_matrices=False)
+        Um, S, Vh = torch.linalg.svd(Sa.unsqueeze(-1) * Vha @ B, full_matrices=False)
+        return Ua @ Um, S, Vh
+
+    @property
+    def S(self) -> torch.Tensor:
+        return self.svd()[1]
+
+    def norm(self) -> torch.Tensor:
+        """Frobenius norm of AB per leading index, from the singular values."""
+        return self.S.pow(2).sum(-1).sqrt()
+
+    def __getitem__(self, index) -> FactoredMatrix:
+        """Index the leading axes only, e.g. model.OV[layer, head]."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > len(self.shape) - 2:
+            raise IndexError(f"FactoredMatrix of shape {tuple(self.shape)}: only its leading axes can be indexed")
+        lead = self.shape[:-2]
+        A = self.A.expand(*lead, *self.A.shape[-2:])
+        B = self.B.expand(*lead, *self.B.shape[-2:])
+        return FactoredMatrix(A[index], B[index])
+
+    def __matmul__(self, other: torch.Tensor | FactoredMatrix) -> FactoredMatrix:
+        if not isinstance(other, FactoredMatrix):
+            return FactoredMatrix(self.A, self.B @ other)
+        # (A B)(C D): keep the smaller of the two inner sizes as the new one
+        if self.A.shape[-1] <= other.A.shape[-1]:
+            return FactoredMatrix(self.A, self.B @ other.A @ other.B)
+        return FactoredMatrix(self.A @ self.B @ other.A, other.B)
+
+    def __repr__(self) -> str:
+        return f"FactoredMatrix(shape={tuple(self.shape)}, inner={self.A.shape[-1]})"

@@ -1,0 +1,79 @@
+"""Weight processing: fold RMSNorm weights into their readers, center the unembedding (in place).
+
+fold_layer_norm: an RMSNorm computes w * n with n = x / rms(x), and every reader is linear in its input,
+so W @ (w * n) = (W * w) @ n. The weight of ln1 goes into q/k/v projections, of ln2 into the router, the
+experts' gate and up rows, the shared expert's gate and up projections and Qwen2-MoE's shared expert gate
+(or a dense block's gate and up), of ln_final into the unembedding; then each norm's weight is set to 1.
+Biases are added after the projection and do not change. Logits are unchanged up to rounding.
+
+Not folded: Hunyuan's per-head q/k norms. They normalise each head *after* the rotary, so their weight
+multiplies rotated coordinates (the rotary mixes pairs of dimensions) and their scale depends on the rotated
+vector; neither commutes into q_proj / k_proj. They are left as they are.
+
+center_unembed: subtracting from every vocabulary row of the unembedding the mean row changes each logit by
+the same amount at a position (n . mean_row), so the softmax, the loss and logit differences are unchanged.
+
+Both untie a tied unembedding first (the embedding must not change) and record that in model.cfg.
+Each product is computed in float32 and written back in the parameter's own dtype (Hunyuan's and Solar's
+routers stay float32 in a bfloat16 model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from moelens.models.base import HookedTransformer
+
+
+def _scale_inputs(param: torch.Tensor, w: torch.Tensor) -> None:
+    """param [..., d_in] <- param * w over its input (last) axis."""
+    param.copy_(param.float() * w)
+
+
+@torch.no_grad()
+def fold_layer_norm(model: HookedTransformer) -> None:
+    """Fold every RMSNorm weight (ln1, ln2, ln_final) into its readers and set the norm weights to 1."""
+    for block in model.blocks:
+        w1 = block.ln1.weight.float()
+        for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+            _scale_inputs(proj.weight, w1)
+        w2 = block.ln2.weight.float()
+        mlp = block.mlp
+        if block.is_moe:
+            _scale_inputs(mlp.router.weight, w2)
+            _scale_inputs(mlp.experts.W_gate_up, w2)  # gate and up rows both read ln2's output
+            if hasattr(mlp, "shared_expert"):
+                _scale_inputs(mlp.shared_expert.gate_proj.weight, w2)
+                _scale_inputs(mlp.shared_expert.up_proj.weight, w2)
+            if hasattr(mlp, "shared_gate"):
+                _scale_inputs(mlp.shared_gate.weight, w2)
+        else:
+            _scale_inputs(mlp.gate_proj.weight, w2)
+            _scale_inputs(mlp.up_proj.weight, w2)
+        block.ln1.weight.fill_(1.0)
+        block.ln2.weight.fill_(1.0)
+    _untie(model)
+    _scale_inputs(model.unembed.weight, model.ln_final.weight.float())
+    model.ln_final.weight.fill_(1.0)
+
+
+@torch.no_grad()
+def center_unembed(model: HookedTransformer) -> None:
+    """Subtract the mean over the vocabulary from W_U (each logit moves by a per-position constant)."""
+    _untie(model)
+    W = model.unembed.weight  # [d_vocab, d_model]: the mean row over the vocabulary
+    W.copy_(W.float() - W.float().mean(0, keepdim=True))
+
+
+def _untie(model: HookedTransformer) -> None:
+    """Give the unembedding its own copy of a tied embedding matrix, so that editing it leaves W_E alone."""
+    if model.unembed.weight is model.embed.weight:
+        tied = model.embed.weight
+        model.unembed.weight = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
+    if model.cfg.tie_word_embeddings:
+        model.cfg = dataclasses.replace(model.cfg, tie_word_embeddings=False)

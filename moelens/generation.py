@@ -1,0 +1,149 @@
+"""Autoregressive generation: greedy or sampled, with moelens's own KV cache, hooks active at every step.
+
+Each step is an ordinary forward of the hooked model, so hooks added with model.hooks(...) or add_hook
+fire on the prompt and then on every new token (with the cache, a hook sees only the new positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from jaxtyping import Float, Int
+from tqdm.auto import tqdm
+
+from moelens.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from moelens.models.base import HookedTransformer
+
+GenerateReturn = Literal["input", "tokens", "str"]
+
+
+def sample_next(
+    logits: Float[torch.Tensor, "batch d_vocab"],
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[torch.Tensor, " batch"]:
+    """The next token of each row: argmax, or a draw after temperature, top-k and top-p (nucleus) filtering."""
+    if not do_sample or temperature == 0.0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
+        drop_sorted = probs.cumsum(-1) - probs > top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: HookedTransformer,
+    input: str | list[str] | Int[torch.Tensor, "batch pos"],
+    max_new_tokens: int = 10,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_at_eos: bool = True,
+    eos_token_id: int | Sequence[int] | None = None,
+    use_past_kv_cache: bool = True,
+    verbose: bool = False,
+    attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+    return_type: GenerateReturn = "input",
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[torch.Tensor, "batch pos_plus_new"] | str | list[str]:
+    """Prompt followed by up to max_new_tokens new tokens per row.
+
+    input: token ids [batch pos] (attention_mask marks left padding) or text / texts (left-padded by the
+    tokenizer). eos: eos_token_id, else the tokenizer's; with stop_at_eos a row that emitted it continues
+    with the pad token (else eos), and generation ends once every row has; with no eos known it runs the
+    full max_new_tokens. Sampling draws from `generator`, or from a fresh one seeded with `seed`.
+    return_type: "tokens", "str" (each row decoded without its padding and what follows its eos), or
+    "input" (text in, text out; tokens in, tokens out).
+    """
+    if return_type not in ("input", "tokens", "str"):
+        raise ValueError(f"return_type must be 'input', 'tokens' or 'str', got {return_type!r}")
+    text_in = isinstance(input, (str, list))
+    if text_in:
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with token ids; text is padded (and masked) by the tokenizer")
+        tokens, attention_mask = model.tokenize(input)
+    else:
+        tokens = model._check_tokens(input)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(model.device).long()
+    if generator is None and seed is not None:
+        generator = torch.Generator(model.device).manual_seed(seed)
+    eos = _eos_ids(model, eos_token_id)
+    pad = _pad_id(model, eos)
+
+    (batch, prompt_len), prompt_mask = tokens.shape, attention_mask
+    cache = KVCache.for_model(model) if use_past_kv_cache else None
+    step_tokens, step_mask = tokens, attention_mask
+    finished = torch.zeros(batch, dtype=torch.bool, device=model.device)
+    for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generating"):
+        if cache is None:
+            logits = model(tokens, attention_mask=attention_mask)[:, -1]
+        else:
+            logits = model(step_tokens, attention_mask=step_mask, past_kv_cache=cache)[:, -1]
+        new = sample_next(logits, do_sample, temperature, top_k, top_p, generator)
+        if stop_at_eos and eos is not None:
+            new = torch.where(finished, pad, new)
+            finished |= torch.isin(new, eos)
+        # new tokens are real tokens for the mask, also after eos, as transformers' generate keeps them
+        tokens = torch.cat([tokens, new[:, None]], dim=1)
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, torch.ones_like(new[:, None])], dim=1)
+        step_tokens, step_mask = new[:, None], None  # the cache keeps the prompt's mask; a new token is real
+        if stop_at_eos and eos is not None and finished.all():
+            break
+
+    if return_type == "tokens" or (return_type == "input" and not text_in):
+        return tokens
+    texts = _decode_rows(model, tokens, prompt_len, prompt_mask, eos if stop_at_eos else None)
+    return texts[0] if isinstance(input, str) else texts
+
+
+def _eos_ids(model: HookedTransformer, eos_token_id: int | Sequence[int] | None) -> torch.Tensor | None:
+    if eos_token_id is None and model.tokenizer is not None:
+        eos_token_id = model.tokenizer.eos_token_id
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=model.device)
+
+
+def _pad_id(model: HookedTransformer, eos: torch.Tensor | None) -> int:
+    if model.tokenizer is not None and model.tokenizer.pad_token_id is not None:
+        return model.tokenizer.pad_token_id
+    return int(eos[0]) if eos is not None else 0
+
+
+def _decode_rows(
+    model: HookedTransformer,
+    tokens: torch.Tensor,
+    prompt_len: int,
+    prompt_mask: torch.Tensor | None,
+    eos: torch.Tensor | None,
+) -> list[str]:
+    """Each row's prompt without its padding, then its new tokens up to and including the first eos."""
+    texts = []
+    for row, ids in enumerate(tokens):
+        prompt, new = ids[:prompt_len], ids[prompt_len:]
+        if prompt_mask is not None:
+            prompt = prompt[prompt_mask[row].bool()]
+        if eos is not None and torch.isin(new, eos).any():
+            new = new[: int(torch.isin(new, eos).nonzero()[0, 0]) + 1]
+        texts.append(model.to_string(torch.cat([prompt, new])))
+    return texts

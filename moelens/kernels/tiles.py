@@ -1,0 +1,63 @@
+"""Tile sizes for the expert GEMMs, chosen per token-count bucket from a small table; nothing autotunes.
+
+Starting points follow the public defaults for fused-MoE kernels: small tiles for decode (few tokens per
+expert), 128-wide tiles for prefill. An offline tuning run (benchmarks/tune_triton_tiles.py) writes a
+table per GPU as JSON; point $MOELENS_TILE_TABLE at it to use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+
+MIN_TILE = 16  # tl.dot needs every tile dimension >= 16
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if min(self.block_m, self.block_n, self.block_k) < MIN_TILE:
+            raise ValueError(f"every tile dimension must be >= {MIN_TILE}, got {self}")
+
+
+# (largest token count of the bucket, tile); None closes the table
+DEFAULT_TABLE: tuple[tuple[int | None, Tile], ...] = (
+    (16, Tile(16, 64, 64, num_warps=4, num_stages=3)),
+    (64, Tile(16, 128, 64, num_warps=4, num_stages=3)),
+    (256, Tile(32, 128, 64, num_warps=4, num_stages=3)),
+    (1024, Tile(64, 128, 64, num_warps=8, num_stages=3)),
+    (None, Tile(128, 128, 64, num_warps=8, num_stages=3)),
+)
+
+
+@cache
+def active_table() -> tuple[tuple[int | None, Tile], ...]:
+    """The table in use: a tuned one named by $MOELENS_TILE_TABLE (JSON), else the default."""
+    path = os.environ.get("MOELENS_TILE_TABLE")
+    return load_table(Path(path)) if path else DEFAULT_TABLE
+
+
+def tile_for(n_tokens: int, table: tuple[tuple[int | None, Tile], ...] | None = None) -> Tile:
+    for upper, tile in table or active_table():
+        if upper is None or n_tokens <= upper:
+            return tile
+    raise ValueError(f"tile table does not cover {n_tokens} tokens: its last bucket must be open (None)")
+
+
+def load_table(path: Path) -> tuple[tuple[int | None, Tile], ...]:
+    """A tuned table: JSON list of {"max_tokens": int | null, "tile": {block_m, block_n, block_k, ...}}."""
+    rows = json.loads(Path(path).read_text())
+    return tuple((row["max_tokens"], Tile(**row["tile"])) for row in rows)
+
+
+def dump_table(table: tuple[tuple[int | None, Tile], ...]) -> str:
+    return json.dumps([{"max_tokens": upper, "tile": asdict(tile)} for upper, tile in table], indent=2)

@@ -1,0 +1,302 @@
+"""Triton kernels for the routed experts: two grouped GEMMs over slots sorted by expert, and a combine.
+
+Kernel 1 (gate_up): gathers each slot's token row, multiplies by its expert's gate and up rows with fp32
+accumulation, and applies SiLU(gate) * up in the epilogue; it writes the per-slot neurons in slot order
+(the input of kernel 2, so experts.hook_post is free) and, when a hook asks, the pre-activations.
+Kernel 2 (down): per-slot outputs in slot order, times the router weight in the epilogue.
+Combine: per token, an fp32 sum over its slots in slot order, cast once.
+
+Epilogues round where the torch path rounds (gate/up and down outputs to the model dtype, the weight
+product to the promoted dtype), so hooks see what the torch path shows them up to accumulation order.
+Gradients: each kernel is wrapped in an autograd Function whose backward recomputes that step with the
+torch path (`slot_linear`) and differentiates it.
+Under TRITON_INTERPRET=1 (CPU tests) tiles are upcast to float32 after loading: the interpreter's bf16
+arithmetic and tl.dot are not faithful.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moelens.kernels.experts import ExpertHooks, hooked, slot_linear
+from moelens.kernels.routing import SlotLayout, align_slots
+from moelens.kernels.tiles import Tile, tile_for
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _round(x, ty: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """fp32 -> ty. The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): there, round
+    the bits to nearest even first, so that its truncation is exact. NaN/inf are not expected here."""
+    if EMULATE_RNE and ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(ty)
+
+
+@triton.jit
+def _silu_mul(gate, up, ty: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """SiLU(gate) * up from values already in ty, rounding where the torch path rounds. Shared by the fused
+    epilogue and the stand-alone kernel, so results do not depend on whether a pre-activation is hooked."""
+    g = gate.to(tl.float32)
+    silu = _round(g * tl.sigmoid(g), ty, EMULATE_RNE).to(tl.float32)
+    return _round(silu * up.to(tl.float32), ty, EMULATE_RNE)
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    gate = tl.load(gate_ptr + offs, mask=ok, other=0.0)
+    up = tl.load(up_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, _silu_mul(gate, up, out_ptr.dtype.element_ty, UPCAST), mask=ok)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, post_ptr, pre_ptr, pre_linear_ptr,
+    n_slots, top_k, H, I,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_os, stride_oi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_POST: tl.constexpr, WRITE_PRE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
+        return  # past the last expert's rows: the grid is an upper bound
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows).to(tl.int64)
+    valid = slots < n_slots  # padding rows carry n_slots
+    tokens = tl.where(valid, slots // top_k, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    w_base = w_ptr + expert * stride_we
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xh, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        w_up = tl.load(w_base + (cols[None, :] + I) * stride_wn + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w_gate = w_gate.to(tl.float32)
+            w_up = w_up.to(tl.float32)
+        acc_gate = tl.dot(a, w_gate, acc_gate)
+        acc_up = tl.dot(a, w_up, acc_up)
+    out_ty = post_ptr.dtype.element_ty
+    gate = _round(acc_gate, out_ty, UPCAST)
+    up = _round(acc_up, out_ty, UPCAST)
+    out_offsets = slots[:, None] * stride_os + cols[None, :] * stride_oi
+    out_mask = valid[:, None] & col_ok[None, :]
+    if WRITE_PRE:
+        tl.store(pre_ptr + out_offsets, gate, mask=out_mask)
+        tl.store(pre_linear_ptr + out_offsets, up, mask=out_mask)
+    if WRITE_POST:
+        tl.store(post_ptr + out_offsets, _silu_mul(gate, up, out_ty, UPCAST), mask=out_mask)
+
+
+@triton.jit
+def _down_kernel(
+    post_ptr, w_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, weights_ptr, out_ptr,
+    n_slots, H, I,
+    stride_ps, stride_pi, stride_we, stride_wh, stride_wi, stride_os, stride_oh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows).to(tl.int64)
+    valid = slots < n_slots
+    safe_slots = tl.where(valid, slots, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < I
+        a = tl.load(post_ptr + safe_slots[:, None] * stride_ps + ks[None, :] * stride_pi, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + cols[None, :] * stride_wh + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc)
+    down = _round(acc, post_ptr.dtype.element_ty, UPCAST).to(tl.float32)  # the torch path's down output
+    weight = tl.load(weights_ptr + safe_slots, mask=valid, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    weighted = _round(down * weight[:, None], out_ty, UPCAST)
+    tl.store(out_ptr + slots[:, None] * stride_os + cols[None, :] * stride_oh, weighted, mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    in_ptr, out_ptr, T, H, top_k, stride_it, stride_ik, stride_ih, stride_ot, stride_oh,
+    BLOCK_H: tl.constexpr, UPCAST: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in range(0, top_k):  # slot order, as the torch path and the reference sum
+        acc += tl.load(in_ptr + t * stride_it + s * stride_ik + cols * stride_ih, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols * stride_oh, _round(acc, out_ptr.dtype.element_ty, UPCAST), mask=ok)
+
+
+def _grid_m(layout: SlotLayout) -> int:
+    return layout.max_blocks
+
+
+def gate_up(x: torch.Tensor, W_gate_up: torch.Tensor, layout: SlotLayout, tile: Tile, top_k: int, write_pre: bool):
+    """The per-slot neurons [S, I]; or, with write_pre, the pre-activations [S, 2I] (gate then up), for
+    hooks that read or replace them before the activation."""
+    S, I, H = layout.n_slots, W_gate_up.shape[1] // 2, x.shape[1]
+    out = x.new_empty(S, 2 * I if write_pre else I)
+    post, pre, pre_linear = out, out[:, :I], out[:, I:]
+    grid = (_grid_m(layout), triton.cdiv(I, tile.block_n))
+    _gate_up_kernel[grid](
+        x, W_gate_up, layout.sorted_slots, layout.block_expert, layout.n_padded, post, pre, pre_linear,
+        S, top_k, H, I,
+        x.stride(0), x.stride(1), W_gate_up.stride(0), W_gate_up.stride(1), W_gate_up.stride(2), out.stride(0), out.stride(1),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        WRITE_POST=not write_pre, WRITE_PRE=write_pre, UPCAST=_interpreting(),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def down(post: torch.Tensor, W_down: torch.Tensor, weights: torch.Tensor, layout: SlotLayout, tile: Tile) -> torch.Tensor:
+    """Weighted per-slot outputs [S, H], in the promoted dtype of the model and the router weights."""
+    S, H, I = layout.n_slots, W_down.shape[1], W_down.shape[2]
+    out = post.new_empty(S, H, dtype=torch.promote_types(post.dtype, weights.dtype))
+    grid = (_grid_m(layout), triton.cdiv(H, tile.block_n))
+    _down_kernel[grid](
+        post, W_down, layout.sorted_slots, layout.block_expert, layout.n_padded, weights.reshape(-1), out,
+        S, H, I,
+        post.stride(0), post.stride(1), W_down.stride(0), W_down.stride(1), W_down.stride(2), out.stride(0), out.stride(1),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=_interpreting(),
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    block = 1024
+    _silu_mul_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, UPCAST=_interpreting())
+    return out
+
+
+def combine(weighted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    T, k, H = weighted.shape
+    out = weighted.new_empty(T, H, dtype=dtype)
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](
+        weighted, out, T, H, k, weighted.stride(0), weighted.stride(1), weighted.stride(2), out.stride(0), out.stride(1),
+        BLOCK_H=block_h, UPCAST=_interpreting(),
+    )
+    return out
+
+
+# ---- autograd: Triton forward, torch-path backward --------------------------------------------------
+
+
+class _GateUp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, W_gate_up, layout, tile, top_k, write_pre, experts):
+        ctx.save_for_backward(x, W_gate_up, experts)
+        ctx.top_k, ctx.write_pre = top_k, write_pre
+        return gate_up(x, W_gate_up, layout, tile, top_k, write_pre)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, W_gate_up, experts = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, W_ = x.detach().requires_grad_(x.requires_grad), W_gate_up.detach().requires_grad_(W_gate_up.requires_grad)
+            out = slot_linear(x_, experts, W_, top_k=ctx.top_k)
+            if not ctx.write_pre:
+                pre, pre_linear = out.chunk(2, dim=-1)
+                out = F.silu(pre) * pre_linear
+            inputs = [t for t in (x_, W_) if t.requires_grad]
+            found = iter(torch.autograd.grad(out, inputs, grad, allow_unused=True)) if inputs else iter(())
+        return (next(found) if x.requires_grad else None, next(found) if W_gate_up.requires_grad else None, None, None, None, None, None)
+
+
+class _Down(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, post, W_down, weights, layout, tile, experts):
+        ctx.save_for_backward(post, W_down, weights, experts)
+        return down(post, W_down, weights, layout, tile)
+
+    @staticmethod
+    def backward(ctx, grad):
+        post, W_down, weights, experts = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) for t in (post, W_down, weights)]
+            out = slot_linear(leaves[0], experts, leaves[1]) * leaves[2].reshape(-1, 1)
+            needed = [t for t in leaves if t.requires_grad]
+            found = iter(torch.autograd.grad(out, needed, grad, allow_unused=True)) if needed else iter(())
+        return (*(next(found) if t.requires_grad else None for t in leaves), None, None, None)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return silu_mul(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        with torch.enable_grad():
+            g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            return torch.autograd.grad(F.silu(g) * u, (g, u), grad)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weighted, dtype):
+        ctx.in_dtype, ctx.top_k = weighted.dtype, weighted.shape[1]
+        return combine(weighted, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unsqueeze(1).expand(-1, ctx.top_k, -1).to(ctx.in_dtype), None
+
+
+def routed_experts_triton(
+    x, indices, weights, W_gate_up, W_down, act, hooks: ExpertHooks, batch_pos, tile: Tile | None = None
+) -> torch.Tensor:
+    T, k = indices.shape
+    tile = tile or tile_for(T)
+    layout = align_slots(indices, W_gate_up.shape[0], tile.block_m)
+    experts = indices.reshape(-1)
+    x = x.contiguous()
+    write_pre = hooks.pre.has_hooks or hooks.pre_linear.has_hooks
+    if write_pre:  # the hooks may replace pre-activations: the activation then runs on what they return
+        pre, pre_linear = _GateUp.apply(x, W_gate_up, layout, tile, k, True, experts).view(T, k, -1).chunk(2, dim=-1)
+        pre = hooked(hooks.pre, pre, batch_pos)
+        pre_linear = hooked(hooks.pre_linear, pre_linear, batch_pos)
+        post = _SiluMul.apply(pre, pre_linear)
+    else:
+        post = _GateUp.apply(x, W_gate_up, layout, tile, k, False, experts).view(T, k, -1)
+    post = hooked(hooks.post, post, batch_pos)  # a replacement is what kernel 2 reads
+    weighted = _Down.apply(post.reshape(T * k, -1).contiguous(), W_down, weights.contiguous(), layout, tile, experts)
+    weighted = hooked(hooks.outputs, weighted.view(T, k, -1), batch_pos)
+    return _Combine.apply(weighted.contiguous(), x.dtype)

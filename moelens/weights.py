@@ -1,0 +1,204 @@
+"""TransformerLens-style weight views (W_Q, W_O, W_U, ...) on HookedTransformer, extended to experts.
+
+Every property is built on access from the live parameters: per-layer pieces are views of them, and
+stacking over layers makes a new tensor that is still connected to them for autograd. So a view never goes
+stale after an edit or a fold, but writing into a returned stack does not change the model (edit
+`blocks[L]...` parameters for that).
+
+Layouts are TransformerLens's: input dimension first, `x @ W`:
+  W_E [d_vocab, d_model]                 W_U [d_model, d_vocab]
+  W_Q [n_layers, n_heads, d_model, d_head]       b_Q [n_layers, n_heads, d_head]
+  W_K, W_V: the same shape as W_Q; kv heads are repeated for the query heads that share them (query head h
+      reads kv head h // (n_heads // n_kv_heads), as the attention computes), so W_K[l, h] is the key map
+      head h really uses. W_K_grouped, W_V_grouped [n_layers, n_kv_heads, d_model, d_head] hold each once.
+  W_O [n_layers, n_heads, d_head, d_model]       b_O [n_layers, d_model]
+  W_router [n_layers, n_experts, d_model]         (logits = x @ W_router[l].T)
+  W_gate, W_in [n_layers, n_experts, d_model, d_expert]    W_out [n_layers, n_experts, d_expert, d_model]
+  W_shared_gate, W_shared_in [n_layers, d_model, d_shared]  W_shared_out [n_layers, d_shared, d_model]
+Absent biases read as zeros. Expert and router stacks need every block to be a mixture (they raise for a
+model with dense blocks, naming them, rather than silently renumbering layers); read such a model's
+`blocks[L].mlp` per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from jaxtyping import Float, Int
+from torch import nn
+
+from moelens.factored_matrix import FactoredMatrix
+
+if TYPE_CHECKING:
+    from moelens.config import MoeConfig
+    from moelens.models.components import Attention, RMSNorm, SparseMoe
+
+
+class WeightViews:
+    """Mixin for HookedTransformer: weight views, QK / OV circuits and in-place weight processing."""
+
+    cfg: MoeConfig
+    embed: nn.Embedding
+    unembed: nn.Linear
+    ln_final: RMSNorm
+    blocks: nn.ModuleList
+
+    # ---- embeddings ---------------------------------------------------------------------------------
+    @property
+    def W_E(self) -> Float[torch.Tensor, "d_vocab d_model"]:
+        return self.embed.weight
+
+    @property
+    def W_U(self) -> Float[torch.Tensor, "d_model d_vocab"]:
+        return self.unembed.weight.T
+
+    def tokens_to_residual_directions(
+        self, tokens: int | str | Int[torch.Tensor, "..."]
+    ) -> Float[torch.Tensor, "... d_model"]:
+        """The residual direction whose dot product with the final norm's *unweighted* output (x / rms)
+        gives each token's logit: W_U[:, token] * ln_final.weight. With fold_ln the weight is already in
+        W_U (and ln_final.weight is 1), so this equals TransformerLens's W_U[:, token]; without it, this
+        keeps direct logit attribution exact."""
+        if isinstance(tokens, str):
+            ids = self.to_tokens(tokens).flatten()  # type: ignore[attr-defined]
+            if ids.numel() != 1:
+                raise ValueError(f"{tokens!r} is {ids.numel()} tokens, not one")
+            tokens = ids[0]
+        tokens = torch.as_tensor(tokens, device=self.unembed.weight.device)
+        return self.unembed.weight[tokens] * self.ln_final.weight.to(self.unembed.weight.dtype)
+
+    # ---- attention ----------------------------------------------------------------------------------
+    def _per_layer(self, fn: Callable[[Attention], torch.Tensor]) -> torch.Tensor:
+        return torch.stack([fn(block.attn) for block in self.blocks])
+
+    def _heads_in(self, linear: nn.Linear, n: int) -> torch.Tensor:
+        """[n*d_head, d_model] -> [n, d_model, d_head] (a view)."""
+        return linear.weight.view(n, self.cfg.d_head, self.cfg.d_model).transpose(-2, -1)
+
+    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """Repeat the kv-head axis (dim 1) for the query heads that share each kv head."""
+        return t.repeat_interleave(self.cfg.n_heads // self.cfg.n_kv_heads, dim=1)
+
+    @property
+    def W_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
+        return self._per_layer(lambda a: self._heads_in(a.q_proj, self.cfg.n_heads))
+
+    @property
+    def W_K_grouped(self) -> Float[torch.Tensor, "n_layers n_kv_heads d_model d_head"]:
+        return self._per_layer(lambda a: self._heads_in(a.k_proj, self.cfg.n_kv_heads))
+
+    @property
+    def W_V_grouped(self) -> Float[torch.Tensor, "n_layers n_kv_heads d_model d_head"]:
+        return self._per_layer(lambda a: self._heads_in(a.v_proj, self.cfg.n_kv_heads))
+
+    @property
+    def W_K(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
+        return self._repeat_kv(self.W_K_grouped)
+
+    @property
+    def W_V(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
+        return self._repeat_kv(self.W_V_grouped)
+
+    @property
+    def W_O(self) -> Float[torch.Tensor, "n_layers n_heads d_head d_model"]:
+        c = self.cfg
+        return self._per_layer(lambda a: a.o_proj.weight.view(c.d_model, c.n_heads, c.d_head).permute(1, 2, 0))
+
+    def _bias(self, linear: nn.Linear, *shape: int) -> torch.Tensor:
+        """linear's bias viewed as `shape`, or zeros where it has none."""
+        if linear.bias is None:
+            return linear.weight.new_zeros(shape)
+        return linear.bias.view(shape)
+
+    @property
+    def b_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
+        return self._per_layer(lambda a: self._bias(a.q_proj, self.cfg.n_heads, self.cfg.d_head))
+
+    @property
+    def b_K(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
+        return self._repeat_kv(self._per_layer(lambda a: self._bias(a.k_proj, self.cfg.n_kv_heads, self.cfg.d_head)))
+
+    @property
+    def b_V(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
+        return self._repeat_kv(self._per_layer(lambda a: self._bias(a.v_proj, self.cfg.n_kv_heads, self.cfg.d_head)))
+
+    @property
+    def b_O(self) -> Float[torch.Tensor, "n_layers d_model"]:
+        return self._per_layer(lambda a: self._bias(a.o_proj, self.cfg.d_model))
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        """W_Q[l, h] @ W_K[l, h].T, [n_layers, n_heads, d_model, d_model]: the bilinear form of the
+        projections only. The real scores also depend on the rotary (position-dependent), on the q/k biases
+        and, for Hunyuan, on the per-head q/k norms applied after the rotary; none of these is in QK."""
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        """W_V[l, h] @ W_O[l, h], [n_layers, n_heads, d_model, d_model] (v biases not included)."""
+        return FactoredMatrix(self.W_V, self.W_O)
+
+    # ---- mixtures -----------------------------------------------------------------------------------
+    def _per_moe_layer(self, what: str, fn: Callable[[SparseMoe], torch.Tensor]) -> torch.Tensor:
+        dense = [i for i, moe in enumerate(self.cfg.moe_layers) if not moe]
+        if dense:
+            raise ValueError(
+                f"{what} stacks one entry per layer, but blocks {dense} of this model are dense MLPs; "
+                f"read blocks[L].mlp per mixture layer ({[i for i, m in enumerate(self.cfg.moe_layers) if m]})"
+            )
+        return torch.stack([fn(block.mlp) for block in self.blocks])
+
+    def _shared(self, what: str, fn: Callable[[SparseMoe], torch.Tensor]) -> torch.Tensor:
+        if not self.cfg.d_shared:
+            raise ValueError(f"{what}: this model's mixtures have no shared expert")
+        return self._per_moe_layer(what, fn)
+
+    @property
+    def W_router(self) -> Float[torch.Tensor, "n_layers n_experts d_model"]:
+        return self._per_moe_layer("W_router", lambda m: m.router.weight)
+
+    @property
+    def W_gate(self) -> Float[torch.Tensor, "n_layers n_experts d_model d_expert"]:
+        d = self.cfg.d_expert
+        return self._per_moe_layer("W_gate", lambda m: m.experts.W_gate_up[:, :d].transpose(-2, -1))
+
+    @property
+    def W_in(self) -> Float[torch.Tensor, "n_layers n_experts d_model d_expert"]:
+        d = self.cfg.d_expert
+        return self._per_moe_layer("W_in", lambda m: m.experts.W_gate_up[:, d:].transpose(-2, -1))
+
+    @property
+    def W_out(self) -> Float[torch.Tensor, "n_layers n_experts d_expert d_model"]:
+        return self._per_moe_layer("W_out", lambda m: m.experts.W_down.transpose(-2, -1))
+
+    @property
+    def W_shared_gate(self) -> Float[torch.Tensor, "n_layers d_model d_shared"]:
+        return self._shared("W_shared_gate", lambda m: m.shared_expert.gate_proj.weight.T)
+
+    @property
+    def W_shared_in(self) -> Float[torch.Tensor, "n_layers d_model d_shared"]:
+        return self._shared("W_shared_in", lambda m: m.shared_expert.up_proj.weight.T)
+
+    @property
+    def W_shared_out(self) -> Float[torch.Tensor, "n_layers d_shared d_model"]:
+        return self._shared("W_shared_out", lambda m: m.shared_expert.down_proj.weight.T)
+
+    @property
+    def W_shared_sigmoid_gate(self) -> Float[torch.Tensor, "n_layers d_model"]:
+        """Qwen2-MoE's shared_expert_gate: the shared expert is scaled by sigmoid(x @ this[l])."""
+        if not self.cfg.shared_gate:
+            raise ValueError("W_shared_sigmoid_gate: this model's shared expert is not gated (only Qwen2-MoE's is)")
+        return self._shared("W_shared_sigmoid_gate", lambda m: m.shared_gate.weight[0])
+
+    # ---- processing ---------------------------------------------------------------------------------
+    def process_weights_(self, fold_ln: bool = False, center_unembed: bool = False) -> None:
+        """Fold the RMSNorm weights into what reads them and/or center the unembedding, in place
+        (what from_pretrained(fold_ln=..., center_unembed=...) does; see moelens.fold)."""
+        from moelens import fold
+
+        if fold_ln:
+            fold.fold_layer_norm(self)  # type: ignore[arg-type]
+        if center_unembed:
+            fold.center_unembed(self)  # type: ignore[arg-type]

@@ -1,0 +1,316 @@
+"""ActivationCache analyses: residual stacks, head results, the full decomposition with experts, logit attribution.
+
+Each check is against something computed another way: cached streams, the model's own logits, or a loop.
+"""
+
+import pytest
+import torch
+from conftest import FAMILIES
+
+from moelens import HookedTransformer
+from moelens.cache_analysis import MissingHooksError
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def toks():
+    return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(11))
+
+
+@pytest.fixture(scope="module")
+def runs(family_models, toks):
+    """family -> (model, logits, cache) of one run over toks."""
+    out = {}
+    with torch.no_grad():
+        for family, model in family_models.items():
+            logits, cache = model.run_with_cache(toks)
+            out[family] = (model, logits, cache)
+    return out
+
+
+@pytest.fixture(scope="module")
+def variant_runs(checkpoints, toks):
+    """Qwen2-MoE with a dense block and Hunyuan with an o_proj bias."""
+    out = {}
+    for key in [("qwen2_moe", "dense_block"), ("hunyuan_v1_moe", "untied_biased")]:
+        model = HookedTransformer.from_pretrained(checkpoints[key], progress=False)
+        with torch.no_grad():
+            logits, cache = model.run_with_cache(toks)
+        out[key] = (model, logits, cache)
+    return out
+
+
+def close(a, b, atol=ATOL):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a - b).abs().max().item()
+    assert err <= atol, f"max error {err:.3g} > {atol}"
+
+
+def expected_labels(model, expand=False):
+    cfg = model.cfg
+    labels = ["embed"]
+    for l, block in enumerate(model.blocks):
+        labels += [f"L{l}H{h}" for h in range(cfg.n_heads)]
+        if block.attn.o_proj.bias is not None:
+            labels.append(f"L{l}.attn_bias")
+        if not block.is_moe:
+            labels += [f"L{l}.mlp.N{i}" for i in range(cfg.d_mlp)] if expand else [f"L{l}.mlp"]
+            continue
+        if cfg.d_shared:
+            labels += [f"L{l}.shared.N{i}" for i in range(cfg.d_shared)] if expand else [f"L{l}.shared"]
+        if expand:
+            labels += [f"L{l}.E{e}.N{i}" for e in range(cfg.n_experts) for i in range(cfg.d_expert)]
+        else:
+            labels += [f"L{l}.E{e}" for e in range(cfg.n_experts)]
+    return labels
+
+
+# ---- the full decomposition --------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_decomposition_sums_to_final_stream(runs, family):
+    model, _, cache = runs[family]
+    stack, labels = cache.get_full_resid_decomposition()
+    assert labels == expected_labels(model)
+    assert stack.shape == (len(labels), *cache["resid_post", -1].shape)
+    close(stack.sum(0), cache["resid_post", -1])
+    comp = dict(zip(labels, stack))
+    close(comp["embed"], cache["hook_embed"], 0)
+    for l in range(model.cfg.n_layers):
+        experts = torch.stack([comp[f"L{l}.E{e}"] for e in range(model.cfg.n_experts)])
+        close(experts.sum(0), cache["routed_out", l])
+        close(comp[f"L{l}.shared"], cache["shared_out", l], 0)
+        # an expert contributes only where the token chose it, and then exactly its slots' sum
+        indices, outputs = cache["expert_indices", l], cache["expert_outputs", l]
+        for e in range(model.cfg.n_experts):
+            chosen = indices == e  # [batch pos k]
+            expected = (outputs * chosen[..., None]).sum(-2)
+            close(experts[e], expected)
+            assert (experts[e][~chosen.any(-1)] == 0).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_decomposition_expanded_into_neurons(runs, family):
+    model, _, cache = runs[family]
+    stack, labels = cache.get_full_resid_decomposition(expand_neurons=True)
+    assert labels == expected_labels(model, expand=True)
+    close(stack.sum(0), cache["resid_post", -1])
+    # each expert's neurons add up to that expert's part of the unexpanded decomposition
+    coarse = dict(zip(*cache.get_full_resid_decomposition()[::-1]))
+    index = {lab: i for i, lab in enumerate(labels)}
+    for l in range(model.cfg.n_layers):
+        for e in (0, model.cfg.n_experts - 1):
+            rows = [index[f"L{l}.E{e}.N{i}"] for i in range(model.cfg.d_expert)]
+            close(stack[rows].sum(0), coarse[f"L{l}.E{e}"])
+        rows = [index[f"L{l}.shared.N{i}"] for i in range(model.cfg.d_shared)]
+        close(stack[rows].sum(0), coarse[f"L{l}.shared"])
+
+
+@pytest.mark.parametrize("key", [("qwen2_moe", "dense_block"), ("hunyuan_v1_moe", "untied_biased")])
+@pytest.mark.parametrize("expand", [False, True])
+def test_full_decomposition_dense_block_and_o_bias(variant_runs, key, expand):
+    model, _, cache = variant_runs[key]
+    stack, labels = cache.get_full_resid_decomposition(expand_neurons=expand)
+    assert labels == expected_labels(model, expand)
+    if key[1] == "dense_block":
+        assert ("L1.mlp.N0" if expand else "L1.mlp") in labels and "L1.E0" not in labels
+    else:
+        assert "L0.attn_bias" in labels
+        close(stack[labels.index("L2.attn_bias")][0, 0], model.blocks[2].attn.o_proj.bias.detach(), 0)
+    close(stack.sum(0), cache["resid_post", -1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
+    model, _, cache = runs[family]
+    stack, labels = cache.get_full_resid_decomposition(layer=2)
+    assert labels[-1] == f"L1.E{model.cfg.n_experts - 1}" and "L2H0" not in labels
+    close(stack.sum(0), cache["resid_pre", 2])
+    stack, labels = cache.get_full_resid_decomposition(layer=2, mlp_input=True)
+    assert labels[-1] == f"L2H{model.cfg.n_heads - 1}"
+    close(stack.sum(0), cache["resid_mid", 2])
+    # an int pos_slice drops the pos axis; apply_ln divides by ln2's cached scale
+    stack = cache.get_full_resid_decomposition(layer=1, mlp_input=True, pos_slice=-1, apply_ln=True, return_labels=False)
+    assert stack.shape[1:] == (2, model.cfg.d_model)
+    normed = stack.sum(0) * model.blocks[1].ln2.weight
+    close(normed, cache["blocks.1.ln2.hook_normalized"][:, -1])
+    stack = cache.get_full_resid_decomposition(pos_slice=slice(3, 7), return_labels=False)
+    close(stack.sum(0), cache["resid_post", -1][:, 3:7])
+
+
+# ---- accumulated and decomposed streams --------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_accumulated_resid(runs, family):
+    model, _, cache = runs[family]
+    n = model.cfg.n_layers
+    stack, labels = cache.accumulated_resid(return_labels=True)
+    assert labels == [f"{l}_pre" for l in range(n)] + ["final_post"]
+    close(stack[:n], torch.stack([cache["resid_pre", l] for l in range(n)]), 0)
+    close(stack[-1], cache["resid_post", -1], 0)
+    stack, labels = cache.accumulated_resid(layer=2, incl_mid=True, return_labels=True)
+    assert labels == ["0_pre", "0_mid", "1_pre", "1_mid", "2_pre"]
+    close(stack[3], cache["resid_mid", 1], 0)
+    assert cache.accumulated_resid(layer=1, mlp_input=True, return_labels=True)[1] == ["0_pre", "1_pre", "1_mid"]
+    # through the final norm: x / rms, times the weight, is the norm's cached output
+    stack = cache.accumulated_resid(apply_ln=True, pos_slice=-1)
+    assert stack.shape == (n + 1, 2, model.cfg.d_model)
+    close(stack[-1] * model.ln_final.weight, cache["ln_final.hook_normalized"][:, -1])
+    # and through ln1 of a block
+    stack = cache.accumulated_resid(layer=2, apply_ln=True)
+    close(stack[-1] * model.blocks[2].ln1.weight, cache["blocks.2.ln1.hook_normalized"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decompose_resid(runs, family):
+    model, _, cache = runs[family]
+    n = model.cfg.n_layers
+    stack, labels = cache.decompose_resid(return_labels=True)
+    assert labels == ["embed"] + [f"{l}_{s}" for l in range(n) for s in ("attn_out", "mlp_out")]
+    close(stack.sum(0), cache["resid_post", -1])
+    stack, labels = cache.decompose_resid(layer=1, mlp_input=True, return_labels=True)
+    assert labels == ["embed", "0_attn_out", "0_mlp_out", "1_attn_out"]
+    close(stack.sum(0), cache["resid_mid", 1])
+    attn, labels = cache.decompose_resid(mode="attn", incl_embeds=False, return_labels=True)
+    assert labels == [f"{l}_attn_out" for l in range(n)]
+    mlp = cache.decompose_resid(mode="mlp", incl_embeds=False)
+    close(attn.sum(0) + mlp.sum(0) + cache["hook_embed"], cache["resid_post", -1])
+    # apply_ln: the same scale for every component, so it commutes with the sum
+    normed = cache.decompose_resid(apply_ln=True, pos_slice=[0, 5])
+    close(normed.sum(0), cache.apply_ln_to_stack(cache["resid_post", -1][None, :, [0, 5]], pos_slice=[0, 5])[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stack_activation(runs, family):
+    model, _, cache = runs[family]
+    n = model.cfg.n_layers
+    close(cache.stack_activation("resid_pre"), torch.stack([cache["resid_pre", l] for l in range(n)]), 0)
+    logits = cache.stack_activation("blocks.L.mlp.hook_router_logits")
+    assert logits.shape == (n, 2, 12, model.cfg.n_experts)
+    close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
+    assert cache.stack_activation("resid_pre", layer=2).shape[0] == 2
+    close(cache.stack_activation("normalized", sublayer_type="ln2")[2], cache["blocks.2.ln2.hook_normalized"], 0)
+    if len(set(model.cfg.top_k)) > 1:  # Hunyuan: top_k differs per layer
+        with pytest.raises(ValueError, match="differ in shape"):
+            cache.stack_activation("expert_indices")
+
+
+# ---- heads ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_results(runs, family):
+    model, _, cache = runs[family]
+    cfg = model.cfg
+    stack, labels = cache.stack_head_results(return_labels=True)
+    assert labels == [f"L{l}H{h}" for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    per_layer = stack.unflatten(0, (cfg.n_layers, cfg.n_heads))
+    for l in range(cfg.n_layers):
+        W = model.blocks[l].attn.o_proj.weight.detach()
+        z = cache["z", l]
+        for h in (0, cfg.n_heads - 1):  # head h reads o_proj's input columns of that head
+            close(per_layer[l, h], z[:, :, h] @ W[:, h * cfg.d_head : (h + 1) * cfg.d_head].T)
+        bias = model.blocks[l].attn.o_proj.bias
+        close(per_layer[l].sum(0) + (0 if bias is None else bias.detach()), cache["attn_out", l])
+    stack, labels = cache.stack_head_results(layer=2, incl_remainder=True, return_labels=True)
+    assert labels[-1] == "remainder" and len(labels) == 2 * cfg.n_heads + 1
+    close(stack.sum(0), cache["resid_pre", 2])
+    normed = cache.stack_head_results(layer=2, apply_ln=True, pos_slice=0)
+    close(normed, stack[:-1, :, 0] / cache["blocks.2.ln1.hook_scale"][:, 0])
+    fresh = model.run_with_cache(torch.zeros(1, 3, dtype=torch.long), names_filter=lambda n: n.endswith("hook_z"))[1]
+    fresh.compute_head_results()
+    assert fresh["blocks.0.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)
+    assert cache.stack_head_results(layer=0).shape == (0, 2, 12, cfg.d_model)
+
+
+# ---- logit attribution ------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logit_attrs_sum_to_logits(runs, toks, family):
+    model, logits, cache = runs[family]
+    stack = cache.get_full_resid_decomposition(apply_ln=True, return_labels=False)
+    # per-position token ids: components add up to that token's logit (RMSNorm has no centering constant)
+    attrs = cache.logit_attrs(stack, toks)
+    assert attrs.shape == (stack.shape[0], 2, 12)
+    close(attrs.sum(0), logits.gather(-1, toks[..., None])[..., 0])
+    # a logit difference, one token per row, last position only
+    right, wrong = torch.tensor([5, 17]), torch.tensor([40, 2])
+    last = cache.get_full_resid_decomposition(apply_ln=True, pos_slice=-1, return_labels=False)
+    diff = cache.logit_attrs(last, right, incorrect_tokens=wrong, pos_slice=-1)
+    assert diff.shape == (stack.shape[0], 2)
+    close(diff.sum(0), logits[torch.arange(2), -1, right] - logits[torch.arange(2), -1, wrong])
+    # one token everywhere, and the same as a float direction
+    close(cache.logit_attrs(stack, 7).sum(0), logits[..., 7])
+    close(cache.logit_attrs(stack, model.tokens_to_residual_directions(7)), cache.logit_attrs(stack, 7), 0)
+    # full-length tokens with a pos_slice are sliced; already-sliced ones are taken as they are
+    part = cache.get_full_resid_decomposition(apply_ln=True, pos_slice=slice(2, 5), return_labels=False)
+    a = cache.logit_attrs(part, toks, pos_slice=slice(2, 5))
+    close(a, cache.logit_attrs(part, toks[:, 2:5], pos_slice=slice(2, 5)), 0)
+    close(a.sum(0), logits[:, 2:5].gather(-1, toks[:, 2:5, None])[..., 0])
+    # accumulated stream at the end, through the final norm: the logit lens of the last entry is the logits
+    acc = cache.accumulated_resid(apply_ln=True)
+    close(cache.logit_attrs(acc, toks)[-1], logits.gather(-1, toks[..., None])[..., 0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_logit_attribution(runs, toks, family):
+    model, logits, cache = runs[family]
+    cfg = model.cfg
+    ela = cache.expert_logit_attribution(toks)
+    assert ela.shape == (cfg.n_layers, cfg.n_experts, 2, 12)
+    # the same numbers as the decomposition's expert components through logit_attrs
+    stack, labels = cache.get_full_resid_decomposition(apply_ln=True)
+    attrs = dict(zip(labels, cache.logit_attrs(stack, toks)))
+    for l in range(cfg.n_layers):
+        close(ela[l], torch.stack([attrs[f"L{l}.E{e}"] for e in range(cfg.n_experts)]))
+    # an independent loop for one token: slot outputs / final rms . (W_U column * final norm weight)
+    b, p, tok = 1, 7, int(toks[1, 7])
+    direction = model.unembed.weight[tok].detach() * model.ln_final.weight.detach()
+    rms = cache["ln_final.hook_scale"][b, p, 0]
+    for l in range(cfg.n_layers):
+        expected = torch.zeros(cfg.n_experts)
+        for s, e in enumerate(cache["expert_indices", l][b, p].tolist()):
+            expected[e] += cache["expert_outputs", l][b, p, s] @ direction / rms
+        close(ela[l, :, b, p], expected)
+        unchosen = torch.ones(cfg.n_experts, dtype=torch.bool)
+        unchosen[cache["expert_indices", l][b, p]] = False
+        assert (ela[l, unchosen, b, p] == 0).all()
+    # logit difference at one position, and a float direction
+    diff = cache.expert_logit_attribution(3, pos_slice=-1, incorrect_tokens=9)
+    assert diff.shape == (cfg.n_layers, cfg.n_experts, 2)
+    close(diff, cache.expert_logit_attribution(3, pos_slice=-1) - cache.expert_logit_attribution(9, pos_slice=-1))
+    d = model.tokens_to_residual_directions(3) - model.tokens_to_residual_directions(9)
+    close(cache.expert_logit_attribution(d, pos_slice=-1), diff)
+
+
+def test_expert_logit_attribution_dense_block_is_zero(variant_runs, toks):
+    model, _, cache = variant_runs["qwen2_moe", "dense_block"]
+    ela = cache.expert_logit_attribution(toks)
+    assert (ela[1] == 0).all() and ela[0].abs().sum() > 0
+
+
+# ---- errors and layouts -----------------------------------------------------------------------------
+def test_missing_hooks_are_named(runs, toks):
+    model = runs["qwen2_moe"][0]
+    _, cache = model.run_with_cache(toks, names_filter=lambda n: "expert_outputs" not in n and "resid_pre" not in n)
+    with pytest.raises(MissingHooksError, match=r"blocks\.0\.mlp\.hook_expert_outputs"):
+        cache.get_full_resid_decomposition()
+    with pytest.raises(MissingHooksError, match=r"expert_logit_attribution needs .*blocks\.0\.mlp\.hook_expert_outputs"):
+        cache.expert_logit_attribution(toks)
+    with pytest.raises(MissingHooksError, match=r"blocks\.0\.hook_resid_pre"):
+        cache.accumulated_resid()
+    _, cache = model.run_with_cache(toks, names_filter="hook_embed")
+    with pytest.raises(MissingHooksError, match=r"ln_final\.hook_scale"):
+        cache.apply_ln_to_stack(cache["hook_embed"][None])
+    with pytest.raises(MissingHooksError, match="blocks"):
+        cache.stack_activation("resid_post")
+    with pytest.raises(ValueError, match="layer must be"):
+        cache.decompose_resid(layer=7)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_without_batch_dim(runs, toks, family):
+    model, _, cache = runs[family]
+    _, single = model.run_with_cache(toks[:1], remove_batch_dim=True)
+    stack, labels = single.get_full_resid_decomposition(apply_ln=True)
+    batched = cache.get_full_resid_decomposition(apply_ln=True, return_labels=False)
+    close(stack, batched[:, 0])
+    close(single.logit_attrs(stack, toks[0]), cache.logit_attrs(batched, toks)[:, 0])
+    close(single.expert_logit_attribution(toks[0]), cache.expert_logit_attribution(toks)[:, :, 0])
+    assert single.accumulated_resid(pos_slice=-1).shape == (model.cfg.n_layers + 1, model.cfg.d_model)

@@ -1,0 +1,217 @@
+"""Weight views (W_Q ... W_out), FactoredMatrix, and from_pretrained(fold_ln=..., center_unembed=...).
+
+Weight views are checked by reproducing the model's own hook tensors from the cached inputs; folding by
+comparing logits (and routing) with the unprocessed model.
+"""
+
+import pytest
+import torch
+from conftest import FAMILIES
+
+from moelens import HookedTransformer
+from moelens.factored_matrix import FactoredMatrix
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def toks():
+    return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def runs(family_models, toks):
+    with torch.no_grad():
+        return {f: (m, *m.run_with_cache(toks)) for f, m in family_models.items()}
+
+
+def close(a, b, atol=ATOL):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a - b).abs().max().item()
+    assert err <= atol, f"max error {err:.3g} > {atol}"
+
+
+# ---- views ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_views_reproduce_hooks(runs, toks, family):
+    model, logits, cache = runs[family]
+    cfg = model.cfg
+    L, H, G, D, M = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
+    with torch.no_grad():
+        W_Q, W_K, W_V, W_O = model.W_Q, model.W_K, model.W_V, model.W_O
+        assert W_Q.shape == W_K.shape == W_V.shape == (L, H, M, D) and W_O.shape == (L, H, D, M)
+        assert model.W_K_grouped.shape == model.W_V_grouped.shape == (L, G, M, D)
+        assert model.b_Q.shape == model.b_K.shape == model.b_V.shape == (L, H, D) and model.b_O.shape == (L, M)
+        for l in range(L):
+            x = cache["blocks.%d.ln1.hook_normalized" % l]
+            q = torch.einsum("bpm,hmd->bphd", x, W_Q[l]) + model.b_Q[l]
+            close(q, cache["q", l])
+            k = torch.einsum("bpm,gmd->bpgd", x, model.W_K_grouped[l])
+            close(k + model.b_K[l, :: H // G], cache["k", l])
+            # the repeated view: query head h uses kv head h // (H / G)
+            close(torch.einsum("bpm,hmd->bphd", x, W_K[l]) + model.b_K[l], cache["k", l].repeat_interleave(H // G, dim=2))
+            close(torch.einsum("bpm,hmd->bphd", x, W_V[l]) + model.b_V[l], cache["v", l].repeat_interleave(H // G, dim=2))
+            out = torch.einsum("bphd,hdm->bpm", cache["z", l], W_O[l]) + model.b_O[l]
+            close(out, cache["attn_out", l])
+        close(model.W_E[toks], cache["hook_embed"], 0)
+        close(cache["ln_final.hook_normalized"] @ model.W_U, logits)
+        # the token direction carries the final norm's weight: x / rms . direction is the logit
+        normed = cache["resid_post", -1] / cache["ln_final.hook_scale"]
+        close((normed * model.tokens_to_residual_directions(toks)).sum(-1), logits.gather(-1, toks[..., None])[..., 0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_views_reproduce_hooks(runs, family):
+    model, _, cache = runs[family]
+    cfg = model.cfg
+    L, E, M, I, S = cfg.n_layers, cfg.n_experts, cfg.d_model, cfg.d_expert, cfg.d_shared
+    with torch.no_grad():
+        W_gate, W_in, W_out = model.W_gate, model.W_in, model.W_out
+        assert model.W_router.shape == (L, E, M)
+        assert W_gate.shape == W_in.shape == (L, E, M, I) and W_out.shape == (L, E, I, M)
+        assert model.W_shared_gate.shape == model.W_shared_in.shape == (L, M, S) and model.W_shared_out.shape == (L, S, M)
+        for l in range(L):
+            x = cache["blocks.%d.ln2.hook_normalized" % l]
+            close(x.float() @ model.W_router[l].float().T, cache["router_logits", l])
+            idx = cache["expert_indices", l]  # [b p k]: each slot through its expert's matrices
+            pre = torch.einsum("bpm,bpkmi->bpki", x, W_gate[l][idx])
+            close(pre, cache["blocks.%d.mlp.experts.hook_pre" % l])
+            close(torch.einsum("bpm,bpkmi->bpki", x, W_in[l][idx]), cache["blocks.%d.mlp.experts.hook_pre_linear" % l])
+            post = cache["blocks.%d.mlp.experts.hook_post" % l]
+            out = torch.einsum("bpki,bpkim->bpkm", post, W_out[l][idx]) * cache["expert_weights", l][..., None]
+            close(out, cache["expert_outputs", l])
+            sh = "blocks.%d.mlp.shared_expert." % l
+            close(x @ model.W_shared_gate[l], cache[sh + "hook_pre"])
+            close(x @ model.W_shared_in[l], cache[sh + "hook_pre_linear"])
+            close(cache[sh + "hook_post"] @ model.W_shared_out[l], cache[sh + "hook_out"])
+            if cfg.shared_gate:
+                close(x @ model.W_shared_sigmoid_gate[l], cache["shared_gate", l][..., 0])
+        if not cfg.shared_gate:
+            with pytest.raises(ValueError, match="not gated"):
+                model.W_shared_sigmoid_gate
+
+
+def test_views_are_live_and_differentiable(checkpoints):
+    model = HookedTransformer.from_pretrained(checkpoints["solar_open", "base"], progress=False)
+    with torch.no_grad():
+        model.blocks[1].attn.q_proj.weight[5, 7] = 3.0  # row 5 = head 0, dim 5; column 7 = d_model 7
+        model.blocks[2].mlp.experts.W_down[4, 9, 2] = -2.0
+    assert model.W_Q[1, 0, 7, 5] == 3.0 and model.W_out[2, 4, 2, 9] == -2.0
+    assert model.OV.AB.requires_grad
+    model.W_O[0, 1].sum().backward()
+    grad = model.blocks[0].attn.o_proj.weight.grad
+    d = model.cfg.d_head
+    assert (grad[:, d : 2 * d] == 1).all() and (grad[:, :d] == 0).all()
+
+
+def test_mixture_views_refuse_dense_blocks(checkpoints):
+    model = HookedTransformer.from_pretrained(checkpoints["qwen2_moe", "dense_block"], progress=False)
+    assert model.W_Q.shape[0] == 3
+    for name in ("W_router", "W_gate", "W_out", "W_shared_in"):
+        with pytest.raises(ValueError, match=r"blocks \[1\] of this model are dense"):
+            getattr(model, name)
+
+
+def test_factored_matrix(family_models):
+    model = family_models["qwen2_moe"]
+    with torch.no_grad():
+        OV, QK = model.OV, model.QK
+        cfg = model.cfg
+        assert OV.shape == QK.shape == (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_model)
+        close(OV.AB, torch.einsum("lhmd,lhdn->lhmn", model.W_V, model.W_O))
+        close(QK[1, 2].AB, model.W_Q[1, 2] @ model.W_K[1, 2].T)
+        U, S, Vh = OV.svd()
+        assert S.shape == (cfg.n_layers, cfg.n_heads, cfg.d_head)
+        close(U @ torch.diag_embed(S) @ Vh, OV.AB)
+        close(OV.norm(), torch.linalg.matrix_norm(OV.AB))
+        close(S, torch.linalg.svdvals(OV.AB)[..., : cfg.d_head], 1e-4)
+        # BA is d_head x d_head with the eigenvalues of AB that are not zero
+        ba = torch.linalg.eigvals(OV[0, 0].BA).abs().sort().values
+        ab = torch.linalg.eigvals(OV[0, 0].AB).abs().sort().values[-cfg.d_head :]
+        close(ba, ab, 1e-4)
+        close((OV[0, 0] @ OV[1, 0]).AB, OV[0, 0].AB @ OV[1, 0].AB, 1e-4)
+        close(OV[0, 0].T.AB, OV[0, 0].AB.T)
+        with pytest.raises(IndexError):
+            OV[0, 0, 0]
+        with pytest.raises(ValueError):
+            FactoredMatrix(torch.ones(3, 2), torch.ones(3, 2))
+
+
+# ---- folding ----------------------------------------------------------------------------------------
+FOLD_CASES = [(f, "base") for f in FAMILIES] + [("qwen2_moe", "dense_block"), ("hunyuan_v1_moe", "untied_biased")]
+
+
+@pytest.mark.parametrize("key", FOLD_CASES)
+def test_fold_ln_keeps_logits(checkpoints, toks, key):
+    ref = HookedTransformer.from_pretrained(checkpoints[key], progress=False)
+    folded = HookedTransformer.from_pretrained(checkpoints[key], progress=False, fold_ln=True)
+    with torch.no_grad():
+        ref_logits, ref_cache = ref.run_with_cache(toks, names_filter="*expert_indices")
+        logits, cache = folded.run_with_cache(toks, names_filter="*expert_indices")
+    close(logits, ref_logits)
+    for name, indices in ref_cache.items():  # the same experts chosen
+        assert torch.equal(cache[name], indices), name
+    norms = [folded.ln_final] + [b.ln1 for b in folded.blocks] + [b.ln2 for b in folded.blocks]
+    assert all((n.weight == 1).all() for n in norms)
+    close(folded.W_E, ref.W_E, 0)  # a tied embedding is untied, not scaled
+    assert folded.unembed.weight is not folded.embed.weight and not folded.cfg.tie_word_embeddings
+    close(folded.W_U, ref.W_U * ref.ln_final.weight[:, None].detach())
+    if folded.cfg.qk_norm:  # Hunyuan's per-head q/k norms come after the rotary: kept as they are
+        close(folded.blocks[0].attn.q_norm.weight, ref.blocks[0].attn.q_norm.weight.detach(), 0)
+    if folded.cfg.router_in_float32:
+        assert all(b.mlp.router.weight.dtype == torch.float32 for b in folded.blocks)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fold_ln_in_bfloat16_keeps_dtypes(checkpoints, toks, family):
+    path = checkpoints[family, "base"]
+    ref = HookedTransformer.from_pretrained(path, progress=False, dtype=torch.bfloat16)
+    folded = HookedTransformer.from_pretrained(path, progress=False, dtype=torch.bfloat16, fold_ln=True)
+    for (name, p), q in zip(ref.named_parameters(), folded.parameters()):
+        assert p.dtype == q.dtype, name
+    if folded.cfg.router_in_float32:  # Hunyuan's and Solar's routers stay float32, folded in float32
+        assert folded.blocks[0].mlp.router.weight.dtype == torch.float32
+    # bfloat16 rounds the folded products: folding must not move the output more than bfloat16 itself does
+    with torch.no_grad():
+        exact = HookedTransformer.from_pretrained(path, progress=False)(toks).softmax(-1)
+        err_ref = (ref(toks).float().softmax(-1) - exact).abs().mean()
+        err_folded = (folded(toks).float().softmax(-1) - exact).abs().mean()
+    assert err_folded < max(2 * err_ref, 5e-4), (err_folded, err_ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_center_unembed(checkpoints, toks, family):
+    ref = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False)
+    centered = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False, center_unembed=True)
+    assert centered.W_U.mean(-1).abs().max() < 1e-6
+    close(centered.W_E, ref.W_E, 0)
+    with torch.no_grad():
+        ref_logits, logits = ref(toks), centered(toks)
+    shift = logits - ref_logits  # one constant per position
+    close(shift, shift[..., :1].expand_as(shift))
+    close(logits.log_softmax(-1), ref_logits.log_softmax(-1))
+    both = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False, fold_ln=True, center_unembed=True)
+    with torch.no_grad():
+        close(both(toks).softmax(-1), ref_logits.softmax(-1))
+
+
+def test_process_weights_in_place_matches_loading(checkpoints, toks):
+    path = checkpoints["hunyuan_v1_moe", "base"]
+    model = HookedTransformer.from_pretrained(path, progress=False)
+    model.process_weights_(fold_ln=True, center_unembed=True)
+    loaded = HookedTransformer.from_pretrained(path, progress=False, fold_ln=True, center_unembed=True)
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        close(p.detach(), q.detach(), 0)
+    with torch.no_grad():
+        close(model(toks), loaded(toks), 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_folded_model_logit_attribution(checkpoints, toks, family):
+    """After fold_ln the norm weights are 1: the direct logit attribution is the same as before folding."""
+    model = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False, fold_ln=True)
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(toks)
+    stack = cache.get_full_resid_decomposition(apply_ln=True, return_labels=False)
+    W_U_cols = model.W_U[:, toks].permute(1, 2, 0)  # TransformerLens's plain W_U direction
+    close((stack * W_U_cols).sum(-1).sum(0), logits.gather(-1, toks[..., None])[..., 0])
