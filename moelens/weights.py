@@ -33,14 +33,14 @@ from moelens.factored_matrix import FactoredMatrix
 
 if TYPE_CHECKING:
     from moelens.config import MoeConfig
-    from moelens.models.components import Attention, RMSNorm, SparseMoe
+    from moelens.models.components import Attention, Embed, RMSNorm, SparseMoe
 
 
 class WeightViews:
     """Mixin for HookedTransformer: weight views, QK / OV circuits and in-place weight processing."""
 
     cfg: MoeConfig
-    embed: nn.Embedding
+    embed: Embed
     unembed: nn.Linear
     ln_final: RMSNorm
     blocks: nn.ModuleList

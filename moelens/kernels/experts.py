@@ -22,9 +22,6 @@ from moelens.hooks import HookPoint
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
-# Below this many slots per expert, one grouped_mm call beats a Python loop of per-expert matmuls on CPU;
-# above it the loop's large GEMMs win (benchmarks/bench_torch_experts.py measures the crossover).
-GROUPED_MM_MAX_ROWS_PER_EXPERT = 64
 
 
 @dataclass(frozen=True)
@@ -41,20 +38,21 @@ def hooked(hook: HookPoint, t: torch.Tensor, batch_pos: tuple[int, int]) -> torc
     """Show a [T, k, n] tensor to a hook as [batch, pos, k, n] and take back what it returns."""
     if not hook.has_hooks:
         return t
-    return hook(t.view(*batch_pos, *t.shape[1:])).reshape(t.shape)
+    view = t.view(*batch_pos, *t.shape[1:])
+    out = hook(view)
+    return t if out is view else out.reshape(t.shape)  # the same object when no hook replaced it
 
 
 def grouped_linear(
     rows: Float[torch.Tensor, "S n_in"], weight: Float[torch.Tensor, "E n_out n_in"], counts: list[int]
 ) -> Float[torch.Tensor, "S n_out"]:
-    """rows sorted by expert, counts[e] rows for expert e: each group times its expert's weight."""
-    use_grouped_mm = (
-        hasattr(F, "grouped_mm")
-        and rows.dtype == weight.dtype
-        and rows.dtype in (torch.float32, torch.bfloat16)
-        and (rows.device.type != "cpu" or max(counts, default=0) <= GROUPED_MM_MAX_ROWS_PER_EXPERT)
-    )
-    if use_grouped_mm:
+    """rows sorted by expert, counts[e] rows for expert e: each group times its expert's weight.
+
+    One grouped_mm call where torch has it for this dtype, else a loop of per-expert matmuls. On CPU,
+    grouped_mm was as fast or faster at every token count measured (benchmarks/bench_torch_experts.py:
+    1.0-1.2x faster from 8 to 4096 tokens, float32 and bfloat16), so the loop is only the fallback.
+    """
+    if hasattr(F, "grouped_mm") and rows.dtype == weight.dtype and rows.dtype in (torch.float32, torch.bfloat16):
         offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
     out = rows.new_empty(rows.shape[0], weight.shape[1])
@@ -134,14 +132,32 @@ def routed_experts(
     return routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks, batch_pos)
 
 
-def routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks, batch_pos):
+def routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks: ExpertHooks, batch_pos):
+    """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows, back to slot
+    order for the weighted outputs. Per-slot hooks see (and replace) tensors in slot order; the sorted
+    copies are only permuted for them when a hook is on."""
     T, k = indices.shape
     experts = indices.reshape(-1)
-    gate_up = slot_linear(x, experts, W_gate_up, top_k=k).view(T, k, -1)
+    order = torch.argsort(experts, stable=True)
+    unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.bincount(experts, minlength=W_gate_up.shape[0]).tolist()
+
+    def hooked_sorted(hook: HookPoint, t: torch.Tensor) -> torch.Tensor:
+        """Show a sorted [S, n] tensor to its hook in slot order; re-sort only what a hook replaced."""
+        if not hook.has_hooks:
+            return t
+        shown = t[unsort].view(T, k, -1)
+        seen = hooked(hook, shown, batch_pos)
+        return t if seen is shown else seen.reshape(T * k, -1)[order]
+
+    gate_up = grouped_linear(x[order // k], W_gate_up, counts)
     pre, pre_linear = gate_up.chunk(2, dim=-1)
-    pre = hooked(hooks.pre, pre, batch_pos)
-    pre_linear = hooked(hooks.pre_linear, pre_linear, batch_pos)
-    post = hooked(hooks.post, act(pre) * pre_linear, batch_pos)
-    out = slot_linear(post.reshape(T * k, -1), experts, W_down).view(T, k, -1)
-    weighted = hooked(hooks.outputs, out * weights.unsqueeze(-1), batch_pos)
+    new_pre, new_pre_linear = hooked_sorted(hooks.pre, pre), hooked_sorted(hooks.pre_linear, pre_linear)
+    if new_pre is not pre or new_pre_linear is not pre_linear:
+        # written back into the [S, 2I] layout: elementwise kernels can round differently on other
+        # layouts, and a run must not depend on which hooks are on
+        pre, pre_linear = torch.cat([new_pre, new_pre_linear], dim=-1).chunk(2, dim=-1)
+    post = hooked_sorted(hooks.post, act(pre) * pre_linear)
+    out = grouped_linear(post, W_down, counts) * weights.reshape(-1)[order].unsqueeze(-1)
+    weighted = hooked(hooks.outputs, out[unsort].view(T, k, -1), batch_pos)
     return weighted.sum(dim=1).to(x.dtype)

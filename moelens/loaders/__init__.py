@@ -30,6 +30,22 @@ def read_config(folder: Path) -> dict:
     return config
 
 
+def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Give every meta parameter and buffer uninitialised storage on `device`.
+
+    Like Module.to_empty, but through torch.empty with plain shapes: to_empty's empty_like on meta tensors
+    runs torch's Python reference implementation, which imports sympy and torch.fx (~300 MB resident).
+    """
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                module._parameters[name] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
+
 def load_pretrained(
     cls, name_or_path, dtype=torch.float32, device="cpu", revision=None, progress=None, fold_ln=False, center_unembed=False
 ):
@@ -58,7 +74,7 @@ def load_pretrained(
         for block in model.blocks:
             if block.is_moe:
                 block.mlp.router.float()
-    model.to_empty(device=device)
+    materialize(model, device)
     model.tie_weights()
     fill(model, files, keys, progress=progress)
     model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default

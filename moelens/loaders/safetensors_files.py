@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,10 @@ from moelens.loaders.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# safetensors maps a file; every page read stays resident until the file is closed. Reopening it every
+# READ_CHUNK_BYTES keeps the load's peak near the model's own size instead of model + file.
+READ_CHUNK_BYTES = 16 * 2**20
+ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 
 
 class SafetensorsFiles:
@@ -23,11 +28,13 @@ class SafetensorsFiles:
         self.files = self._find_files()
         self.location: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.nbytes: dict[str, int] = {}
         for path in self.files:
-            for key, shape in self._read_header(path).items():
+            for key, (shape, dtype) in self._read_header(path).items():
                 if key in self.location:
                     raise CheckpointError(f"tensor {key!r} appears in both {self.location[key].name} and {path.name}")
                 self.location[key], self.shapes[key] = path, shape
+                self.nbytes[key] = math.prod(shape) * ITEMSIZE.get(dtype, 1)
         self._check_index()
 
     def _find_files(self) -> list[Path]:
@@ -56,10 +63,10 @@ class SafetensorsFiles:
         return files
 
     @staticmethod
-    def _read_header(path: Path) -> dict[str, tuple[int, ...]]:
+    def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         try:
             with safe_open(path, framework="pt") as f:
-                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+                return {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()) for key in f.keys()}
         except Exception as err:  # safetensors raises its own error types for bad headers and short files
             raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({err})") from err
 
@@ -81,14 +88,20 @@ class SafetensorsFiles:
         return list(self.location)
 
     def read(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (key, tensor) for these keys, opening each file once."""
-        by_file: dict[Path, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(self.location[key], []).append(key)
-        for path, file_keys in by_file.items():
+        """Yield (key, tensor) for these keys, file by file, reopening a file every READ_CHUNK_BYTES."""
+        chunks: list[tuple[Path, list[str]]] = []
+        size = 0
+        for key in sorted(keys, key=lambda k: str(self.location[k])):
+            path = self.location[key]
+            if not chunks or chunks[-1][0] != path or size >= READ_CHUNK_BYTES:
+                chunks.append((path, []))
+                size = 0
+            chunks[-1][1].append(key)
+            size += self.nbytes[key]
+        for path, chunk in chunks:
             try:
                 with safe_open(path, framework="pt") as f:
-                    for key in file_keys:
+                    for key in chunk:
                         yield key, f.get_tensor(key)
             except CheckpointError:
                 raise

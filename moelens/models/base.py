@@ -15,7 +15,7 @@ from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kernels import BACKENDS
 from moelens.kv_cache import KVCache
-from moelens.models.components import Block, RMSNorm, Rotary
+from moelens.models.components import Block, Embed, RMSNorm, Rotary
 from moelens.names import alias_candidates
 from moelens.tokenizer import MoeTokenizer
 from moelens.weights import WeightViews
@@ -41,7 +41,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        self.embed = Embed(cfg.d_vocab, cfg.d_model)
         self.hook_embed = HookPoint("batch pos d_model", "token embeddings")
         self.rotary = Rotary(cfg)
         self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))

@@ -60,7 +60,8 @@ class Rotary(nn.Module):
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__()
         self.d_rot, self.rope = cfg.d_rot, cfg.rope
-        self.attention_scaling = inverse_frequencies(cfg.rope, self.d_rot)[1]
+        with torch.device("cpu"):  # tensor math on meta would import torch._dynamo (150 MB) for a float
+            self.attention_scaling = inverse_frequencies(cfg.rope, self.d_rot)[1]
         # Not a buffer: it is derived from the config, must stay float32 whatever model.to(dtype) does, and
         # must not be built on the meta device when the loader builds the model there.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
