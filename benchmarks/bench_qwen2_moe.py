@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]  # run from a checkout without installing moelens
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from tiny import perturb  # noqa: E402  (the tests' non-degenerate initialisation)
 SEED = 0
 BATCH, POS = 4, 256
 CONFIG = dict(
@@ -53,20 +54,6 @@ CONFIG = dict(
     max_position_embeddings=1024,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
-
-
-def perturb(model: torch.nn.Module, seed: int) -> None:
-    """Weights ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.3), biases ~ N(0, 0.3) (as tests/tiny.py)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(noise * p.shape[-1] ** -0.5)
 
 
 def build_checkpoint(folder: Path) -> tuple[int, int]:

@@ -39,6 +39,10 @@ class HookPoint(nn.Module):
     def has_hooks(self) -> bool:
         return bool(self._fwd or self._bwd)
 
+    @property
+    def has_bwd_hooks(self) -> bool:
+        return bool(self._bwd)
+
     def add_hook(self, fn: HookFn, dir: Direction = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"hook direction must be 'fwd' or 'bwd', got {dir!r} for {self.name}")

@@ -31,6 +31,17 @@ LLAMA_LIKE_SITES: tuple[RefSite, ...] = (
 )
 
 
+def moe_reference_sites(gate: str, experts: str, shared_expert: str) -> tuple[RefSite, ...]:
+    """The mixture's sites, for a family whose router returns (logits, weights, indices)."""
+    return (
+        ("blocks.L.mlp.hook_router_logits", gate, "out.0"),
+        ("blocks.L.mlp.hook_expert_weights", gate, "out.1"),
+        ("blocks.L.mlp.hook_expert_indices", gate, "out.2"),
+        ("blocks.L.mlp.hook_routed_out", experts, "out"),
+        ("blocks.L.mlp.shared_expert.hook_out", shared_expert, "out"),
+    )
+
+
 @dataclass
 class SiteDiff:
     site: str

@@ -209,3 +209,34 @@ def test_shapes_and_support_table(family_models, family, tokens):
     assert "absent:" in text and "config.json fields read:" in text
     if family == "hunyuan_v1_moe":
         assert "moe_topk" in text and "q_norm" in repr(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_results_do_not_depend_on_which_hooks_are_on(checkpoints, family, backend, tokens):
+    """A clean run compared with a patched one must differ only where the patch acts: the plain forward,
+    run_with_cache and a run with a reading hook on every site give bit-identical logits."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    model = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False, experts_backend=backend)
+    plain = model(tokens)
+    cached, _ = model.run_with_cache(tokens)
+    reading = model.run_with_hooks(tokens, fwd_hooks=[(lambda name: True, lambda t, hook: None)])
+    only_experts = model.run_with_hooks(tokens, fwd_hooks=[("blocks.*.mlp.experts.hook_pre", lambda t, hook: None)])
+    for other in (cached, reading, only_experts):
+        assert torch.equal(plain, other)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_through_the_triton_backend(checkpoints, family, tokens):
+    pytest.importorskip("triton")
+    grads = {}
+    for backend in ("torch", "triton"):
+        model = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False, experts_backend=backend)
+        names = ["blocks.0.hook_resid_pre", "blocks.1.mlp.hook_expert_weights", "blocks.1.mlp.experts.hook_post"]
+        _, cache = model.run_with_cache(tokens, return_type="loss", incl_bwd=True, names_filter=names)
+        grads[backend] = {n: cache[n + "_grad"] for n in names}
+        grads[backend]["W_down"] = model.blocks[1].mlp.experts.W_down.grad
+    for name, grad in grads["torch"].items():
+        assert grad is not None and grad.abs().sum() > 0
+        assert (grad - grads["triton"][name]).abs().max() <= 1e-5 * max(1.0, grad.abs().max().item()), name

@@ -40,7 +40,8 @@ def hooked(hook: HookPoint, t: torch.Tensor, batch_pos: tuple[int, int]) -> torc
         return t
     view = t.view(*batch_pos, *t.shape[1:])
     out = hook(view)
-    return t if out is view else out.reshape(t.shape)  # the same object when no hook replaced it
+    # the same object when no hook replaced it, unless a backward hook waits for the gradient of `view`
+    return t if out is view and not hook.has_bwd_hooks else out.reshape(t.shape)
 
 
 def grouped_linear(
@@ -148,7 +149,7 @@ def routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks: Exp
             return t
         shown = t[unsort].view(T, k, -1)
         seen = hooked(hook, shown, batch_pos)
-        return t if seen is shown else seen.reshape(T * k, -1)[order]
+        return t if seen is shown and not hook.has_bwd_hooks else seen.reshape(T * k, -1)[order]
 
     gate_up = grouped_linear(x[order // k], W_gate_up, counts)
     pre, pre_linear = gate_up.chunk(2, dim=-1)

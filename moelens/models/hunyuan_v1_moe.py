@@ -13,6 +13,7 @@ from __future__ import annotations
 from moelens.config import HFConfig, MoeConfig, RopeConfig
 from moelens.loaders.checkpoint import CheckpointNames
 from moelens.models.base import HookedTransformer
+from moelens.verify import moe_reference_sites
 
 IGNORED_FIELDS = ("moe_intermediate_size", "num_shared_expert", "routed_scaling_factor", "norm_topk_prob", "use_qk_norm")
 
@@ -31,12 +32,7 @@ class HookedHunyuanMoe(HookedTransformer):
         router="mlp.gate.wg.weight", shared_expert="mlp.shared_mlp", q_norm="self_attn.query_layernorm",
         k_norm="self_attn.key_layernorm",
     )
-    reference_sites = (
-        ("blocks.L.mlp.hook_router_logits", "mlp.gate", "out.0"),
-        ("blocks.L.mlp.hook_expert_weights", "mlp.gate", "out.1"),
-        ("blocks.L.mlp.hook_expert_indices", "mlp.gate", "out.2"),
-        ("blocks.L.mlp.hook_routed_out", "mlp.experts", "out"),
-        ("blocks.L.mlp.shared_expert.hook_out", "mlp.shared_mlp", "out"),
+    reference_sites = moe_reference_sites("mlp.gate", "mlp.experts", "mlp.shared_mlp") + (
         ("blocks.L.attn.hook_rot_q", "self_attn.query_layernorm", "out.heads_first"),
         ("blocks.L.attn.hook_rot_k", "self_attn.key_layernorm", "out.heads_first"),
     )

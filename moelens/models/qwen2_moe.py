@@ -10,6 +10,7 @@ from __future__ import annotations
 from moelens.config import HFConfig, MoeConfig
 from moelens.loaders.checkpoint import CheckpointNames
 from moelens.models.base import HookedTransformer
+from moelens.verify import moe_reference_sites
 
 
 class HookedQwen2Moe(HookedTransformer):
@@ -18,12 +19,7 @@ class HookedQwen2Moe(HookedTransformer):
         router="mlp.gate.weight", shared_expert="mlp.shared_expert", shared_gate="mlp.shared_expert_gate.weight"
     )
     # moelens hook <- transformers module under the decoder layer (see moelens.verify)
-    reference_sites = (
-        ("blocks.L.mlp.hook_router_logits", "mlp.gate", "out.0"),
-        ("blocks.L.mlp.hook_expert_weights", "mlp.gate", "out.1"),
-        ("blocks.L.mlp.hook_expert_indices", "mlp.gate", "out.2"),
-        ("blocks.L.mlp.hook_routed_out", "mlp.experts", "out"),
-        ("blocks.L.mlp.shared_expert.hook_out", "mlp.shared_expert", "out"),
+    reference_sites = moe_reference_sites("mlp.gate", "mlp.experts", "mlp.shared_expert") + (
         ("blocks.L.mlp.hook_shared_gate", "mlp.shared_expert_gate", "out"),
         ("blocks.L.mlp.hook_post", "mlp.down_proj", "in"),
     )

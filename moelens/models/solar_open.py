@@ -13,6 +13,7 @@ from __future__ import annotations
 from moelens.config import HFConfig, MoeConfig
 from moelens.loaders.checkpoint import CheckpointNames
 from moelens.models.base import HookedTransformer
+from moelens.verify import moe_reference_sites
 
 
 class HookedSolarOpen(HookedTransformer):
@@ -20,13 +21,7 @@ class HookedSolarOpen(HookedTransformer):
     checkpoint_names = CheckpointNames(
         router="mlp.gate.weight", correction_bias="mlp.gate.e_score_correction_bias", shared_expert="mlp.shared_experts"
     )
-    reference_sites = (
-        ("blocks.L.mlp.hook_router_logits", "mlp.gate", "out.0"),
-        ("blocks.L.mlp.hook_expert_weights", "mlp.gate", "out.1"),
-        ("blocks.L.mlp.hook_expert_indices", "mlp.gate", "out.2"),
-        ("blocks.L.mlp.hook_routed_out", "mlp.experts", "out"),
-        ("blocks.L.mlp.shared_expert.hook_out", "mlp.shared_experts", "out"),
-    )
+    reference_sites = moe_reference_sites("mlp.gate", "mlp.experts", "mlp.shared_experts")
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
