@@ -276,14 +276,12 @@ class HookedTransformer(WeightViews, HookedRootModule):
 
     # ---- names and documentation -----------------------------------------------------------------
     def canonical_hook_name(self, name: str, layer: int | None = None) -> str:
-        for candidate in alias_candidates(name, layer) if layer is not None or "." not in name else [name]:
-            if candidate in self.hook_dict:
-                return candidate
-        if layer is None and "." not in name:
-            for candidate in _safe_candidates(name):
-                if candidate in self.hook_dict:
-                    return candidate
-        return name
+        """Full hook name for an alias or standard name ("router_logits", "layer_output", ...)."""
+        try:
+            candidates = alias_candidates(name, layer)
+        except KeyError:  # a per-block alias given without a layer: left for the caller to report
+            return name
+        return next((c for c in candidates if c in self.hook_dict), name)
 
     def support(self, print_table: bool = True) -> SupportTable:
         """Every hook point: name, layout, shape for this model, meaning, standard name (and absent sites)."""
@@ -294,9 +292,3 @@ class HookedTransformer(WeightViews, HookedRootModule):
             print(table)
         return table
 
-
-def _safe_candidates(name: str) -> list[str]:
-    try:
-        return alias_candidates(name)
-    except KeyError:
-        return []
