@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import einops
 import torch
 from jaxtyping import Float, Int
 from torch import nn
@@ -75,7 +76,7 @@ class WeightViews:
 
     def _heads_in(self, linear: nn.Linear, n: int) -> torch.Tensor:
         """[n*d_head, d_model] -> [n, d_model, d_head] (a view)."""
-        return linear.weight.view(n, self.cfg.d_head, self.cfg.d_model).transpose(-2, -1)
+        return einops.rearrange(linear.weight, "(head d_head) d_model -> head d_model d_head", head=n)
 
     def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
         """Repeat the kv-head axis (dim 1) for the query heads that share each kv head."""
@@ -104,7 +105,9 @@ class WeightViews:
     @property
     def W_O(self) -> Float[torch.Tensor, "n_layers n_heads d_head d_model"]:
         c = self.cfg
-        return self._per_layer(lambda a: a.o_proj.weight.view(c.d_model, c.n_heads, c.d_head).permute(1, 2, 0))
+        return self._per_layer(
+            lambda a: einops.rearrange(a.o_proj.weight, "d_model (head d_head) -> head d_head d_model", head=c.n_heads)
+        )
 
     def _bias(self, linear: nn.Linear, *shape: int) -> torch.Tensor:
         """linear's bias viewed as `shape`, or zeros where it has none."""

@@ -122,3 +122,9 @@ def test_padded_loss_ignores_padding(qwen_model):
     padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), tokens], 1)
     mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], 1)
     torch.testing.assert_close(qwen_model(padded, attention_mask=mask, return_type="loss"), qwen_model(tokens, return_type="loss"), rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_range_expert_indices_from_a_hook(qwen_model, tokens):
+    n = qwen_model.cfg.n_experts
+    with pytest.raises(IndexError, match=rf"blocks\.0\.mlp\.hook_expert_indices: .*\[0, {n}\)"):
+        qwen_model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_expert_indices", lambda i, hook: i.clamp(max=0) + n)])

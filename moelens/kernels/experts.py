@@ -81,10 +81,15 @@ def slot_linear(
     return out.new_empty(out.shape).index_copy_(0, order, out)
 
 
-def check_indices(indices: torch.Tensor, n_experts: int) -> None:
+def check_indices(indices: torch.Tensor, n_experts: int, where: str = "routed_experts") -> None:
+    """Expert ids in range: a clear error on CPU; on CUDA an asynchronous assert, so that no host sync
+    breaks CUDA-graph capture (a bad id then fails at the next synchronisation)."""
+    if indices.device.type == "cuda":
+        torch._assert_async(((indices >= 0) & (indices < n_experts)).all(), f"{where}: expert indices must lie in [0, {n_experts})")
+        return
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n_experts):
         raise IndexError(
-            f"expert indices must lie in [0, {n_experts}), got range [{int(indices.min())}, {int(indices.max())}]"
+            f"{where}: expert indices must lie in [0, {n_experts}), got range [{int(indices.min())}, {int(indices.max())}]"
         )
 
 

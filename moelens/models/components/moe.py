@@ -9,6 +9,7 @@ from torch import nn
 from moelens.config import MoeConfig
 from moelens.hooks import HookPoint
 from moelens.kernels import ExpertHooks, routed_experts
+from moelens.kernels.experts import check_indices
 from moelens.models.components.activations import activation
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.router import Router
@@ -82,6 +83,8 @@ class SparseMoe(nn.Module):
         if hasattr(self, "hook_choice_scores"):
             choice = self.hook_choice_scores(choice)
         indices = self.hook_expert_indices(router.choose(choice))
+        if self.hook_expert_indices.has_hooks:  # a replacement must name existing experts
+            check_indices(indices, router.n_experts, self.hook_expert_indices.name)
         weights = self.hook_expert_weights(router.weights(scores, indices, logits.dtype))
         routed = routed_experts(
             x.reshape(b * p, d),
