@@ -23,6 +23,13 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise * p.shape[-1] ** -0.5)
 
 
+def new_model(model_class, config, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = model_class(config)
+    perturb(model, seed)
+    return model
+
+
 def qwen2_moe_config(**overrides):
     from transformers import Qwen2MoeConfig
 
@@ -53,9 +60,7 @@ def save_hf(model, folder: Path, max_shard_size: str | None = None) -> Path:
 def build_qwen2_moe(folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
     from transformers import Qwen2MoeForCausalLM
 
-    torch.manual_seed(seed)
-    model = Qwen2MoeForCausalLM(qwen2_moe_config(**overrides))
-    perturb(model, seed)
+    model = new_model(Qwen2MoeForCausalLM, qwen2_moe_config(**overrides), seed)
     return save_hf(model, folder, max_shard_size)
 
 
@@ -114,9 +119,7 @@ def hunyuan_config(**overrides):
 def build_hunyuan(folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
     from transformers import HunYuanMoEV1ForCausalLM
 
-    torch.manual_seed(seed)
-    model = HunYuanMoEV1ForCausalLM(hunyuan_config(**overrides))
-    perturb(model, seed)
+    model = new_model(HunYuanMoEV1ForCausalLM, hunyuan_config(**overrides), seed)
     return save_hf(model, folder, max_shard_size)
 
 
@@ -150,9 +153,7 @@ def build_solar(folder: Path, seed: int = 0, max_shard_size: str | None = None, 
     """Solar with a correction bias large enough to change the chosen experts for many tokens."""
     from transformers import SolarOpenForCausalLM
 
-    torch.manual_seed(seed)
-    model = SolarOpenForCausalLM(solar_config(**overrides))
-    perturb(model, seed)
+    model = new_model(SolarOpenForCausalLM, solar_config(**overrides), seed)
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for layer in model.model.layers:
