@@ -34,7 +34,8 @@ def max_padded_rows(n_slots: int, n_experts: int, block_m: int) -> int:
 def align_slots(indices: Int[torch.Tensor, "T k"], n_experts: int, block_m: int) -> SlotLayout:
     flat = indices.reshape(-1).to(torch.int64)
     n_slots, device = flat.numel(), flat.device
-    counts = torch.bincount(flat, minlength=n_experts)
+    # not bincount: on CUDA it reads the max id back to size its output, a host sync
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded

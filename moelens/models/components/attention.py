@@ -62,12 +62,16 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # batch head pos d_head
         group = self.n_heads // self.n_kv_heads
         if self.backend == "eager" or self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
-            # finfo.min, not -inf: a row with nothing allowed must not turn into NaN
-            scores = self.hook_attn_scores(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min))
+            # The heads of a kv group share its keys: fold them into the query axis instead of repeating
+            # keys and values ([b, kv, group*q, d] @ [b, kv, d, k]).
+            n_q, n_k = q.shape[2], k.shape[2]
+            q_grouped = q.reshape(b, self.n_kv_heads, group * n_q, self.d_head)
+            scores = torch.matmul(q_grouped, k.transpose(2, 3)).mul_(self.scale).view(b, self.n_heads, n_q, n_k)
+            # in place: these are the largest tensors of the block. finfo.min, not -inf: a row with nothing
+            # allowed must not turn into NaN
+            scores = self.hook_attn_scores(scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min))
             pattern = self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
-            z = torch.matmul(pattern, v)
+            z = torch.matmul(pattern.reshape(b, self.n_kv_heads, group * n_q, n_k), v).view(b, self.n_heads, n_q, self.d_head)
         else:  # nothing reads the pattern: the fused kernel gives the same result
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
         z = self.hook_z(z.transpose(1, 2))
