@@ -131,11 +131,18 @@ class HookedRootModule(nn.Module):
         full = self.canonical_hook_name(name)
         if full in self.hook_dict:
             return [full]
+        every_block = self.hook_names_for_alias(name)
+        if every_block:
+            return every_block
         raise KeyError(self._unknown_hook_message(name))
 
     def canonical_hook_name(self, name: str) -> str:
         """Map an alias to a full hook name; the base class knows no aliases."""
         return name
+
+    def hook_names_for_alias(self, name: str) -> list[str]:
+        """A per-block alias given without a layer ("router_logits"): that site in every block that has it."""
+        return []
 
     def _unknown_hook_message(self, name: str) -> str:
         close = [n for n in self.hook_dict if name.split(".")[-1] in n][:5]

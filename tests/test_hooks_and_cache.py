@@ -128,3 +128,27 @@ def test_out_of_range_expert_indices_from_a_hook(qwen_model, tokens):
     n = qwen_model.cfg.n_experts
     with pytest.raises(IndexError, match=rf"blocks\.0\.mlp\.hook_expert_indices: .*\[0, {n}\)"):
         qwen_model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_expert_indices", lambda i, hook: i.clamp(max=0) + n)])
+
+
+def test_short_names_select_a_site_in_every_block(qwen_checkpoints, tokens):
+    from moelens import HookedTransformer
+
+    model = HookedTransformer.from_pretrained(qwen_checkpoints["dense_block"], progress=False)
+    _, cache = model.run_with_cache(tokens, names_filter=["router_logits", "resid_post"])
+    assert sorted(cache.keys()) == sorted(
+        ["blocks.0.mlp.hook_router_logits", "blocks.2.mlp.hook_router_logits"]  # block 1 is dense
+        + [f"blocks.{i}.hook_resid_post" for i in range(3)]
+    )
+    assert model.resolve_hook_names("mlp_neurons") == [
+        "blocks.0.mlp.experts.hook_post", "blocks.1.mlp.hook_post", "blocks.2.mlp.experts.hook_post"
+    ]
+
+
+def test_get_act_name():
+    from moelens.utils import get_act_name
+
+    assert get_act_name("resid_pre", 3) == "blocks.3.hook_resid_pre"
+    assert get_act_name("router_logits", 0) == "blocks.0.mlp.hook_router_logits"
+    assert get_act_name("layer_output", 2) == "blocks.2.hook_resid_post"
+    assert get_act_name("normalized", 1, "ln2") == "blocks.1.ln2.hook_normalized"
+    assert get_act_name("logits") == "hook_logits"

@@ -283,6 +283,10 @@ class HookedTransformer(WeightViews, HookedRootModule):
             return name
         return next((c for c in candidates if c in self.hook_dict), name)
 
+    def hook_names_for_alias(self, name: str) -> list[str]:
+        found = (self.canonical_hook_name(name, layer) for layer in range(self.cfg.n_layers))
+        return [n for n in found if n in self.hook_dict]
+
     def support(self, print_table: bool = True) -> SupportTable:
         """Every hook point: name, layout, shape for this model, meaning, standard name (and absent sites)."""
         from moelens.support import support_table
