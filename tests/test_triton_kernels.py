@@ -17,11 +17,12 @@ from moelens.kernels.triton_experts import routed_experts_triton  # noqa: E402
 from moelens.verify import compare  # noqa: E402
 
 H, I = 40, 24  # not multiples of any block size
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest sets it)
 
 
 def reference(x, idx, w, Wgu, Wd):
-    """fp64 per-expert loop: (neurons [T k I], weighted per-slot outputs [T k H], sum [T H])."""
-    x, w, Wgu, Wd = x.double(), w.double(), Wgu.double(), Wd.double()
+    """fp64 per-expert loop on the CPU: (neurons [T k I], weighted per-slot outputs [T k H], sum [T H])."""
+    x, idx, w, Wgu, Wd = x.cpu().double(), idx.cpu(), w.cpu().double(), Wgu.cpu().double(), Wd.cpu().double()
     T, k = idx.shape
     post = torch.zeros(T, k, Wd.shape[2], dtype=torch.float64)
     out = torch.zeros(T, k, Wd.shape[1], dtype=torch.float64)
@@ -56,7 +57,7 @@ def make_case(T, E, k, dtype, mode="random", seed=0):
     w = torch.rand(T, k, generator=gen)
     Wgu = torch.randn(E, 2 * I, H, generator=gen) / H**0.5
     Wd = torch.randn(E, H, I, generator=gen) / I**0.5
-    return x.to(dtype), idx, w, Wgu.to(dtype), Wd.to(dtype)
+    return tuple(t.to(DEVICE) for t in (x.to(dtype), idx, w, Wgu.to(dtype), Wd.to(dtype)))
 
 
 CASES = [(T, E, k) for T in (1, 7, 37, 64) for E, k in ((1, 1), (8, 1), (8, 2), (8, 8), (16, 4), (16, 8))]
@@ -67,9 +68,9 @@ def test_float32_against_fp64(T, E, k):
     x, idx, w, Wgu, Wd = make_case(T, E, k, torch.float32, seed=T * 100 + E + k)
     ref_post, ref_out, ref_sum = reference(x, idx, w, Wgu, Wd)
     hooks, got = capture_hooks()
-    total = routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks, (1, T))
-    assert (got["post"].double() - ref_post.view_as(got["post"])).abs().max() <= 1e-5
-    assert (got["outputs"].double() - ref_out.view_as(got["outputs"])).abs().max() <= 1e-5
+    total = routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks, (1, T)).cpu()
+    assert (got["post"].cpu().double() - ref_post.view_as(got["post"])).abs().max() <= 1e-5
+    assert (got["outputs"].cpu().double() - ref_out.view_as(got["outputs"])).abs().max() <= 1e-5
     assert (total.double() - ref_sum).abs().max() <= 1e-5
     assert total.dtype == torch.float32
 
@@ -82,7 +83,7 @@ def test_skewed_routing(mode, T):
         assert idx.max() < 8 // 2
     _, _, ref_sum = reference(x, idx, w, Wgu, Wd)
     hooks, _ = capture_hooks()
-    assert (routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks, (1, T)).double() - ref_sum).abs().max() <= 1e-5
+    assert (routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks, (1, T)).cpu().double() - ref_sum).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("T,E,k", [(7, 8, 2), (37, 16, 8), (64, 8, 8)])
@@ -100,8 +101,8 @@ def test_bfloat16_as_close_to_fp64_as_the_torch_path(T, E, k, weight_dtype):
     assert kernel_sum.dtype == torch_sum.dtype == torch.bfloat16
     assert got_k["outputs"].dtype == got_t["outputs"].dtype == torch.promote_types(torch.bfloat16, weight_dtype)
     for name, ref, a, b in (("post", ref_post, got_t["post"], got_k["post"]), ("outputs", ref_out, got_t["outputs"], got_k["outputs"]), ("sum", ref_sum, torch_sum, kernel_sum)):
-        torch_err = (a.double() - ref.view_as(a)).abs().mean()
-        kernel_err = (b.double() - ref.view_as(b)).abs().mean()
+        torch_err = (a.cpu().double() - ref.view_as(a)).abs().mean()
+        kernel_err = (b.cpu().double() - ref.view_as(b)).abs().mean()
         assert kernel_err <= 1.5 * torch_err + 1e-6, (name, kernel_err, torch_err)
 
 
@@ -111,8 +112,8 @@ def test_replaced_neurons_are_what_kernel_2_reads():
     hooks.post.add_hook(lambda t, hook: t * 0 + 1.0)
     total = routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks, (1, 9))
     ones = torch.ones(9, 2, I, dtype=torch.float64)
-    expected = torch.einsum("tki,tkhi->tkh", ones, Wd.double()[idx]) * w.double()[..., None]
-    assert (total.double() - expected.sum(1)).abs().max() <= 1e-5
+    expected = torch.einsum("tki,tkhi->tkh", ones, Wd.cpu().double()[idx.cpu()]) * w.cpu().double()[..., None]
+    assert (total.cpu().double() - expected.sum(1)).abs().max() <= 1e-5
 
 
 def test_pre_hooks_replace_the_activation_input():
