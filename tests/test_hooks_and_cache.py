@@ -72,7 +72,7 @@ def test_cache_aliases_and_standard_names(qwen_model, tokens):
 
 
 def test_run_with_cache_filters_and_batch_dim(qwen_model, tokens):
-    _, cache = qwen_model.run_with_cache(tokens[:1], names_filter="router_logits" if False else ["blocks.0.mlp.hook_router_logits"], remove_batch_dim=True)
+    _, cache = qwen_model.run_with_cache(tokens[:1], names_filter=["blocks.0.mlp.hook_router_logits"], remove_batch_dim=True)
     assert list(cache.keys()) == ["blocks.0.mlp.hook_router_logits"]
     assert cache["router_logits", 0].shape == (tokens.shape[1], qwen_model.cfg.n_experts)
     _, cache = qwen_model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_z"))
