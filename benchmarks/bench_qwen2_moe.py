@@ -233,7 +233,7 @@ def main() -> None:
         ratio = f"{cached / plain:.2f}x"
         rows.append((f"run_with_cache {tag}, vs moelens forward", fmt_s(cached), fmt_s(plain), ratio, "<= 1.3x"))
         plain, cached = times[f"moelens-pair {tag}"], times[f"cache-pair {tag}"]
-        rows.append((f"(info) the same, the two alternating alone", fmt_s(cached), fmt_s(plain), f"{cached / plain:.2f}x", "-"))
+        rows.append(("(info) the same, the two alternating alone", fmt_s(cached), fmt_s(plain), f"{cached / plain:.2f}x", "-"))
     for tag in ("float32", "bfloat16"):
         ours, ref = times[f"moelens-alt {tag}"], times[f"hf {tag}"]
         name = f"(info) forward {tag}, moelens attention={alt!r} vs transformers (default)"
