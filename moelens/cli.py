@@ -43,6 +43,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
+    from moelens.verify import ReferenceUnavailable
     from moelens.verify import verify as run_verify
 
     try:
@@ -52,7 +53,11 @@ def verify(args: argparse.Namespace) -> int:
         return 2
     status = 0
     for name in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
-        report = run_verify(args.model, DTYPES[name], seq_len=args.seq_len)
+        try:
+            report = run_verify(args.model, DTYPES[name], seq_len=args.seq_len)
+        except ReferenceUnavailable as err:
+            print(err, file=sys.stderr)
+            return 2
         print(report)
         ok = report.index_mismatches == 0 and (report.worst() <= 1e-5 if name == "float32" else True)
         print(f"{name}: {'OK' if ok else 'MISMATCH'}\n")

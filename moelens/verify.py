@@ -149,11 +149,21 @@ def _site_order(name: str) -> tuple[int, str]:
     return (int(parts[1]) if parts[0] == "blocks" else (-1 if "embed" in name else 10**6), name)
 
 
+class ReferenceUnavailable(RuntimeError):
+    """transformers cannot load this checkpoint (a config spelling it does not read, a family it lacks)."""
+
+
 def load_reference(path, dtype: torch.dtype = torch.float32):
     """transformers' model for this checkpoint, eager attention, default experts implementation."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    except Exception as err:  # transformers raises many types here; the point is to say who failed
+        raise ReferenceUnavailable(
+            f"transformers could not load {path} as a reference ({type(err).__name__}: {err}); moelens itself "
+            "may still load it (e.g. Tencent's Hunyuan config without head_dim)"
+        ) from err
 
 
 def verify(path, dtype: torch.dtype = torch.float32, tokens: torch.Tensor | None = None, seed: int = 0, seq_len: int = 24) -> VerifyReport:

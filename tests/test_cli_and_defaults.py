@@ -75,3 +75,17 @@ def test_other_family_defaults_inspect_and_verify(name, tmp_path, monkeypatch, c
     assert main(["verify", name]) == 0
     out = capsys.readouterr().out
     assert "float32: OK" in out and "bfloat16: OK" in out
+
+
+def test_verify_says_when_transformers_cannot_load_the_reference(copy_checkpoint, capsys):
+    import json
+
+    folder = copy_checkpoint("hunyuan_v1_moe")
+    config = json.loads((folder / "config.json").read_text())
+    config["attention_head_dim"] = config.pop("head_dim")  # Tencent's spelling: moelens reads it, transformers not
+    config["rope_scaling"] = {"type": "dynamic", "alpha": 1000.0}
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    (folder / "config.json").write_text(json.dumps(config))
+    HookedTransformer.from_pretrained(folder, progress=False)  # moelens loads it
+    assert main(["verify", str(folder), "--dtype", "float32"]) == 2
+    assert "transformers could not load" in capsys.readouterr().err
