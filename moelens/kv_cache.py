@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Float, Int
 
+from moelens.positions import positions_from_mask
+
 
 @dataclass
 class LayerKV:
@@ -65,7 +67,7 @@ class KVCache:
         """Rotary positions of the new tokens: each row continues its count of real tokens, so a left-padded
         row gets the positions it would get alone (as the uncached forward computes them from the mask)."""
         start = 0 if self.next_position is None else self.next_position[:, None]
-        return (start + new_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return positions_from_mask(new_mask, start)
 
     def full_mask(self, new_mask: Int[torch.Tensor, "batch new"]) -> Int[torch.Tensor, "batch all"]:
         """Mask over every key the new tokens attend to: the cached history, then the new tokens."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moelens.positions import positions_from_mask
+
 # A reference site: (moelens hook pattern with L, module path under the transformers decoder layer
 # (or under the model for model-level sites), what to read: "in" | "out" | "out.N" | "out.heads_first"
 # (an output laid out [batch head pos d_head], shown as moelens's [batch pos head d_head]).
@@ -112,7 +114,7 @@ def compare(model, hf_model, tokens, attention_mask=None) -> VerifyReport:
     """Run both models on the same tokens and report max differences (float64 arithmetic)."""
     positions = None
     if attention_mask is not None:  # transformers' plain forward does not derive positions from the mask
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = positions_from_mask(attention_mask)
     ref_logits, ref = reference_forward(hf_model, type(model), tokens, attention_mask, positions)
     with torch.no_grad():
         logits, cache = model.run_with_cache(tokens, attention_mask=attention_mask, names_filter=list(ref))

@@ -65,6 +65,11 @@ def grouped_linear(
     return out
 
 
+def sort_slots(experts: Int[torch.Tensor, "S"], n_experts: int) -> tuple[Int[torch.Tensor, "S"], list[int]]:
+    """(slot order sorted by expert, stable; rows per expert) for the grouped GEMMs."""
+    return torch.argsort(experts, stable=True), torch.bincount(experts, minlength=n_experts).tolist()
+
+
 def slot_linear(
     inputs: Float[torch.Tensor, "R n_in"],
     experts: Int[torch.Tensor, "S"],
@@ -75,8 +80,7 @@ def slot_linear(
 
     The rows are gathered sorted by expert, once, for the grouped GEMM, and scattered back to slot order.
     """
-    order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=weight.shape[0]).tolist()
+    order, counts = sort_slots(experts, weight.shape[0])
     out = grouped_linear(inputs[order // top_k if top_k > 1 else order], weight, counts)
     return out.new_empty(out.shape).index_copy_(0, order, out)
 
@@ -144,9 +148,8 @@ def routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks: Exp
     copies are only permuted for them when a hook is on."""
     T, k = indices.shape
     experts = indices.reshape(-1)
-    order = torch.argsort(experts, stable=True)
+    order, counts = sort_slots(experts, W_gate_up.shape[0])
     unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-    counts = torch.bincount(experts, minlength=W_gate_up.shape[0]).tolist()
 
     def hooked_sorted(hook: HookPoint, t: torch.Tensor) -> torch.Tensor:
         """Show a sorted [S, n] tensor to its hook in slot order; re-sort only what a hook replaced."""

@@ -16,6 +16,7 @@ from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kernels import BACKENDS
 from moelens.kv_cache import KVCache
 from moelens.models.components import Block, Embed, RMSNorm, Rotary
+from moelens.positions import positions_from_mask
 from moelens.names import alias_candidates
 from moelens.tokenizer import MoeTokenizer
 from moelens.weights import WeightViews
@@ -240,7 +241,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
             return cache.positions(mask)
         if mask is None:
             return torch.arange(p, device=self.device).expand(b, p)
-        return (mask.to(self.device).long().cumsum(-1) - 1).clamp(min=0)
+        return positions_from_mask(mask.to(self.device))
 
     def _allowed(self, p: int, mask: torch.Tensor | None) -> torch.Tensor:
         """[batch|1, 1, query, key] bool: causal, padding keys masked, a padded query sees itself.
