@@ -409,7 +409,7 @@ class CacheAnalysis:
         other component's, to the logit. Zero where a token did not choose e, and for dense blocks. The
         shared expert is not in it (see get_full_resid_decomposition, "L{l}.shared"). Computed in float32."""
         cfg = self.model.cfg
-        moe = [l for l in range(cfg.n_layers) if cfg.moe_layers[l]]
+        moe = cfg.moe_layer_indices
         names = ["ln_final.hook_scale"]
         names += [f"blocks.{l}.mlp.hook_expert_{s}" for l in moe for s in ("outputs", "indices")]
         self._require("expert_logit_attribution", names)

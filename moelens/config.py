@@ -82,6 +82,15 @@ class MoeConfig:
                 raise ValueError(f"layer {layer}: top_k {k} must be between 1 and n_experts ({self.n_experts})")
 
     @property
+    def moe_layer_indices(self) -> list[int]:
+        """Indices of the mixture blocks (the others are dense MLPs)."""
+        return [i for i, moe in enumerate(self.moe_layers) if moe]
+
+    @property
+    def dense_layer_indices(self) -> list[int]:
+        return [i for i, moe in enumerate(self.moe_layers) if not moe]
+
+    @property
     def d_rot(self) -> int:
         """Rotated dimensions per head (the rest pass through)."""
         return int(self.d_head * self.rope.partial_rotary_factor)

@@ -105,7 +105,7 @@ def support_table(model) -> SupportTable:
             )
         )
     absent = []
-    dense = [i for i, m in enumerate(cfg.moe_layers) if not m]
+    dense = cfg.dense_layer_indices
     for site in SITES:
         if site.name not in present:
             why = "this family has no such site"

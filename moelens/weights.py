@@ -145,11 +145,11 @@ class WeightViews:
 
     # ---- mixtures -----------------------------------------------------------------------------------
     def _per_moe_layer(self, what: str, fn: Callable[[SparseMoe], torch.Tensor]) -> torch.Tensor:
-        dense = [i for i, moe in enumerate(self.cfg.moe_layers) if not moe]
+        dense = self.cfg.dense_layer_indices
         if dense:
             raise ValueError(
                 f"{what} stacks one entry per layer, but blocks {dense} of this model are dense MLPs; "
-                f"read blocks[L].mlp per mixture layer ({[i for i, m in enumerate(self.cfg.moe_layers) if m]})"
+                f"read blocks[L].mlp per mixture layer ({self.cfg.moe_layer_indices})"
             )
         return torch.stack([fn(block.mlp) for block in self.blocks])
 

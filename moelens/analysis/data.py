@@ -82,7 +82,7 @@ def _one_batch(model, data, mask) -> tuple[Tokens, torch.Tensor]:
 
 def moe_layers(model) -> list[int]:
     """Block indices of the mixture blocks (dense blocks have no router)."""
-    return [i for i, moe in enumerate(model.cfg.moe_layers) if moe]
+    return model.cfg.moe_layer_indices
 
 
 def resolve_layers(model, layers: int | Sequence[int] | None) -> list[int]:

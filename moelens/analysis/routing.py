@@ -38,7 +38,7 @@ def routing_table(model, prompt: str | torch.Tensor, top_next: int = 5) -> Routi
         tokens = tokens[None]
     if tokens.shape[0] != 1:
         raise ValueError(f"routing_table takes one prompt, got tokens of shape {tuple(tokens.shape)}")
-    layers = [i for i, moe in enumerate(model.cfg.moe_layers) if moe]
+    layers = model.cfg.moe_layer_indices
     names = [f"blocks.{i}.mlp.hook_expert_{what}" for i in layers for what in ("indices", "weights")]
     logits, cache = model.run_with_cache(tokens, names_filter=names)
     indices, weights = [], []
