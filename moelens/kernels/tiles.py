@@ -2,16 +2,19 @@
 
 Starting points follow the public defaults for fused-MoE kernels: small tiles for decode (few tokens per
 expert), 128-wide tiles for prefill. An offline tuning run (benchmarks/tune_triton_tiles.py) writes a
-table per GPU as JSON; point $MOELENS_TILE_TABLE at it to use it.
+table per GPU as JSON; point $MOELENS_TILE_TABLE at it to use it. Tables are written for 16-bit weights;
+`Tile.for_dtype` shrinks a tile for float32 (see there).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
+
+import torch
 
 MIN_TILE = 16  # tl.dot needs every tile dimension >= 16
 
@@ -27,6 +30,14 @@ class Tile:
     def __post_init__(self) -> None:
         if min(self.block_m, self.block_n, self.block_k) < MIN_TILE:
             raise ValueError(f"every tile dimension must be >= {MIN_TILE}, got {self}")
+
+    def for_dtype(self, dtype: torch.dtype) -> Tile:
+        """This tile for `dtype`. 4-byte elements halve block_n and block_k: at 16-bit sizes, float32 tiles
+        ask for more shared memory than an A100 has (192 KiB for the prefill gate_up tile) and spill
+        registers, as compiling them for sm_80/sm_90 shows (python -m moelens.kernels.aot)."""
+        if dtype.itemsize <= 2:
+            return self
+        return replace(self, block_n=max(MIN_TILE, self.block_n // 2), block_k=max(MIN_TILE, self.block_k // 2))
 
 
 # (largest token count of the bucket, tile); None closes the table

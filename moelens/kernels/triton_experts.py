@@ -32,6 +32,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _dot_precision() -> str:
+    """How tl.dot multiplies float32 tiles: as torch's own float32 matmuls do. Triton's NVIDIA default is tf32,
+    torch's is IEEE fp32 unless tf32 is allowed (torch.set_float32_matmul_precision("high") or allow_tf32).
+    16-bit tiles ignore it."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 and not _interpreting() else "ieee"
+
+
 @triton.jit
 def _round(x, ty: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """fp32 -> ty. The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): there, round
@@ -67,7 +74,7 @@ def _gate_up_kernel(
     n_slots, top_k, H, I,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_os, stride_oi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WRITE_POST: tl.constexpr, WRITE_PRE: tl.constexpr, UPCAST: tl.constexpr,
+    WRITE_POST: tl.constexpr, WRITE_PRE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -94,8 +101,8 @@ def _gate_up_kernel(
             a = a.to(tl.float32)
             w_gate = w_gate.to(tl.float32)
             w_up = w_up.to(tl.float32)
-        acc_gate = tl.dot(a, w_gate, acc_gate)
-        acc_up = tl.dot(a, w_up, acc_up)
+        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     out_ty = post_ptr.dtype.element_ty
     gate = _round(acc_gate, out_ty, UPCAST)
     up = _round(acc_up, out_ty, UPCAST)
@@ -114,6 +121,7 @@ def _down_kernel(
     n_slots, H, I,
     stride_ps, stride_pi, stride_we, stride_wh, stride_wi, stride_os, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -136,7 +144,7 @@ def _down_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     down = _round(acc, post_ptr.dtype.element_ty, UPCAST).to(tl.float32)  # the torch path's down output
     weight = tl.load(weights_ptr + safe_slots, mask=valid, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
@@ -174,7 +182,7 @@ def gate_up(x: torch.Tensor, W_gate_up: torch.Tensor, layout: SlotLayout, tile: 
         S, top_k, H, I,
         x.stride(0), x.stride(1), W_gate_up.stride(0), W_gate_up.stride(1), W_gate_up.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        WRITE_POST=not write_pre, WRITE_PRE=write_pre, UPCAST=_interpreting(),
+        WRITE_POST=not write_pre, WRITE_PRE=write_pre, UPCAST=_interpreting(), DOT_PRECISION=_dot_precision(),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
@@ -190,7 +198,7 @@ def down(post: torch.Tensor, W_down: torch.Tensor, weights: torch.Tensor, layout
         S, H, I,
         post.stride(0), post.stride(1), W_down.stride(0), W_down.stride(1), W_down.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=_interpreting(),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        DOT_PRECISION=_dot_precision(), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
 
@@ -284,7 +292,7 @@ def routed_experts_triton(
     x, indices, weights, W_gate_up, W_down, act, hooks: ExpertHooks, batch_pos, tile: Tile | None = None
 ) -> torch.Tensor:
     T, k = indices.shape
-    tile = tile or tile_for(T)
+    tile = tile or tile_for(T).for_dtype(x.dtype)
     layout = align_slots(indices, W_gate_up.shape[0], tile.block_m)
     experts = indices.reshape(-1)
     x = x.contiguous()

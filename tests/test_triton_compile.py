@@ -1,0 +1,108 @@
+"""The expert kernels compiled for real NVIDIA targets (sm_90, sm_80) on this machine, no GPU needed.
+
+The interpreter runs the kernels' arithmetic but not Triton's compiler: these tests take every kernel of
+every tile-table bucket through TTIR -> PTX -> cubin (moelens.kernels.aot, in a subprocess without
+TRITON_INTERPRET) and check what a GPU launch would run into: shared memory over the GPU's limit
+(OutOfResources), register spills on the H100/H200 target, and which instructions tl.dot became.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton.backends.nvidia.compiler")
+
+from moelens.kernels.tiles import DEFAULT_TABLE, Tile  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RUNS = {
+    # every bucket of the default table, 16- and 32-bit, on both targets (Hunyuan-A13B's expert shape)
+    "table": ["--gpu", "sm_90", "sm_80", "--dtype", "bfloat16", "float32"],
+    # float32 when torch allows tf32 matmuls: tensor cores, as torch's own matmul would use
+    "tf32": ["--gpu", "sm_90", "sm_80", "--dtype", "float32", "--tokens", "16,8192", "--tf32"],
+    # widths that are not multiples of 16 (no divisibility hints) and a token count in no bucket's top
+    "unaligned": ["--gpu", "sm_90", "--dtype", "bfloat16", "--tokens", "7", "--shape", "8,2,40,24"],
+}
+
+
+@pytest.fixture(scope="module")
+def surveys():
+    """The three surveys, run side by side (each is one `python -m moelens.kernels.aot --json`)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    running = {
+        name: subprocess.Popen([sys.executable, "-m", "moelens.kernels.aot", "--json", *argv], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, argv in RUNS.items()
+    }
+    found = {}
+    for name, proc in running.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"aot survey {name!r} failed:\n{err[-3000:]}"
+        found[name] = json.loads(out)
+    return found
+
+
+def gemms(rows):
+    return [r for r in rows if "BLOCK_K" in r["constexprs"]]
+
+
+def test_every_bucket_compiles_with_its_tile_on_both_targets(surveys):
+    rows = surveys["table"]
+    for gpu in ("sm_90", "sm_80"):
+        for dtype in (torch.bfloat16, torch.float32):
+            name = str(dtype).removeprefix("torch.")
+            labels = {r["label"] for r in rows if r["gpu"] == gpu and r["dtype"] == name}
+            for _, tile in DEFAULT_TABLE:
+                t = tile.for_dtype(dtype)
+                size = f"{t.block_m}x{t.block_n}x{t.block_k}"
+                assert {f"gate_up {size}", f"gate_up pre {size}", f"down {size}"} <= labels, (gpu, name, size)
+            assert {"combine", "silu_mul"} <= labels
+
+
+def test_shared_memory_fits_the_gpu(surveys):
+    for rows in surveys.values():
+        for r in rows:
+            assert r["shared"] <= r["shared_limit"], f"{r['gpu']} {r['dtype']} {r['label']}: {r['shared']} bytes"
+
+
+def test_16_bit_tiles_run_on_tensor_cores_without_spills_on_hopper(surveys):
+    for r in gemms(surveys["table"] + surveys["unaligned"]):
+        if r["dtype"] != "bfloat16":
+            continue
+        hopper_wide = r["gpu"] == "sm_90" and r["constexprs"]["BLOCK_M"] >= 64 and r["num_warps"] % 4 == 0
+        assert r["dot"] == ("wgmma.bf16" if hopper_wide else "mma.bf16"), r["label"]
+        if r["gpu"] == "sm_90":
+            assert r["spill_bytes"] == 0, f"{r['label']} spills {r['spill_bytes']} bytes on sm_90"
+
+
+def test_float32_dots_are_ieee_unless_torch_allows_tf32(surveys):
+    """Triton's default for float32 tl.dot is tf32; torch's float32 matmul is IEEE unless tf32 is allowed."""
+    ieee = [r for r in gemms(surveys["table"]) if r["dtype"] == "float32"]
+    tf32 = gemms(surveys["tf32"])
+    assert ieee and tf32
+    assert {r["dot"] for r in ieee} == {"fma"}
+    assert {r["dot"] for r in tf32 if r["gpu"] == "sm_80"} == {"mma.tf32"}
+    assert "wgmma.tf32" in {r["dot"] for r in tf32 if r["gpu"] == "sm_90"}
+
+
+def test_float32_tiles_halve_n_and_k():
+    assert Tile(128, 128, 64).for_dtype(torch.float32) == Tile(128, 64, 32)
+    assert Tile(16, 32, 16).for_dtype(torch.float32) == Tile(16, 16, 16)
+    assert Tile(128, 128, 64).for_dtype(torch.bfloat16) == Tile(128, 128, 64)
+
+
+def test_argument_specialisation_matches_triton_launcher():
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from moelens.kernels.aot import _specialise
+
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    for value in (1, 2, 16, 40, 4096, 2**31, -(2**31) - 1, base, base[1:], base.float(), base.int()):
+        kind, key = native(CUDABackend, value, False, True, True)[:2]
+        assert _specialise(value) == (kind, key == "D"), value
