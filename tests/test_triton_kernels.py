@@ -10,7 +10,7 @@ from conftest import FAMILIES  # noqa: E402
 
 from moelens import HookedTransformer  # noqa: E402
 from moelens.hooks import HookPoint  # noqa: E402
-from moelens.kernels.experts import ExpertHooks, routed_experts_torch  # noqa: E402
+from moelens.kernels.experts import ExpertHooks, routed_experts, routed_experts_torch  # noqa: E402
 from moelens.kernels.routing import align_slots, max_padded_rows  # noqa: E402
 from moelens.kernels.tiles import DEFAULT_TABLE, MIN_TILE, Tile, tile_for  # noqa: E402
 from moelens.kernels.triton_experts import routed_experts_triton  # noqa: E402
@@ -199,6 +199,12 @@ def test_ablation_and_replacement_on_triton_backend(checkpoints, family, tokens)
 def test_backend_errors_are_clear(qwen_model):
     with pytest.raises(ValueError, match="experts backend"):
         qwen_model.set_experts_backend("cuda")
+    x, idx, w, Wgu, Wd = make_case(5, 8, 2, torch.float32)
+    hooks, _ = capture_hooks()
+    with pytest.raises(ValueError, match="activation is 'gelu'"):
+        routed_experts(x, idx, w, Wgu, Wd, F.gelu, hooks, (1, 5), "triton")
+    expected = routed_experts_torch(x, idx, w, Wgu, Wd, F.gelu, hooks, (1, 5))
+    assert torch.equal(routed_experts(x, idx, w, Wgu, Wd, F.gelu, hooks, (1, 5), "auto"), expected)
 
 
 def test_tuned_table_round_trips(tmp_path):

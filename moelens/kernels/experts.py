@@ -135,7 +135,15 @@ def routed_experts(
     as the reference does, so low-precision results agree with it.
     """
     check_indices(indices, W_gate_up.shape[0])
-    if resolve_backend(backend, x.device) == "triton" and act is F.silu:
+    chosen = resolve_backend(backend, x.device)
+    if chosen == "triton" and act is not F.silu:  # the kernels fuse SiLU(gate) * up
+        if backend == "triton":
+            raise ValueError(
+                f"experts_backend='triton' computes SiLU(gate) * up; this model's expert activation is "
+                f"{getattr(act, '__name__', act)!r}: use experts_backend='torch' or 'auto'"
+            )
+        chosen = "torch"
+    if chosen == "triton":
         from moelens.kernels.triton_experts import routed_experts_triton
 
         return routed_experts_triton(x, indices, weights, W_gate_up, W_down, act, hooks, batch_pos)
