@@ -138,7 +138,8 @@ def _specialise(value) -> tuple[str, bool]:
     raise TypeError(f"cannot specialise a kernel argument of type {type(value).__name__}")
 
 
-def compile_launch(launch: Launch, gpu: Gpu) -> triton.compiler.CompiledKernel:
+def _specialised(launch: Launch) -> tuple[dict[str, str], dict[str, object], dict[tuple[int], list]]:
+    """(signature, constexprs, divisibility attrs) of a launch: what its binary is compiled from."""
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(launch.kernel.params):
         value = launch.args[param.name]
@@ -148,6 +149,11 @@ def compile_launch(launch: Launch, gpu: Gpu) -> triton.compiler.CompiledKernel:
             constexprs[param.name] = value
         elif aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def compile_launch(launch: Launch, gpu: Gpu) -> triton.compiler.CompiledKernel:
+    signature, constexprs, attrs = _specialised(launch)
     source = ASTSource(launch.kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", gpu.capability, 32), options=launch.options)
 
@@ -204,15 +210,11 @@ def report(launch: Launch, gpu: Gpu) -> KernelReport:
 
 
 def unique_launches(launches: list[Launch]) -> Iterator[Launch]:
-    """One launch per binary: launches with the same kernel, options, types and constexprs compile alike."""
+    """One launch per binary: launches with the same kernel, options and specialisation compile alike."""
     seen = set()
     for launch in launches:
-        params = launch.kernel.params
-        key = (
-            launch.kernel.__name__,
-            tuple(sorted(launch.options.items())),
-            tuple(launch.args[p.name] if p.is_constexpr else _specialise(launch.args[p.name]) for p in params),
-        )
+        signature, constexprs, attrs = _specialised(launch)
+        key = (launch.kernel.__name__, *(tuple(sorted(d.items())) for d in (launch.options, signature, constexprs)), tuple(attrs))
         if key not in seen:
             seen.add(key)
             yield launch
