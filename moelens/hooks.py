@@ -8,8 +8,11 @@ dtype (anything else raises, naming the hook). Backward hooks see the gradient o
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fnmatch
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Literal, Union
 
 import torch
@@ -24,52 +27,107 @@ class HookShapeError(ValueError):
     """A hook returned a tensor that cannot stand in for the one it replaced."""
 
 
+@dataclass(eq=False)
+class Hook:
+    """One hook function added at one HookPoint.
+
+    `active` turns False when the hook is removed: a backward hook registered on a tensor during a forward
+    then no longer fires, so removal means the same for both directions. `reads_only` marks moelens's own
+    caching hooks, which never edit the tensor (no defensive copy is made for them)."""
+
+    fn: HookFn
+    dir: Direction
+    is_permanent: bool = False
+    reads_only: bool = False
+    active: bool = True
+
+
+# Hooks added for one call (run_with_hooks, run_with_cache, model.hooks()) live in the calling thread's
+# context, not on the module: two threads running one model never see each other's call hooks.
+_CALL_HOOKS: contextvars.ContextVar[dict[HookPoint, tuple[Hook, ...]]] = contextvars.ContextVar("moelens_call_hooks", default={})
+# While run_with_cache(incl_bwd=True) runs its forward: the tensors that received backward hooks, whose
+# gradients (and only theirs) its backward pass computes.
+_GRAD_TARGETS: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar("moelens_grad_targets", default=None)
+
+
 class HookPoint(nn.Module):
-    """Identity module at a named site; hooks added here read or replace the tensor flowing through."""
+    """Identity module at a named site; hooks added here read or replace the tensor flowing through.
+
+    Editing the tensor in place and returning None has exactly the effect of returning the edited tensor:
+    with autograd on, hooks that may edit get a copy (so an in-place edit never corrupts a tensor that
+    autograd saved), and sites whose computation goes on from another tensor ask `run` whether a hook
+    may have changed it.
+    """
 
     def __init__(self, layout: str = "", meaning: str = "") -> None:
         super().__init__()
         self.name: str = ""  # set by HookedRootModule.setup()
         self.layout = layout
         self.meaning = meaning
-        self._fwd: list[tuple[HookFn, bool]] = []  # (fn, is_permanent)
-        self._bwd: list[tuple[HookFn, bool]] = []
+        self._hooks: list[Hook] = []  # added with add_hook / add_perma_hook, until removed
+
+    def hooks_in_effect(self, dir: Direction) -> list[Hook]:
+        """This point's hooks of one direction: the module's, then the current call's, in the order added."""
+        return [h for h in (*self._hooks, *_CALL_HOOKS.get().get(self, ())) if h.dir == dir]
 
     @property
     def has_hooks(self) -> bool:
-        return bool(self._fwd or self._bwd)
+        return bool(self._hooks) or self in _CALL_HOOKS.get()
 
     @property
     def has_bwd_hooks(self) -> bool:
-        return bool(self._bwd)
+        return bool(self.hooks_in_effect("bwd"))
 
-    def add_hook(self, fn: HookFn, dir: Direction = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
+    def add_hook(
+        self, fn: HookFn, dir: Direction = "fwd", is_permanent: bool = False, prepend: bool = False, reads_only: bool = False
+    ) -> Hook:
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"hook direction must be 'fwd' or 'bwd', got {dir!r} for {self.name}")
-        hooks = self._fwd if dir == "fwd" else self._bwd
-        hooks.insert(0, (fn, is_permanent)) if prepend else hooks.append((fn, is_permanent))
+        hook = Hook(fn, dir, is_permanent, reads_only)
+        self._hooks.insert(0, hook) if prepend else self._hooks.append(hook)
+        return hook
 
     def remove_hooks(self, dir: Direction | Literal["both"] = "both", including_permanent: bool = False) -> None:
-        keep = (lambda perm: perm) if not including_permanent else (lambda perm: False)
-        if dir in ("fwd", "both"):
-            self._fwd = [(f, p) for f, p in self._fwd if keep(p)]
-        if dir in ("bwd", "both"):
-            self._bwd = [(f, p) for f, p in self._bwd if keep(p)]
+        keep = []
+        for hook in self._hooks:
+            if (dir in ("both", hook.dir)) and (including_permanent or not hook.is_permanent):
+                hook.active = False
+            else:
+                keep.append(hook)
+        self._hooks = keep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fn, _ in self._fwd:
-            out = fn(x, hook=self)
-            if out is not None:
-                self._check_replacement(x, out)
-                x = out
-        if self._bwd and x.requires_grad:
-            for fn, _ in self._bwd:
-                x.register_hook(self._grad_hook(fn))
-        return x
+        return self.run(x)[0]
 
-    def _grad_hook(self, fn: HookFn) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    def run(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the tensor to go on with, whether a hook may have changed it: replaced it or edited it in place)."""
+        fwd, bwd = self.hooks_in_effect("fwd"), self.hooks_in_effect("bwd")
+        changed = False
+        if fwd:
+            editors = any(not h.reads_only for h in fwd)
+            if editors and torch.is_grad_enabled() and x.requires_grad:
+                x = x.clone()  # an in-place edit must not touch a tensor autograd saved (softmax, sigmoid outputs)
+                changed = True
+            version = _version(x)
+            for hook in fwd:
+                out = hook.fn(x, hook=self)
+                if out is not None:
+                    self._check_replacement(x, out)
+                    changed, x = changed or out is not x, out
+            changed = changed or (editors and (version is None or _version(x) != version))
+        if bwd and x.requires_grad:
+            for hook in bwd:
+                x.register_hook(self._grad_hook(hook))
+            targets = _GRAD_TARGETS.get()
+            if targets is not None:
+                targets.append(x)
+        return x, changed
+
+    def _grad_hook(self, hook: Hook) -> Callable[[torch.Tensor], torch.Tensor | None]:
         def call(grad: torch.Tensor) -> torch.Tensor | None:
-            out = fn(grad, hook=self)
+            if not hook.active:  # removed between this forward and the backward
+                return None
+            out = hook.fn(grad, hook=self)
             if out is not None:
                 self._check_replacement(grad, out)
             return out
@@ -84,9 +142,19 @@ class HookPoint(nn.Module):
                 f"hook on {self.name} returned shape {tuple(new.shape)} dtype {new.dtype}, "
                 f"expected shape {tuple(old.shape)} dtype {old.dtype} ({self.layout})"
             )
+        if new.device != old.device:
+            raise HookShapeError(f"hook on {self.name} returned a tensor on {new.device}, expected one on {old.device}")
 
     def extra_repr(self) -> str:
         return f"[{self.layout}]" if self.layout else ""
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place edit counter; None where torch keeps none (inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class HookedRootModule(nn.Module):
@@ -157,6 +225,7 @@ class HookedRootModule(nn.Module):
         is_permanent: bool = False,
         prepend: bool = False,
     ) -> None:
+        """Add a hook that stays, for every thread, until reset_hooks() (or for good with is_permanent)."""
         for name in self.resolve_hook_names(name_or_filter):
             self.hook_dict[name].add_hook(hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
 
@@ -174,24 +243,33 @@ class HookedRootModule(nn.Module):
         bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
         reset_hooks_end: bool = True,
     ) -> Iterator[HookedRootModule]:
-        """Context manager: the hooks are active inside the block and removed at its end, even on error."""
-        added: list[tuple[HookPoint, HookFn, Direction]] = []
+        """Context manager: the hooks are active inside the block and removed at its end, even on error.
+
+        They belong to the calling thread (and its context): another thread running this model meanwhile
+        does not see them. Backward hooks fire only for a backward run inside the block. With
+        reset_hooks_end=False they are added to the modules instead, for every thread, until reset_hooks().
+        """
+        pairs = [(d, self.resolve_hook_names(f), fn) for d, hooks in (("fwd", fwd_hooks), ("bwd", bwd_hooks)) for f, fn in hooks]
+        if not reset_hooks_end:
+            for direction, names, fn in pairs:
+                for name in names:
+                    self.hook_dict[name].add_hook(fn, dir=direction)
+            yield self
+            return
+        added: list[Hook] = []
+        call_hooks = dict(_CALL_HOOKS.get())
+        for direction, names, fn in pairs:
+            for name in names:
+                hp = self.hook_dict[name]
+                added.append(Hook(fn, direction, reads_only=getattr(fn, "reads_only", False)))
+                call_hooks[hp] = (*call_hooks.get(hp, ()), added[-1])
+        token = _CALL_HOOKS.set(call_hooks)
         try:
-            for direction, pairs in (("fwd", fwd_hooks), ("bwd", bwd_hooks)):
-                for name_or_filter, fn in pairs:
-                    for name in self.resolve_hook_names(name_or_filter):
-                        hp = self.hook_dict[name]
-                        hp.add_hook(fn, dir=direction)
-                        added.append((hp, fn, direction))
             yield self
         finally:
-            if reset_hooks_end:
-                for hp, fn, direction in added:
-                    hooks = hp._fwd if direction == "fwd" else hp._bwd
-                    for i, (f, perm) in enumerate(hooks):
-                        if f is fn and not perm:
-                            del hooks[i]
-                            break
+            _CALL_HOOKS.reset(token)
+            for hook in added:
+                hook.active = False
 
     def run_with_hooks(
         self,
@@ -203,9 +281,19 @@ class HookedRootModule(nn.Module):
     ):
         """Run the forward with these hooks; they are removed afterwards (also when the forward raises).
 
-        With bwd_hooks and reset_hooks_end=True, call .backward() yourself before the hooks go: pass
-        reset_hooks_end=False and call reset_hooks() after the backward.
+        Backward hooks fire only while they are in place: with reset_hooks_end=True (the default) they are
+        gone when the forward returns, so a later .backward() does not call them (a warning says so). To
+        use them, pass reset_hooks_end=False, call .backward(), then reset_hooks(); or use
+        run_with_cache(incl_bwd=True), or `with model.hooks(bwd_hooks=...):` around forward and backward.
         """
+        bwd_hooks = list(bwd_hooks)
+        if bwd_hooks and reset_hooks_end:
+            warnings.warn(
+                "run_with_hooks(reset_hooks_end=True) removes its backward hooks when the forward returns, so "
+                "they will not fire on a later .backward(); pass reset_hooks_end=False and call reset_hooks() "
+                "after the backward",
+                stacklevel=2,
+            )
         with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end):
             return self(*model_args, **model_kwargs)
 
@@ -220,8 +308,9 @@ class HookedRootModule(nn.Module):
     ):
         """Run the forward and return (output, ActivationCache) of the selected hook sites.
 
-        With incl_bwd=True the output must be a scalar (e.g. return_type="loss"); backward is run and
-        the gradients are cached under "<name>_grad".
+        With incl_bwd=True the output must be a scalar (e.g. return_type="loss"); its gradient with respect
+        to each selected site is computed and cached under "<name>_grad". Only those gradients are
+        computed: no parameter's .grad is written.
         """
         from moelens.cache import ActivationCache
 
@@ -233,16 +322,26 @@ class HookedRootModule(nn.Module):
                 t = tensor.detach()
                 store[hook.name + suffix] = t.to(device) if device is not None else t
 
+            save.reads_only = True
             return save
 
         fwd = [(n, saver("")) for n in names]
         bwd = [(n, saver("_grad")) for n in names] if incl_bwd else []
-        with self.hooks(fwd, bwd):
-            out = self(*model_args, **model_kwargs)
-            if incl_bwd:
-                if not isinstance(out, torch.Tensor) or out.numel() != 1:
-                    raise ValueError("run_with_cache(incl_bwd=True) needs a scalar output, e.g. return_type='loss'")
-                out.backward()
+        targets: list[torch.Tensor] = []
+        collecting = _GRAD_TARGETS.set(targets) if incl_bwd else None
+        try:
+            with self.hooks(fwd, bwd):
+                out = self(*model_args, **model_kwargs)
+                if incl_bwd:
+                    _GRAD_TARGETS.reset(collecting)
+                    collecting = None
+                    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                        raise ValueError("run_with_cache(incl_bwd=True) needs a scalar output, e.g. return_type='loss'")
+                    if targets:  # gradients of the hooked activations only: the parameters' are never formed
+                        torch.autograd.grad(out, targets, allow_unused=True)
+        finally:
+            if collecting is not None:
+                _GRAD_TARGETS.reset(collecting)
         cache = ActivationCache(store, self, has_batch_dim=True)
         if remove_batch_dim:
             cache = cache.remove_batch_dim()

@@ -126,16 +126,22 @@ def test_pre_hooks_replace_the_activation_input():
     assert (a - b).abs().max() <= 1e-5 and (got_k["pre"] - got_t["pre"]).abs().max() <= 1e-5
 
 
-def test_gradients_match_the_torch_path():
+def test_gradients_as_close_to_fp64_as_the_torch_path():
+    """The Triton backend's gradients (its backward recomputes through the torch path) are as close to a
+    float64 oracle as the torch path's own float32 gradients (accumulation order differs between them)."""
     x, idx, w, Wgu, Wd = make_case(11, 8, 2, torch.float32)
-    grads = []
-    for fn in (routed_experts_torch, routed_experts_triton):
-        leaves = [t.clone().requires_grad_() for t in (x, w, Wgu, Wd)]
+    grads = {}
+    for name, fn, dtype in (("fp64", routed_experts_torch, torch.float64), ("torch", routed_experts_torch, torch.float32),
+                            ("triton", routed_experts_triton, torch.float32)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w, Wgu, Wd)]
         hooks, _ = capture_hooks()
         fn(leaves[0], idx, leaves[1], leaves[2], leaves[3], F.silu, hooks, (1, 11)).pow(2).sum().backward()
-        grads.append([t.grad for t in leaves])
-    for a, b in zip(*grads):
-        assert (a - b).abs().max() <= 1e-4
+        grads[name] = [t.grad.double() for t in leaves]
+    # one yardstick for both float32 paths: a few float32 ulps of the largest exact entry (both measure 0.4-4.6)
+    for exact, torch_grad, kernel_grad in zip(grads["fp64"], grads["torch"], grads["triton"]):
+        bound = 8 * torch.finfo(torch.float32).eps * exact.abs().max().item()
+        assert (torch_grad - exact).abs().max().item() <= bound
+        assert (kernel_grad - exact).abs().max().item() <= bound
 
 
 def test_slot_layout_pads_each_expert_and_marks_padding():

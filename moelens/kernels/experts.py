@@ -36,12 +36,18 @@ class ExpertHooks:
 
 def hooked(hook: HookPoint, t: torch.Tensor, batch_pos: tuple[int, int]) -> torch.Tensor:
     """Show a [T, k, n] tensor to a hook as [batch, pos, k, n] and take back what it returns."""
+    return hooked_changed(hook, t, batch_pos)[0]
+
+
+def hooked_changed(hook: HookPoint, t: torch.Tensor, batch_pos: tuple[int, int]) -> tuple[torch.Tensor, bool]:
+    """hooked(), and whether a hook replaced or edited the tensor (or a backward hook waits on the new one)."""
     if not hook.has_hooks:
-        return t
+        return t, False
     view = t.view(*batch_pos, *t.shape[1:])
-    out = hook(view)
-    # the same object when no hook replaced it, unless a backward hook waits for the gradient of `view`
-    return t if out is view and not hook.has_bwd_hooks else out.reshape(t.shape)
+    out, changed = hook.run(view)
+    if not changed and out is view and not hook.has_bwd_hooks:
+        return t, False
+    return out.reshape(t.shape), True
 
 
 def grouped_linear(
@@ -160,12 +166,11 @@ def routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks: Exp
     unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
 
     def hooked_sorted(hook: HookPoint, t: torch.Tensor) -> torch.Tensor:
-        """Show a sorted [S, n] tensor to its hook in slot order; re-sort only what a hook replaced."""
+        """Show a sorted [S, n] tensor to its hook in slot order; re-sort only what a hook changed."""
         if not hook.has_hooks:
             return t
-        shown = t[unsort].view(T, k, -1)
-        seen = hooked(hook, shown, batch_pos)
-        return t if seen is shown and not hook.has_bwd_hooks else seen.reshape(T * k, -1)[order]
+        seen, changed = hooked_changed(hook, t[unsort].view(T, k, -1), batch_pos)
+        return seen.reshape(T * k, -1)[order] if changed else t
 
     gate_up = grouped_linear(x[order // k], W_gate_up, counts)
     pre, pre_linear = gate_up.chunk(2, dim=-1)

@@ -10,7 +10,12 @@ from moelens.hooks import HookPoint
 
 
 class RMSNorm(nn.Module):
-    """weight * x / sqrt(mean(x^2) + eps), computed in float32 and cast back before the weight (as HF does)."""
+    """weight * x / sqrt(mean(x^2) + eps), computed in float32 and cast back before the weight (as HF does).
+
+    hook_scale holds sqrt(mean(x^2) + eps) and the norm divides by what it holds (a hook that edits or
+    replaces it changes the output; its gradient flows). Where the scale is the computed one, the output
+    is the reference's x * rsqrt(...) bit for bit (x / scale differs from it in the last bit).
+    """
 
     def __init__(self, d: int, eps: float, hooked: bool = True) -> None:
         super().__init__()
@@ -18,7 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.hooked = hooked
         if hooked:
-            self.hook_scale = HookPoint("batch pos 1", "RMS of the input")
+            self.hook_scale = HookPoint("batch pos 1", "RMS of the input: the norm divides by it")
             self.hook_normalized = HookPoint("batch pos d_model", "the norm's output")
 
     def forward(self, x: Float[torch.Tensor, "... d"]) -> Float[torch.Tensor, "... d"]:
@@ -27,12 +32,33 @@ class RMSNorm(nn.Module):
         variance = x.pow(2).mean(-1, keepdim=True)
         if not self.hooked:
             return self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
-        rms = torch.sqrt(variance + self.eps)
-        scale = self.hook_scale(rms)
-        # x * rsqrt(...) is what the reference computes; it differs from x / rms in the last bit, so keep it
-        # unless a hook replaced the scale.
-        inv = torch.rsqrt(variance + self.eps) if scale is rms else scale.reciprocal()
-        return self.hook_normalized(self.weight * (x * inv).to(dtype))
+        if not self.hook_scale.has_hooks:
+            return self.hook_normalized(self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype))
+        scale = self.hook_scale(torch.sqrt(variance + self.eps))
+        return self.hook_normalized(self.weight * (x * _inverse(scale, variance, self.eps)).to(dtype))
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _inverse(scale: torch.Tensor, variance: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / scale, where an element still equal to the computed sqrt(variance + eps) takes the reference's
+    rsqrt(variance + eps) instead; the gradient is that of 1 / scale with respect to scale throughout."""
+    with torch.no_grad():
+        computed = torch.sqrt(variance + eps)
+        value = torch.where(scale == computed, torch.rsqrt(variance + eps), scale.reciprocal())
+    return _ValueWithReciprocalGrad.apply(scale, value)
+
+
+class _ValueWithReciprocalGrad(torch.autograd.Function):
+    """Forward: `value` (1 / scale up to the last bit); backward: d(1 / scale) / d scale = -1 / scale^2."""
+
+    @staticmethod
+    def forward(ctx, scale: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return -grad / scale.square(), None
