@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -27,15 +29,57 @@ def cache_root() -> Path:
 
 
 def default_checkpoint(name: str | None = None, root: Path | None = None) -> Path:
-    """Folder of the named default checkpoint, built on first use."""
+    """Folder of the named default checkpoint, built on first use.
+
+    Safe when many processes start at once and when a build is killed: each build writes a private temporary
+    folder and renames it into place whole, so the folder is either absent or complete (its COMPLETE marker,
+    written last, holds the config it was built from). A folder without the marker, or built from another
+    config, is rebuilt."""
     name = name or DEFAULT
     if name not in CONFIGS:
         raise KeyError(f"no embedded default {name!r}; there are {sorted(CONFIGS)}")
     config = json.loads((Path(__file__).parent / CONFIGS[name]).read_text())
     folder = (root or cache_root()) / "defaults" / f"{name}-seed{SEED}"
-    if not (folder / "model.safetensors").is_file() or json.loads((folder / "config.json").read_text()) != config:
-        build_checkpoint(config, folder)
+    if not _is_complete(folder, config):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            build_checkpoint(config, building)
+            (building / COMPLETE).write_text(json.dumps(config))
+            _move_into_place(building, folder, config)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
     return folder
+
+
+COMPLETE = "COMPLETE"
+
+
+def _is_complete(folder: Path, config: dict) -> bool:
+    try:
+        return json.loads((folder / COMPLETE).read_text()) == config
+    except (OSError, ValueError):
+        return False
+
+
+def _move_into_place(built: Path, folder: Path, config: dict) -> None:
+    """Rename the finished build to `folder`. If another process got there first with a complete build, keep
+    theirs; a stale or half-built folder (from an older moelens, or a killed build) is moved aside first."""
+    for _ in range(3):
+        try:
+            os.rename(built, folder)  # atomic; fails if folder exists and is not empty
+            return
+        except OSError:
+            if _is_complete(folder, config):
+                return
+            stale = Path(tempfile.mkdtemp(prefix=f".{folder.name}-stale-", dir=folder.parent))
+            try:
+                os.rename(folder, stale / "old")
+            except FileNotFoundError:  # someone else moved it aside meanwhile: try again
+                pass
+            finally:
+                shutil.rmtree(stale, ignore_errors=True)
+    raise RuntimeError(f"could not put the embedded default in place at {folder}")
 
 
 def build_checkpoint(config: dict, folder: Path) -> None:
