@@ -221,3 +221,17 @@ def test_tuned_table_round_trips(tmp_path):
     path.write_text(dump_table(table))
     assert load_table(path) == table
     assert tile_for(10, load_table(path)) == Tile(16, 32, 32)
+
+
+def test_auto_uses_triton_only_on_verified_gpu_architectures(monkeypatch):
+    """No GPU run of the kernel tests yet: "auto" must keep CUDA models on the torch path, and switch only for
+    an architecture recorded as verified; "triton" stays available on request."""
+    from moelens.kernels import experts
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert experts.resolve_backend("auto", cuda) == "torch"
+    assert experts.resolve_backend("triton", cuda) == "triton"
+    monkeypatch.setitem(experts.VERIFIED_TRITON_ARCHS, (9, 0), "test entry")
+    assert experts.resolve_backend("auto", cuda) == "triton"
+    assert experts.resolve_backend("auto", torch.device("cpu")) == "torch"

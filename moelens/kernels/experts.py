@@ -4,7 +4,8 @@ Layout conventions: T tokens (batch * pos flattened), k slots per token, S = T *
 H = d_model, I = d_expert. Slot s of token t is row t * k + s of the flat slot axis.
 
 Two backends give the same hook tensors: "torch" (the reference, any device) and "triton" (CUDA, or CPU
-tensors under TRITON_INTERPRET=1). "auto" picks triton for CUDA tensors when triton is importable.
+tensors under TRITON_INTERPRET=1). "auto" picks triton only for CUDA tensors on a GPU architecture where the
+kernel tests have passed on real hardware (VERIFIED_TRITON_ARCHS), and the torch path everywhere else.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from moelens.hooks import HookPoint
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
+
+# (major, minor) compute capabilities on which tests/test_triton_kernels.py has passed on a real GPU, with
+# where and when. Empty: the kernels have run only in Triton's interpreter and been compiled for sm_80 /
+# sm_90 without running, so "auto" never trusts them yet. Add an entry only after `bash
+# benchmarks/gpu_check.sh` passed on that architecture.
+VERIFIED_TRITON_ARCHS: dict[tuple[int, int], str] = {}
 
 
 @dataclass(frozen=True)
@@ -107,13 +114,17 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["torch", 
     if backend not in BACKENDS:
         raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        return "triton" if device.type == "cuda" and triton_verified_on(device) and triton_available() else "torch"
     if backend == "triton":
         if not triton_available():
             raise RuntimeError("experts_backend='triton' needs the triton package (it ships with CUDA builds of torch)")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(f"experts_backend='triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1); got {device}")
     return backend
+
+
+def triton_verified_on(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) in VERIFIED_TRITON_ARCHS
 
 
 def triton_available() -> bool:
