@@ -4,7 +4,14 @@ fold_layer_norm: an RMSNorm computes w * n with n = x / rms(x), and every reader
 so W @ (w * n) = (W * w) @ n. The weight of ln1 goes into q/k/v projections, of ln2 into the router, the
 experts' gate and up rows, the shared expert's gate and up projections and Qwen2-MoE's shared expert gate
 (or a dense block's gate and up), of ln_final into the unembedding; then each norm's weight is set to 1.
-Biases are added after the projection and do not change. Logits are unchanged up to rounding.
+Biases are added after the projection and do not change. Everything linear is unchanged up to rounding.
+
+Routing is not linear: the top-k choice is discontinuous, so a rounding-sized change of a router logit can
+swap two near-tied experts, and then a token's mixture output (and everything after it) changes by far more
+than rounding. No weight processing can promise the same routing. fold_layer_norm therefore measures it:
+it runs a probe batch before and after folding and reports, per mixture layer, how many probe tokens'
+chosen experts changed (RoutingChanges; from_pretrained(fold_ln=True) warns when any did and keeps the
+report as model.routing_changes).
 
 Not folded: Hunyuan's per-head q/k norms. They normalise each head *after* the rotary, so their weight
 multiplies rotated coordinates (the rotary mixes pairs of dimensions) and their scale depends on the rotated
@@ -21,6 +28,8 @@ routers stay float32 in a bfloat16 model).
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,9 +44,47 @@ def _scale_inputs(param: torch.Tensor, w: torch.Tensor) -> None:
     param.copy_(param.float() * w)
 
 
+PROBE_SHAPE = (4, 64)  # batch, positions of random token ids (seeded) run before and after folding
+PROBE_SEED = 0
+
+
+@dataclass(frozen=True)
+class RoutingChanges:
+    """Of `probe_tokens` tokens, how many had a different set of chosen experts after weight processing,
+    per mixture layer. Routing is discontinuous, so near-tied choices can flip under any re-rounding."""
+
+    probe_tokens: int
+    per_layer: dict[int, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer.values())
+
+    def __str__(self) -> str:
+        changed = ", ".join(f"layer {layer}: {n}" for layer, n in self.per_layer.items() if n) or "none"
+        return f"routing changed for {self.total} of {self.probe_tokens} probe token-layers ({changed})"
+
+
+def probe_tokens(model: HookedTransformer) -> torch.Tensor:
+    batch, pos = PROBE_SHAPE
+    pos = min(pos, model.cfg.max_position_embeddings)
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(0, model.cfg.d_vocab, (batch, pos), generator=gen).to(model.device)
+
+
+def chosen_experts(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Per mixture layer, each token's chosen experts as a sorted set ([batch pos top_k])."""
+    names = [f"blocks.{layer}.mlp.hook_expert_indices" for layer in model.cfg.moe_layer_indices]
+    _, cache = model.run_with_cache(tokens, names_filter=names, return_type=None)
+    return {layer: cache[name].sort(-1).values for layer, name in zip(model.cfg.moe_layer_indices, names)}
+
+
 @torch.no_grad()
-def fold_layer_norm(model: HookedTransformer) -> None:
-    """Fold every RMSNorm weight (ln1, ln2, ln_final) into its readers and set the norm weights to 1."""
+def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
+    """Fold every RMSNorm weight (ln1, ln2, ln_final) into its readers and set the norm weights to 1; return
+    how many tokens of a probe batch had their routing changed by it."""
+    probe = probe_tokens(model)
+    before = chosen_experts(model, probe)
     for block in model.blocks:
         w1 = block.ln1.weight.float()
         for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
@@ -60,6 +107,9 @@ def fold_layer_norm(model: HookedTransformer) -> None:
     _untie(model)
     _scale_inputs(model.unembed.weight, model.ln_final.weight.float())
     model.ln_final.weight.fill_(1.0)
+    after = chosen_experts(model, probe)
+    per_layer = {layer: int((before[layer] != after[layer]).any(-1).sum()) for layer in before}
+    return RoutingChanges(probe.numel(), per_layer)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ model with dense blocks, naming them, rather than silently renumbering layers); 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -198,10 +199,16 @@ class WeightViews:
     # ---- processing ---------------------------------------------------------------------------------
     def process_weights_(self, fold_ln: bool = False, center_unembed: bool = False) -> None:
         """Fold the RMSNorm weights into what reads them and/or center the unembedding, in place
-        (what from_pretrained(fold_ln=..., center_unembed=...) does; see moelens.fold)."""
+        (what from_pretrained(fold_ln=..., center_unembed=...) does; see moelens.fold).
+
+        Folding re-rounds the router's weights, and routing is discontinuous: near-tied tokens can change
+        experts. The count on a probe batch is kept as self.routing_changes (moelens.fold.RoutingChanges),
+        with a warning when it is not zero."""
         from moelens import fold
 
         if fold_ln:
-            fold.fold_layer_norm(self)  # type: ignore[arg-type]
+            self.routing_changes = fold.fold_layer_norm(self)  # type: ignore[arg-type]
+            if self.routing_changes.total:
+                warnings.warn(f"fold_ln: {self.routing_changes}; see moelens.fold", stacklevel=2)
         if center_unembed:
             fold.center_unembed(self)  # type: ignore[arg-type]

@@ -215,3 +215,38 @@ def test_folded_model_logit_attribution(checkpoints, toks, family):
     stack = cache.get_full_resid_decomposition(apply_ln=True, return_labels=False)
     W_U_cols = model.W_U[:, toks].permute(1, 2, 0)  # TransformerLens's plain W_U direction
     close((stack * W_U_cols).sum(-1).sum(0), logits.gather(-1, toks[..., None])[..., 0])
+
+
+def count_routing_changes(ref, folded, tokens):
+    """By hand: tokens whose set of chosen experts differs between two models, per mixture layer."""
+    with torch.no_grad():
+        _, a = ref.run_with_cache(tokens, names_filter="*expert_indices")
+        _, b = folded.run_with_cache(tokens, names_filter="*expert_indices")
+    return {
+        int(name.split(".")[1]): int((a[name].sort(-1).values != b[name].sort(-1).values).any(-1).sum())
+        for name in a.keys()
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fold_ln_reports_how_often_routing_changed(checkpoints, dtype):
+    """Routing is discontinuous, so folding can flip near-tied choices: from_pretrained(fold_ln=True) counts
+    them on its probe batch, and warns when there are any (bfloat16 re-rounds Qwen's bf16 router: there are)."""
+    import warnings
+
+    from moelens.fold import probe_tokens
+
+    path = checkpoints["qwen2_moe", "base"]
+    ref = HookedTransformer.from_pretrained(path, progress=False, dtype=dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folded = HookedTransformer.from_pretrained(path, progress=False, dtype=dtype, fold_ln=True)
+    probe = probe_tokens(ref)
+    expected = count_routing_changes(ref, folded, probe)
+    report = folded.routing_changes
+    assert report.per_layer == expected and report.probe_tokens == probe.numel()
+    warned = [w for w in caught if "fold_ln: routing changed" in str(w.message)]
+    if dtype == torch.bfloat16:
+        assert report.total > 0 and len(warned) == 1 and f"for {report.total} of" in str(warned[0].message)
+    else:
+        assert report.total == 0 and warned == []
