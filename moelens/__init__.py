@@ -4,12 +4,13 @@ from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kv_cache import KVCache
-from moelens.loaders import CheckpointError
+from moelens.loaders import CheckpointError, CheckpointWarning
 from moelens.models import FAMILIES, HookedHunyuanMoe, HookedQwen2Moe, HookedSolarOpen, HookedTransformer
 
 __all__ = [
     "ActivationCache",
     "CheckpointError",
+    "CheckpointWarning",
     "FAMILIES",
     "HookPoint",
     "HookedHunyuanMoe",

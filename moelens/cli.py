@@ -7,7 +7,28 @@ import sys
 
 import torch
 
+from moelens.loaders.errors import CheckpointError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# What bad input raises in moelens (a CheckpointError is also a ValueError; OSError: a path that is not there):
+# reported in one line. Anything else is a bug in moelens and keeps its traceback.
+USER_ERRORS = (CheckpointError, ValueError, KeyError, TypeError, OSError)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """Usage errors in one line, like every other user error."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def _load(model: str | None, dtype: str):
@@ -25,7 +46,13 @@ def inspect(args: argparse.Namespace) -> int:
     model, path = _load(args.model, args.dtype)
     print(f"{type(model).__name__} from {path} ({model.cfg.n_layers} layers, {model.cfg.n_experts} experts)")
     if model.tokenizer is None:
-        tokens = torch.tensor([[int(t) for t in args.prompt.split()]])
+        try:
+            tokens = torch.tensor([[int(t) for t in args.prompt.split()]], dtype=torch.long)
+        except ValueError:
+            raise ValueError(
+                f"{path} has no tokenizer (no tokenizer.json): --prompt must be space-separated token ids, "
+                f"got {args.prompt!r}"
+            ) from None
     else:
         tokens = model.to_tokens(args.prompt)
     table = routing_table(model, tokens, top_next=args.top)
@@ -66,7 +93,7 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moelens", description=__doc__)
+    parser = Parser(prog="moelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="per layer, the experts each token is routed to, and the next tokens")
     p.add_argument(
@@ -75,16 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--prompt", default="The quick brown fox", help="text (or space-separated ids without tokenizer)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--top", type=int, default=5, help="how many next tokens to show")
+    p.add_argument("--top", type=positive_int, default=5, help="how many next tokens to show")
     p.add_argument("--plot", metavar="OUT.png", help="also write the routing plot [token x layer] (needs moelens[plot])")
     p.set_defaults(run=inspect)
     p = sub.add_parser("verify", help="max logit and per-site differences against transformers")
     p.add_argument("model", help="Hub id, local folder or embedded default name")
     p.add_argument("--dtype", choices=[*DTYPES, "both"], default="both")
-    p.add_argument("--seq-len", type=int, default=24)
+    p.add_argument("--seq-len", type=positive_int, default=24)
     p.set_defaults(run=verify)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except USER_ERRORS as err:
+        # a KeyError's str() is the repr of its message
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"moelens: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

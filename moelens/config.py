@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -68,9 +70,23 @@ class MoeConfig:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
+        sizes = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_vocab", "max_position_embeddings")
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.n_heads}) must be a multiple of num_key_value_heads ({self.n_kv_heads})"
+            )
+        if self.d_rot % 2:  # the rotary turns dimensions in pairs
+            raise ValueError(
+                f"head dimension {self.d_head} x partial_rotary_factor {self.rope.partial_rotary_factor} gives "
+                f"{self.d_rot} rotated dimensions; the rotary needs an even number"
+            )
+        if not 1 <= self.topk_group <= self.n_group or (self.n_experts and self.n_experts % self.n_group):
+            raise ValueError(
+                f"{self.n_experts} experts in n_group {self.n_group} groups, topk_group {self.topk_group}: need "
+                "1 <= topk_group <= n_group and the experts evenly split into the groups"
             )
         if len(self.moe_layers) != self.n_layers or len(self.top_k) != self.n_layers:
             raise ValueError(
@@ -96,19 +112,32 @@ class MoeConfig:
         return int(self.d_head * self.rope.partial_rotary_factor)
 
 
-class HFConfig:
-    """config.json, read field by field: records what was read, and names a missing field clearly."""
+_REQUIRED = object()  # default of the typed reads: the field must be present
 
-    def __init__(self, raw: dict) -> None:
+
+class HFConfig:
+    """config.json, read field by field: records what was read, and names a missing or bad field clearly.
+
+    The typed reads (integer, number, flag, text, integers, per_layer, section) refuse a value of the wrong
+    type or out of range with a ValueError naming the field, the value and what was expected. JSON ints are
+    ints: 3.0 is not accepted where an integer is needed, nor true (a bool) anywhere a number is.
+    A field that is null counts as absent, as in transformers.
+    """
+
+    def __init__(self, raw: dict, parents: dict[str, str] | None = None) -> None:
         self.raw = raw
+        self.parents = parents or {}  # field -> the section it sits in, for the messages of nested fields
         self.read: list[str] = []
 
     def __contains__(self, name: str) -> bool:
         return name in self.raw
 
+    def label(self, name: str) -> str:
+        return f"{self.parents[name]}.{name}" if name in self.parents else name
+
     def req(self, name: str):
         if name not in self.raw:
-            raise KeyError(name)
+            raise KeyError(self.label(name))
         return self.opt(name)
 
     def opt(self, name: str, default=None):
@@ -117,33 +146,151 @@ class HFConfig:
         value = self.raw.get(name)
         return default if value is None else value
 
-    def head_dim(self) -> int:
-        return self.opt("head_dim") or self.req("hidden_size") // self.req("num_attention_heads")
+    def _value(self, name: str, default):
+        value = self.opt(name)
+        if value is None:
+            if default is _REQUIRED:
+                raise KeyError(self.label(name))
+            return default, False
+        return value, True
+
+    def integer(self, name: str, default=_REQUIRED, *, at_least: int | None = None, at_most: int | None = None):
+        value, present = self._value(name, default)
+        if present:
+            _check_integer(value, self.label(name), at_least, at_most)
+        return value
+
+    def number(
+        self, name: str, default=_REQUIRED, *, at_least: float | None = None, above: float | None = None,
+        at_most: float | None = None,
+    ):
+        """A finite number (a JSON int is a fine float); at_least and at_most inclusive, above exclusive."""
+        value, present = self._value(name, default)
+        if not present:
+            return value
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and _finite(value)
+        if not number or not _within(value, at_least, above, at_most):
+            raise _bad(self.label(name), value, _expected("a finite number", at_least, above, at_most))
+        return float(value)
+
+    def flag(self, name: str, default=_REQUIRED):
+        value, present = self._value(name, default)
+        if present and not isinstance(value, bool):
+            raise _bad(self.label(name), value, "true or false")
+        return value
+
+    def text(self, name: str, default=_REQUIRED):
+        value, present = self._value(name, default)
+        if present and not isinstance(value, str):
+            raise _bad(self.label(name), value, "a string")
+        return value
+
+    def integers(self, name: str, default=_REQUIRED, *, at_least: int | None = None, at_most: int | None = None):
+        """A list of integers, each checked as integer() checks one."""
+        value, present = self._value(name, default)
+        if not present:
+            return value
+        if not isinstance(value, list):
+            raise _bad(self.label(name), value, "a list of integers")
+        for i, item in enumerate(value):
+            _check_integer(item, f"{self.label(name)}[{i}]", at_least, at_most)
+        return list(value)
+
+    def per_layer(self, name: str, n_layers: int, *, at_least: int | None = None, at_most: int | None = None):
+        """One integer for every layer, or a list with one per layer."""
+        if isinstance(self.raw.get(name), list):
+            values = self.integers(name, at_least=at_least, at_most=at_most)
+            if len(values) != n_layers:
+                raise ValueError(f"{self.label(name)} has {len(values)} entries, expected one per layer ({n_layers})")
+            return tuple(values)
+        return (self.integer(name, at_least=at_least, at_most=at_most),) * n_layers
+
+    def section(self, name: str) -> HFConfig:
+        """A nested object (rope_scaling, ...), read the same way; absent or null reads as empty."""
+        value, present = self._value(name, {})
+        if present and not isinstance(value, dict):
+            raise _bad(self.label(name), value, "a JSON object")
+        return HFConfig(value, {key: self.label(name) for key in value})
+
+    def head_dim(self, names: tuple[str, ...] = ("head_dim",)) -> int:
+        """The first of `names` present, else hidden_size // num_attention_heads (transformers' default)."""
+        for name in names:
+            d_head = self.integer(name, None, at_least=1)
+            if d_head is not None:
+                return d_head
+        hidden, heads = self.integer("hidden_size", at_least=1), self.integer("num_attention_heads", at_least=1)
+        if hidden < heads:
+            raise ValueError(
+                f"hidden_size ({hidden}) / num_attention_heads ({heads}) leaves no dimension per head "
+                f"(and the config has no {' or '.join(names)})"
+            )
+        return hidden // heads
+
+    def rope_section(self) -> HFConfig:
+        """Rotary settings in either spelling, rope_parameters (transformers) over rope_scaling (Hub)."""
+        params, scaling = self.section("rope_parameters"), self.section("rope_scaling")
+        return HFConfig({**scaling.raw, **params.raw}, {**scaling.parents, **params.parents})
 
     def rope(self) -> RopeConfig:
         """Rotary settings from either spelling: rope_theta + rope_scaling (Hub) or rope_parameters (transformers)."""
-        params = dict(self.opt("rope_parameters") or {})
-        scaling = dict(self.opt("rope_scaling") or {})
-        merged = {**scaling, **params}
-        theta = merged.get("rope_theta", self.opt("rope_theta", 10000.0))
-        kind = merged.get("rope_type", merged.get("type", "default"))
-        partial = merged.get("partial_rotary_factor", self.opt("partial_rotary_factor", 1.0))
+        rope = self.rope_section()
+        theta = rope.number("rope_theta", self.number("rope_theta", 10000.0, above=0), above=0)
+        kind = rope.text("rope_type", rope.text("type", "default"))
+        partial = rope.number(
+            "partial_rotary_factor", self.number("partial_rotary_factor", 1.0, above=0, at_most=1), above=0, at_most=1
+        )
         if kind == "default":
-            return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial))
+            return RopeConfig(theta=theta, partial_rotary_factor=partial)
         if kind == "yarn":
-            factor = merged.get("factor")
-            original_max = merged.get("original_max_position_embeddings") or self.req("max_position_embeddings")
+            original_max = rope.integer("original_max_position_embeddings", None, at_least=1)
+            original_max = original_max or self.integer("max_position_embeddings", at_least=1)
+            factor = rope.number("factor", None, above=0)
+            if factor is None:  # transformers' implicit factor
+                factor = self.integer("max_position_embeddings", at_least=1) / original_max
             return RopeConfig(
-                theta=float(theta),
+                theta=theta,
                 kind="yarn",
-                partial_rotary_factor=float(partial),
-                factor=float(factor) if factor is not None else self.req("max_position_embeddings") / original_max,
-                original_max_position_embeddings=int(original_max),
-                beta_fast=float(merged.get("beta_fast") or 32.0),
-                beta_slow=float(merged.get("beta_slow") or 1.0),
-                mscale=merged.get("mscale"),
-                mscale_all_dim=merged.get("mscale_all_dim"),
-                attention_factor=merged.get("attention_factor"),
-                truncate=bool(merged.get("truncate", True)),
+                partial_rotary_factor=partial,
+                factor=factor,
+                original_max_position_embeddings=original_max,
+                beta_fast=rope.number("beta_fast", 32.0, above=0),
+                beta_slow=rope.number("beta_slow", 1.0, above=0),
+                mscale=rope.number("mscale", None),
+                mscale_all_dim=rope.number("mscale_all_dim", None),
+                attention_factor=rope.number("attention_factor", None, above=0),
+                truncate=rope.flag("truncate", True),
             )
-        raise ValueError(f"rope type {kind!r} is not supported by this family (rope settings: {merged})")
+        raise ValueError(f"rope type {kind!r} is not supported by this family (rope settings: {rope.raw})")
+
+
+def _bad(label: str, value, expected: str) -> ValueError:
+    # reprlib: a bad value may be a large or deeply nested structure
+    return ValueError(f"{label} = {reprlib.repr(value)} ({type(value).__name__}); expected {expected}")
+
+
+def _check_integer(value, label: str, at_least: int | None, at_most: int | None) -> None:
+    """Refuse anything but an int (a bool or a float is not one) within the bounds."""
+    if isinstance(value, bool) or not isinstance(value, int) or not _within(value, at_least, None, at_most):
+        raise _bad(label, value, _expected("an integer", at_least, None, at_most))
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _within(value, at_least, above, at_most) -> bool:
+    return not (
+        (at_least is not None and value < at_least)
+        or (above is not None and value <= above)
+        or (at_most is not None and value > at_most)
+    )
+
+
+def _expected(kind: str, at_least, above, at_most) -> str:
+    if at_least is not None and at_most is not None and above is None:
+        return f"{kind} between {at_least} and {at_most}"
+    limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<=", at_most)) if bound is not None]
+    return " ".join([kind, " and ".join(limits)]) if limits else kind

@@ -14,6 +14,7 @@ from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 
 from moelens.kv_cache import KVCache
+from moelens.positions import check_attention_mask
 
 if TYPE_CHECKING:
     from moelens.models.base import HookedTransformer
@@ -65,15 +66,17 @@ def generate(
 ) -> Int[torch.Tensor, "batch pos_plus_new"] | str | list[str]:
     """Prompt followed by up to max_new_tokens new tokens per row.
 
-    input: token ids [batch pos] (attention_mask marks left padding) or text / texts (left-padded by the
-    tokenizer). eos: eos_token_id, else the tokenizer's; with stop_at_eos a row that emitted it continues
-    with the pad token (else eos), and generation ends once every row has; with no eos known it runs the
-    full max_new_tokens. Sampling draws from `generator`, or from a fresh one seeded with `seed`.
+    input: token ids [batch pos] (attention_mask: 0/1, 0 only as left padding, since every row continues
+    from its last position) or text / texts (left-padded by the tokenizer). eos: eos_token_id, else the
+    tokenizer's; with stop_at_eos a row that emitted it continues with the pad token (else eos), and
+    generation ends once every row has; with no eos known it runs the full max_new_tokens. Sampling
+    draws from `generator`, or from a fresh one seeded with `seed`.
     return_type: "tokens", "str" (each row decoded without its padding and what follows its eos), or
     "input" (text in, text out; tokens in, tokens out).
     """
     if return_type not in ("input", "tokens", "str"):
         raise ValueError(f"return_type must be 'input', 'tokens' or 'str', got {return_type!r}")
+    _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
     text_in = isinstance(input, (str, list))
     if text_in:
         if attention_mask is not None:
@@ -82,7 +85,9 @@ def generate(
     else:
         tokens = model._check_tokens(input)
         if attention_mask is not None:
-            attention_mask = attention_mask.to(model.device).long()
+            attention_mask = check_attention_mask(attention_mask, tuple(tokens.shape)).to(model.device)
+    if attention_mask is not None:
+        _check_left_padded(attention_mask)
     if generator is None and seed is not None:
         generator = torch.Generator(model.device).manual_seed(seed)
     eos = _eos_ids(model, eos_token_id)
@@ -115,12 +120,42 @@ def generate(
     return texts[0] if isinstance(input, str) else texts
 
 
+def _check_sampling_args(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not temperature >= 0:  # also refuses nan
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive int (or None), got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None), got {top_p!r}")
+
+
+def _check_left_padded(mask: Int[torch.Tensor, "batch pos"]) -> None:
+    """Every row continues from its last position, so that must be a real token: padding only on the left."""
+    empty = ~mask.bool().any(-1)
+    if empty.any():
+        row = int(empty.nonzero()[0, 0])
+        raise ValueError(f"attention_mask row {row} is all 0: generate has no token to continue it from")
+    right = mask < mask.cummax(-1).values
+    if right.any():
+        row, pos = (int(i) for i in right.nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row} has padding (0) at position {pos}, after a real token: generate needs "
+            "left padding (zeros first), as model.tokenize / model.to_tokens pad a list of texts"
+        )
+
+
 def _eos_ids(model: HookedTransformer, eos_token_id: int | Sequence[int] | None) -> torch.Tensor | None:
     if eos_token_id is None and model.tokenizer is not None:
         eos_token_id = model.tokenizer.eos_token_id
     if eos_token_id is None:
         return None
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not all(isinstance(i, int) and 0 <= i < model.cfg.d_vocab for i in ids):
+        raise ValueError(
+            f"eos_token_id must be token ids of the vocabulary [0, {model.cfg.d_vocab}), got {eos_token_id!r}"
+        )
     return torch.tensor(ids, dtype=torch.long, device=model.device)
 
 

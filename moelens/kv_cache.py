@@ -69,12 +69,20 @@ class KVCache:
         start = 0 if self.next_position is None else self.next_position[:, None]
         return positions_from_mask(new_mask, start)
 
+    def check_fits(self, n_layers: int, batch: int) -> None:
+        """A cache made for another model, or another batch, would silently run the wrong blocks or rows."""
+        if len(self.layers) != n_layers:
+            raise ValueError(
+                f"this KVCache has {len(self.layers)} layers, the model has {n_layers}: "
+                "make it with KVCache.for_model(model)"
+            )
+        if self.attention_mask is not None and self.attention_mask.shape[0] != batch:
+            raise ValueError(f"this KVCache holds {self.attention_mask.shape[0]} rows, the input has {batch}")
+
     def full_mask(self, new_mask: Int[torch.Tensor, "batch new"]) -> Int[torch.Tensor, "batch all"]:
         """Mask over every key the new tokens attend to: the cached history, then the new tokens."""
         if self.attention_mask is None:
             return new_mask
-        if self.attention_mask.shape[0] != new_mask.shape[0]:
-            raise ValueError(f"this KVCache holds {self.attention_mask.shape[0]} rows, the input has {new_mask.shape[0]}")
         return torch.cat([self.attention_mask, new_mask.to(self.attention_mask)], dim=1)
 
     @contextlib.contextmanager

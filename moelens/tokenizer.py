@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
+
+from moelens.loaders.errors import CheckpointError
+from moelens.loaders.files import checkpoint_file, read_json_object
 
 
 class MoeTokenizer:
@@ -19,17 +21,15 @@ class MoeTokenizer:
     @classmethod
     def from_folder(cls, folder: Path, config: dict) -> MoeTokenizer | None:
         """Read tokenizer.json (and token ids from tokenizer_config.json / config.json); None if absent."""
-        path = folder / "tokenizer.json"
-        if not path.is_file():
+        path = checkpoint_file(folder, "tokenizer.json")
+        if path is None:
             return None
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on malformed files
-            raise ValueError(f"{path}: cannot read the tokenizer: {err}") from err
-        special = {}
-        tc_path = folder / "tokenizer_config.json"
-        if tc_path.is_file():
-            special = json.loads(tc_path.read_text())
+            raise CheckpointError(f"{path}: cannot read the tokenizer: {err}") from err
+        tc_path = checkpoint_file(folder, "tokenizer_config.json")
+        special = read_json_object(tc_path) if tc_path is not None else {}
 
         def token_id(field: str) -> int | None:
             token = special.get(f"{field}_token")
@@ -38,7 +38,13 @@ class MoeTokenizer:
             if isinstance(token, str) and tok.token_to_id(token) is not None:
                 return tok.token_to_id(token)
             value = config.get(f"{field}_token_id")
-            return value[0] if isinstance(value, list) else value
+            first = value[0] if isinstance(value, list) and value else value
+            if first is not None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
+                raise CheckpointError(
+                    f"{folder / 'config.json'}: {field}_token_id = {value!r}; expected a token id (an integer >= 0) "
+                    "or a list of them"
+                )
+            return first
 
         return cls(tok, token_id("pad"), token_id("bos"), token_id("eos"))
 
@@ -51,6 +57,17 @@ class MoeTokenizer:
         """(tokens [batch pos], attention_mask [batch pos]); rows padded on the left."""
         if isinstance(texts, str):
             texts = [texts]
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            if isinstance(texts, list):
+                found = "a list holding " + type(next(t for t in texts if not isinstance(t, str))).__name__
+            else:
+                found = type(texts).__name__
+            raise TypeError(
+                f"text input must be a str or a list of str, got {found}: token ids go in a tensor, "
+                "torch.tensor([...]) [batch pos] (rows of different lengths left-padded, with an attention_mask)"
+            )
+        if not texts:
+            raise ValueError("the input has no tokens: an empty list of texts")
         rows = [self.encode(t) for t in texts]
         if prepend_bos:
             if self.bos_token_id is None:
@@ -58,7 +75,7 @@ class MoeTokenizer:
             rows = [[self.bos_token_id, *r] for r in rows]
         for text, row in zip(texts, rows):
             if not row:
-                raise ValueError(f"text {text!r} encodes to no tokens")
+                raise ValueError(f"the input has no tokens: text {text!r} encodes to none")
         width = max(len(r) for r in rows)
         if width != min(len(r) for r in rows) and self.pad_token_id is None:
             raise ValueError("texts of different lengths need a pad token, and this tokenizer has none (nor an eos)")

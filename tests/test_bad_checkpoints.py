@@ -1,8 +1,13 @@
 """Bad checkpoints: each is refused with an error naming the file and/or tensor at fault and what was expected."""
 
 import json
+import os
 import re
 import shutil
+import stat
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -11,7 +16,9 @@ from safetensors.torch import load_file, save_file
 import moelens
 import tiny
 from moelens import HookedTransformer
-from moelens.loaders.errors import CheckpointError
+from moelens.defaults import byte_level_tokenizer
+from moelens.dtypes import parse_dtype
+from moelens.loaders.errors import CheckpointError, CheckpointWarning
 
 EXPERT_KEY = "model.layers.1.mlp.experts.3.up_proj.weight"
 Q_KEY = "model.layers.0.self_attn.q_proj.weight"
@@ -364,3 +371,300 @@ def test_first_bad_token_is_named(model):
     tokens = torch.tensor([[1, 2, 96, 97]])
     with pytest.raises(ValueError, match=r"token id 96 at \[0, 2\]"):
         model(tokens)
+
+
+# ---- 12: index entries point inside the checkpoint ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight_map", [["model-00001.safetensors"], "model.safetensors", None])
+def test_index_weight_map_not_an_object(sharded, weight_map):
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    refused(sharded, "model.safetensors.index.json", "weight_map", repr(weight_map))
+
+
+@pytest.mark.parametrize("value", [3, None, ["model-00001-of-00002.safetensors"], {"file": "x"}])
+def test_index_weight_map_value_not_a_string(sharded, value):
+    index = _index(sharded)
+    index["weight_map"][Q_KEY] = value
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(sharded, "model.safetensors.index.json", Q_KEY, repr(value), "strings")
+
+
+@pytest.mark.parametrize(
+    "index_text, why",
+    [("[1, 2]", "expected a JSON object, got list"), ("7", "expected a JSON object, got int"),
+     ('{"weight_map": ', "not valid JSON"), ("", "not valid JSON")],
+)
+def test_index_not_a_json_object(sharded, index_text, why):
+    (sharded / "model.safetensors.index.json").write_text(index_text)
+    refused(sharded, "model.safetensors.index.json", why)
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """The paths safetensors opened during the test."""
+    import moelens.loaders.safetensors_files as module
+
+    paths, real = [], module.safe_open
+
+    def spy(path, *args, **kwargs):
+        paths.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, "safe_open", spy)
+    return paths
+
+
+def _point_shard_elsewhere(sharded, target_name):
+    """Move the shard holding Q_KEY out of the folder (a valid file still) and point the index at target_name."""
+    index = _index(sharded)
+    shard = index["weight_map"][Q_KEY]
+    outside = sharded.parent / "outside.safetensors"
+    shutil.move(sharded / shard, outside)
+    index["weight_map"] = {k: (target_name(outside) if v == shard else v) for k, v in index["weight_map"].items()}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    return outside
+
+
+@pytest.mark.parametrize("spelling", ["relative", "absolute"])
+def test_index_entry_outside_the_folder_is_refused_unopened(sharded, opened, spelling):
+    name = (lambda p: "../outside.safetensors") if spelling == "relative" else (lambda p: str(p))
+    outside = _point_shard_elsewhere(sharded, name)
+    refused(sharded, "model.safetensors.index.json", "outside the checkpoint folder", name(outside))
+    assert not any("outside" in p for p in opened)
+
+
+def test_links_to_weights_elsewhere_load(ckpt):
+    """A link is the user's own arrangement (weights on another disk): it is followed. Only a *name* that
+    leads out of the folder (an index entry with .. or an absolute path) is refused."""
+    outside = ckpt.parent / "elsewhere.safetensors"
+    shutil.move(ckpt / "model.safetensors", outside)
+    (ckpt / "model.safetensors").symlink_to(outside)
+    assert load(ckpt).cfg.n_experts == 8
+
+
+def test_links_inside_the_folder_and_into_a_hub_blob_store_load(pristine_sharded, tmp_path):
+    """The Hub cache keeps a snapshot's files as links to ../../blobs: those are the checkpoint's own."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i, path in enumerate(sorted(pristine_sharded.iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        shutil.copy(path, blob)
+        (snapshot / path.name).symlink_to(f"../../blobs/{blob.name}")
+    load(snapshot)
+    local = tmp_path / "local"
+    shutil.copytree(pristine_sharded, local / "real")
+    for path in (local / "real").iterdir():
+        (local / path.name).symlink_to(f"real/{path.name}")
+    load(local)
+
+
+# ---- 13: weights that are not regular files -------------------------------------------------------------------
+
+
+LOAD_AND_REPORT = """
+import json, sys
+from moelens import HookedTransformer
+try:
+    HookedTransformer.from_pretrained(sys.argv[1], progress=False)
+    print(json.dumps(None))
+except Exception as err:
+    print(json.dumps([type(err).__name__, str(err)]))
+"""
+
+
+def _load_within(folder, seconds=120):
+    """Load in a subprocess (a thread would not do: a read blocked in safetensors keeps the GIL) and return
+    (error type name, message); fail the test if it is still blocked after `seconds`."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD_AND_REPORT, str(folder)], capture_output=True, text=True, timeout=seconds
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"loading {folder} blocked for {seconds} s")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _expect(outcome, *parts):
+    assert outcome is not None, "loaded without an error"
+    name, message = outcome
+    assert name == "CheckpointError", outcome
+    for part in parts:
+        assert str(part) in message, f"{part!r} not in {message!r}"
+
+
+def test_fifo_instead_of_safetensors_is_refused_without_blocking(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    os.mkfifo(ckpt / "model.safetensors")
+    _expect(_load_within(ckpt), ckpt / "model.safetensors", "a FIFO", "not a regular file")
+
+
+def test_fifo_shard_listed_in_the_index_is_refused_without_blocking(sharded):
+    shard = _index(sharded)["weight_map"][Q_KEY]
+    (sharded / shard).unlink()
+    os.mkfifo(sharded / shard)
+    _expect(_load_within(sharded), shard, "model.safetensors.index.json", "a FIFO")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors.index.json"])
+def test_fifo_instead_of_a_json_file_is_refused_without_blocking(ckpt, name):
+    (ckpt / name).unlink(missing_ok=True)
+    os.mkfifo(ckpt / name)
+    _expect(_load_within(ckpt), ckpt / name, "a FIFO")
+
+
+def test_directory_named_safetensors_is_refused(ckpt):
+    (ckpt / "extra.safetensors").mkdir()
+    refused(ckpt, ckpt / "extra.safetensors", "a directory", "not a regular file")
+
+
+def test_device_named_safetensors_is_refused_without_blocking(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    try:
+        os.mknod(ckpt / "model.safetensors", stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero
+    except (PermissionError, OSError):
+        pytest.skip("cannot make a device node here")
+    _expect(_load_within(ckpt), ckpt / "model.safetensors", "a character device")
+
+
+def test_link_to_a_device_is_refused_without_blocking(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors").symlink_to("/dev/zero")
+    _expect(_load_within(ckpt), ckpt / "model.safetensors", "/dev/zero")
+
+
+# ---- 14: tokenizer files ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def with_tokenizer(ckpt):
+    byte_level_tokenizer(260, 256, 257).save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert load(ckpt).tokenizer.eos_token_id == 256
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    "text, why", [("[1, 2]", "expected a JSON object"), ("3", "expected a JSON object"), ('{"eos_token": ', "not valid JSON")]
+)
+def test_tokenizer_config_not_a_json_object(with_tokenizer, text, why):
+    (with_tokenizer / "tokenizer_config.json").write_text(text)
+    refused(with_tokenizer, with_tokenizer / "tokenizer_config.json", why)
+
+
+def test_unparsable_tokenizer_json(with_tokenizer):
+    (with_tokenizer / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+    refused(with_tokenizer, with_tokenizer / "tokenizer.json", "cannot read the tokenizer")
+
+
+@pytest.mark.parametrize("value", ["256", 2.0, True, [], -1])
+def test_special_token_id_of_wrong_type(with_tokenizer, value):
+    (with_tokenizer / "tokenizer_config.json").write_text("{}")
+    tiny.edit_config(with_tokenizer, eos_token_id=value)
+    refused(with_tokenizer, "config.json", "eos_token_id", repr(value))
+
+
+# ---- 15: weights cast or not finite -------------------------------------------------------------------------------
+
+
+def _checkpoint_warnings(folder, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = HookedTransformer.from_pretrained(folder, progress=False, **kwargs)
+    return model, [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+
+
+def test_pristine_load_warns_nothing(ckpt):
+    assert _checkpoint_warnings(ckpt)[1] == []
+
+
+@pytest.mark.parametrize("dtype, stored", [(torch.int32, "I32"), (torch.float8_e4m3fn, "F8_E4M3"), (torch.int8, "I8")])
+def test_integer_or_float8_weights_are_cast_with_a_warning(ckpt, dtype, stored):
+    values = torch.arange(-8, 8).reshape(4, 4).repeat(16, 16).to(dtype)
+    rewrite(ckpt, lambda t: t.update({Q_KEY: values}))
+    model, caught = _checkpoint_warnings(ckpt)
+    assert len(caught) == 1
+    for part in (ckpt / "model.safetensors", Q_KEY, stored, "torch.float32"):
+        assert str(part) in caught[0]
+    assert torch.equal(model.blocks[0].attn.q_proj.weight, values.float())
+
+
+def test_nan_and_inf_weights_warn(ckpt):
+    def poison(tensors):
+        tensors[Q_KEY][0, :3] = float("nan")
+        tensors[EXPERT_KEY][1, 2] = float("-inf")
+
+    rewrite(ckpt, poison)
+    _, caught = _checkpoint_warnings(ckpt)
+    assert len(caught) == 1
+    message = caught[0]
+    assert "2 tensor(s)" in message and "model.safetensors" in message
+    assert f"{Q_KEY!r} in model.safetensors: 3 NaN and 0 Inf of 4096" in message
+    assert f"{EXPERT_KEY!r} in model.safetensors: 0 NaN and 1 Inf of 2048" in message
+    _, caught = _checkpoint_warnings(ckpt, check_finite=False)
+    assert caught == []
+
+
+def test_overflow_in_the_cast_warns(ckpt):
+    rewrite(ckpt, lambda t: t[Q_KEY].__setitem__((0, 0), 1e6))  # finite as float32, inf as float16
+    assert _checkpoint_warnings(ckpt)[1] == []
+    _, caught = _checkpoint_warnings(ckpt, dtype=torch.float16)
+    assert len(caught) == 1 and "0 NaN and 1 Inf" in caught[0] and "torch.float16" in caught[0]
+
+
+# ---- 16: dtype and device arguments -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spelling, dtype",
+    [("float32", torch.float32), ("fp32", torch.float32), ("float", torch.float32), ("bfloat16", torch.bfloat16),
+     ("bf16", torch.bfloat16), ("float16", torch.float16), ("fp16", torch.float16), ("half", torch.float16),
+     (torch.bfloat16, torch.bfloat16)],
+)
+def test_dtype_spellings(pristine, spelling, dtype):
+    model = HookedTransformer.from_pretrained(pristine, dtype=spelling, progress=False)
+    assert model.cfg.dtype == dtype and model.embed.weight.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", ["float8", "int8", "bfloat", "", torch.int64, torch.bool, torch.float8_e4m3fn, 32])
+def test_unknown_dtype_is_refused_listing_the_spellings(pristine, dtype):
+    with pytest.raises(ValueError) as info:
+        HookedTransformer.from_pretrained(pristine, dtype=dtype, progress=False)
+    message = str(info.value)
+    assert str(dtype) in message and "'bf16'" in message and "'float32'" in message and "'half'" in message
+
+
+def test_parse_dtype():
+    assert parse_dtype("BF16") is torch.bfloat16 and parse_dtype("torch.float16") is torch.float16
+    assert parse_dtype(torch.float64) is torch.float64
+
+
+def test_meta_device_builds_the_model_without_reading_weights(pristine, monkeypatch):
+    import moelens.loaders.safetensors_files as module
+
+    def no_reads(self, keys):
+        raise AssertionError("weights were read for a meta model")
+
+    monkeypatch.setattr(module.SafetensorsFiles, "read", no_reads)
+    model = HookedTransformer.from_pretrained(pristine, device="meta", progress=False)
+    assert all(p.is_meta for p in model.parameters())
+    assert model.cfg.n_experts == 8 and "hook_router_logits" in str(model.support())
+
+
+def test_meta_device_still_checks_the_checkpoint(ckpt):
+    rewrite(ckpt, lambda t: t.update({Q_KEY: torch.zeros(60, 64)}))
+    with pytest.raises(CheckpointError, match="60, 64"):
+        HookedTransformer.from_pretrained(ckpt, device="meta", progress=False)
+
+
+def test_meta_device_with_folding_is_refused(pristine):
+    with pytest.raises(ValueError, match="meta"):
+        HookedTransformer.from_pretrained(pristine, device="meta", fold_ln=True, progress=False)
+
+
+def test_unknown_device_is_refused(pristine):
+    with pytest.raises(ValueError, match="'gpu0'"):
+        HookedTransformer.from_pretrained(pristine, device="gpu0", progress=False)

@@ -3,31 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
-from moelens.loaders.checkpoint import CheckpointNames, fill, plan_load
-from moelens.loaders.errors import CheckpointError
+from moelens.dtypes import parse_dtype
+from moelens.loaders.checkpoint import CheckpointNames, check_shapes, fill, plan_load, slot_map
+from moelens.loaders.errors import CheckpointError, CheckpointWarning
+from moelens.loaders.files import brief, checkpoint_file, read_json_object
 from moelens.loaders.hub import resolve_checkpoint
 from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.tokenizer import MoeTokenizer
 
-__all__ = ["CheckpointError", "CheckpointNames", "load_pretrained", "read_config"]
+__all__ = ["CheckpointError", "CheckpointNames", "CheckpointWarning", "load_pretrained", "read_config"]
 
 
 def read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
+    path = checkpoint_file(folder, "config.json")
+    if path is None:
         raise CheckpointError(f"{folder} has no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return config
+    return read_json_object(path)
 
 
 def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
@@ -47,13 +42,30 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
 
 
 def load_pretrained(
-    cls, name_or_path, dtype=torch.float32, device="cpu", revision=None, progress=None, fold_ln=False, center_unembed=False
+    cls,
+    name_or_path,
+    dtype=torch.float32,
+    device="cpu",
+    revision=None,
+    progress=None,
+    fold_ln=False,
+    center_unembed=False,
+    check_finite=True,
 ):
     from moelens.models import family_for
 
+    dtype, device = parse_dtype(dtype), _parse_device(device)
+    on_meta = device.type == "meta"  # for inspection: the model's structure, no weights read
+    if on_meta and (fold_ln or center_unembed):
+        raise ValueError("fold_ln and center_unembed change weights, which a model on device='meta' does not have")
     folder = resolve_checkpoint(name_or_path, revision)
     hf = read_config(folder)
-    family = family_for(hf.get("model_type"), folder / "config.json")
+    model_type = hf.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(
+            f"{folder / 'config.json'}: model_type = {brief(model_type)}; expected a string naming the family"
+        )
+    family = family_for(model_type, folder / "config.json")
     if not issubclass(family, cls):
         raise TypeError(f"{folder} holds a {hf.get('model_type')} model; {cls.__name__} cannot load it")
     try:
@@ -63,12 +75,16 @@ def load_pretrained(
     except ValueError as err:
         raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
     cfg = dataclasses.replace(cfg, dtype=dtype)
+    tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
     files = SafetensorsFiles(folder)
     keys, untie = plan_load(cfg, family.checkpoint_names, files)
     if untie:  # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    with torch.device("meta"):
-        model = family(cfg)
+    try:
+        with torch.device("meta"):
+            model = family(cfg)
+    except ValueError as err:  # what the config asks for that no module can be built for (hidden_act, ...)
+        raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
     model.to(dtype)
     if cfg.router_in_float32:  # kept float32 at load, as the reference keeps it
         for block in model.blocks:
@@ -76,8 +92,18 @@ def load_pretrained(
                 block.mlp.router.float()
     materialize(model, device)
     model.tie_weights()
-    fill(model, files, keys, progress=progress)
-    model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default
-    model.tokenizer = MoeTokenizer.from_folder(folder, hf)
+    if on_meta:
+        check_shapes(slot_map(model, keys), files, keys)
+    else:
+        fill(model, files, keys, progress=progress, check_finite=check_finite)
+        model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default
+    model.tokenizer = tokenizer
     model.name_or_path = str(name_or_path)
     return model.eval()
+
+
+def _parse_device(device: torch.device | str) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device {device!r} is not a torch device ({err})") from err

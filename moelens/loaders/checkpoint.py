@@ -8,6 +8,7 @@ layout (`experts.E.{gate,up,down}_proj.weight`) and in transformers' fused one
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -15,11 +16,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moelens.config import MoeConfig
-from moelens.loaders.errors import CheckpointError
+from moelens.loaders.errors import CheckpointError, CheckpointWarning
 from moelens.loaders.safetensors_files import SafetensorsFiles
 
 # Buffers some exporters write that are recomputed from the config.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Stored dtypes cast to the model's without a warning (safetensors' names).
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass(frozen=True)
@@ -114,13 +117,17 @@ def plan_load(cfg: MoeConfig, names: CheckpointNames, files: SafetensorsFiles) -
     return keys, cfg.tie_word_embeddings and lm_head
 
 
-def fill(model: nn.Module, files: SafetensorsFiles, keys: dict[str, Target], progress: bool | None = None) -> None:
-    """Copy each checkpoint tensor into its slot, one tensor in memory at a time."""
+def slot_map(model: nn.Module, keys: dict[str, Target]) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the model by name; each must be the target of some key."""
     slots = dict(model.named_parameters()) | dict(model.named_buffers())
     uncovered = set(slots) - {t.param for t in keys.values()}
     if uncovered:  # a bug in the key map, not in the checkpoint: these would stay uninitialised
         raise RuntimeError(f"the checkpoint key map leaves these parameters unfilled: {sorted(uncovered)}")
-    # shapes first, from the headers: fail before reading any data
+    return slots
+
+
+def check_shapes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Target]) -> None:
+    """Every checkpoint tensor's shape, from the headers, against its slot: fail before reading any data."""
     wrong = {key: tuple(slots[t.param][t.index].shape) for key, t in keys.items()}
     wrong = {key: shape for key, shape in wrong.items() if files.shapes[key] != shape}
     if wrong:
@@ -130,10 +137,59 @@ def fill(model: nn.Module, files: SafetensorsFiles, keys: dict[str, Target], pro
             f"{files.location[key].name}: tensor {key!r} has shape {files.shapes[key]}, but the config "
             f"({files.folder / 'config.json'}) needs {expected} for {keys[key].param}{more}"
         )
+
+
+def warn_cast_dtypes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Target]) -> None:
+    """One warning per file and stored dtype that is not a float type: its values are cast, maybe changed."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for key in keys:
+        if files.dtypes[key] not in FLOAT_DTYPES:
+            groups.setdefault((files.location[key].name, files.dtypes[key]), []).append(key)
+    for (name, stored), group in groups.items():
+        cast_to = slots[keys[group[0]].param].dtype
+        warnings.warn(
+            f"{files.folder / name} stores {len(group)} tensor(s) as {stored}, not a float type; moelens casts "
+            f"them to {cast_to} as they are (quantised weights are not dequantised): {_list(group)}",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+
+
+def fill(
+    model: nn.Module,
+    files: SafetensorsFiles,
+    keys: dict[str, Target],
+    progress: bool | None = None,
+    check_finite: bool = True,
+) -> None:
+    """Copy each checkpoint tensor into its slot, one tensor in memory at a time.
+
+    check_finite: count the NaN and Inf values of each tensor once in its slot (after the cast, so that an
+    overflow shows too) and warn, once, about every tensor that holds any.
+    """
+    slots = slot_map(model, keys)
+    check_shapes(slots, files, keys)
+    warn_cast_dtypes(slots, files, keys)
+    not_finite: list[str] = []
     bar = tqdm(total=len(keys), desc="loading", unit="tensor", disable=None if progress is None else not progress)
     with torch.no_grad():
         for key, tensor in files.read(list(keys)):
             target = keys[key]
-            slots[target.param][target.index].copy_(tensor)
+            slot = slots[target.param][target.index]
+            slot.copy_(tensor)
+            if check_finite and (bad := slot.numel() - int(torch.isfinite(slot).sum())):
+                nan = int(torch.isnan(slot).sum())
+                not_finite.append(
+                    f"{key!r} in {files.location[key].name}: {nan} NaN and {bad - nan} Inf of {slot.numel()} "
+                    f"values as {slot.dtype}"
+                )
             bar.update()
     bar.close()
+    if not_finite:
+        more = f"; and {len(not_finite) - 8} more" if len(not_finite) > 8 else ""
+        warnings.warn(
+            f"{len(not_finite)} tensor(s) of {files.folder} hold NaN or Inf values: {'; '.join(not_finite[:8])}{more} "
+            "(from_pretrained(check_finite=False) skips this check)",
+            CheckpointWarning,
+            stacklevel=3,
+        )

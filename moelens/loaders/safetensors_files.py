@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from moelens.loaders.errors import CheckpointError
+from moelens.loaders.files import brief, checkpoint_file, read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -29,29 +29,39 @@ class SafetensorsFiles:
         self.location: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.nbytes: dict[str, int] = {}
+        self.dtypes: dict[str, str] = {}  # safetensors' names: F32, BF16, I64, F8_E4M3, ...
         for path in self.files:
             for key, (shape, dtype) in self._read_header(path).items():
                 if key in self.location:
                     raise CheckpointError(f"tensor {key!r} appears in both {self.location[key].name} and {path.name}")
-                self.location[key], self.shapes[key] = path, shape
+                self.location[key], self.shapes[key], self.dtypes[key] = path, shape, dtype
                 self.nbytes[key] = math.prod(shape) * ITEMSIZE.get(dtype, 1)
         self._check_index()
 
     def _find_files(self) -> list[Path]:
-        index = self.folder / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map'): {err}") from err
+        index = checkpoint_file(self.folder, INDEX_FILE)
+        if index is not None:
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(
+                    f"{index}: not a valid safetensors index (needs a 'weight_map' object of tensor name -> file "
+                    f"name, got {brief(weight_map)})"
+                )
+            bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+            if bad is not None:  # JSON object keys are always strings
+                raise CheckpointError(
+                    f"{index}: weight_map must map tensor names to file names (strings), but maps {bad[0]!r} to "
+                    f"{brief(bad[1])}"
+                )
             names = sorted(set(weight_map.values()))
-            missing = [n for n in names if not (self.folder / n).is_file()]
+            paths = {n: checkpoint_file(self.folder, n, listed_in=index) for n in names}
+            missing = [n for n, path in paths.items() if path is None]
             if missing:
                 raise CheckpointError(f"{index} lists files that are not in {self.folder}: {missing}")
             self._index = weight_map
-            return [self.folder / n for n in names]
+            return list(paths.values())
         self._index = None
-        files = sorted(self.folder.glob("*.safetensors"))
+        files = [checkpoint_file(self.folder, p.name) for p in sorted(self.folder.glob("*.safetensors"))]
         if not files:
             pickles = sorted(p.name for p in self.folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if pickles:

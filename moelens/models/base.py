@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
@@ -16,7 +17,7 @@ from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kernels import BACKENDS
 from moelens.kv_cache import KVCache
 from moelens.models.components import Block, Embed, RMSNorm, Rotary
-from moelens.positions import positions_from_mask
+from moelens.positions import check_attention_mask, positions_from_mask
 from moelens.names import alias_candidates
 from moelens.tokenizer import MoeTokenizer
 from moelens.weights import WeightViews
@@ -51,6 +52,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
         self.hook_logits = HookPoint("batch pos d_vocab", "logits")
         self.tie_weights()
         self.setup()
+        self._warned_too_long = False
 
     # ---- construction helpers used by the loader ---------------------------------------------------
     def tie_weights(self) -> None:
@@ -65,17 +67,24 @@ class HookedTransformer(WeightViews, HookedRootModule):
     def from_pretrained(
         cls,
         name_or_path: str,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
         revision: str | None = None,
         progress: bool | None = None,
         experts_backend: str = "auto",
         fold_ln: bool = False,
         center_unembed: bool = False,
+        check_finite: bool = True,
     ) -> HookedTransformer:
         """Load a checkpoint (local folder or Hub id); the family is chosen from config.json's model_type.
 
-        experts_backend: "auto" (Triton kernels on CUDA, torch otherwise), "torch" or "triton".
+        dtype: a torch dtype or its name ("float32"/"fp32"/"float", "bfloat16"/"bf16", "float16"/"fp16"/"half",
+        "float64"). device="meta" builds the model for inspection only (cfg, modules, support(); no forward):
+        the checkpoint's headers are checked, its weights are not read. check_finite: warn about weights that
+        hold NaN or Inf (one pass over each tensor as it loads). Every problem with the checkpoint is a
+        CheckpointError raised here, naming the file and the field or tensor at fault.
+        experts_backend: "auto" (the torch path, except on CUDA GPU architectures where the Triton kernels'
+        tests have passed on real hardware: moelens.kernels.experts.VERIFIED_TRITON_ARCHS), "torch" or "triton".
         fold_ln: fold every RMSNorm weight into the weights that read it and set the norms' weights to 1
         (logits unchanged; Hunyuan's per-head q/k norms stay, see moelens.fold). center_unembed: subtract
         the vocabulary mean from W_U (logits move by a per-position constant; probabilities unchanged).
@@ -84,7 +93,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
 
         model = load_pretrained(
             cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress,
-            fold_ln=fold_ln, center_unembed=center_unembed,
+            fold_ln=fold_ln, center_unembed=center_unembed, check_finite=check_finite,
         )
         model.set_experts_backend(experts_backend)
         return model
@@ -111,14 +120,23 @@ class HookedTransformer(WeightViews, HookedRootModule):
     def to_str_tokens(self, text: str | torch.Tensor | list[int]) -> list[str]:
         tok = self._require_tokenizer()
         if isinstance(text, str):
-            ids = tok.encode(text)
-        elif isinstance(text, torch.Tensor):
-            if text.dim() > 1 and text.shape[0] != 1:
-                raise ValueError(f"to_str_tokens takes one sequence, got tokens of shape {tuple(text.shape)}")
-            ids = text.flatten().tolist()
-        else:
-            ids = list(text)
-        return [tok.id_to_str(i) for i in ids]
+            return [tok.id_to_str(i) for i in tok.encode(text)]
+        if isinstance(text, list):
+            if not all(type(i) is int for i in text):
+                found = type(next(i for i in text if type(i) is not int)).__name__
+                raise TypeError(
+                    f"to_str_tokens takes one sequence of token ids, got a list holding {found} (one call per row)"
+                )
+            text = torch.tensor(text, dtype=torch.long)
+        if not isinstance(text, torch.Tensor):
+            raise TypeError(
+                f"to_str_tokens takes a text, a tensor of token ids or a list of ints, got {type(text).__name__}"
+            )
+        if text.dim() > 2 or (text.dim() == 2 and text.shape[0] != 1):
+            raise ValueError(f"to_str_tokens takes one sequence, got tokens of shape {tuple(text.shape)}")
+        if text.numel() == 0:  # nothing to show, not an error
+            return []
+        return [tok.id_to_str(i) for i in self._check_tokens(text.reshape(1, -1))[0].tolist()]
 
     def to_string(self, tokens: torch.Tensor | list[int]) -> str | list[str]:
         tok = self._require_tokenizer()
@@ -128,7 +146,8 @@ class HookedTransformer(WeightViews, HookedRootModule):
 
     def set_experts_backend(self, backend: str) -> None:
         """Routed experts: "torch" (reference path), "triton" (kernels; CUDA, or CPU under TRITON_INTERPRET=1)
-        or "auto" (triton on CUDA when available, torch otherwise). Both give the same hook tensors."""
+        or "auto" (triton on CUDA architectures where the kernels were verified on hardware, torch otherwise).
+        Both give the same hook tensors."""
         if backend not in BACKENDS:
             raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
         for block in self.blocks:
@@ -189,18 +208,19 @@ class HookedTransformer(WeightViews, HookedRootModule):
                     f"got shape {tuple(resid.shape)}"
                 )
         b, p = resid.shape[:2]
-        if attention_mask is not None and attention_mask.shape != (b, p):
-            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, p)}")
+        if attention_mask is not None:
+            attention_mask = check_attention_mask(attention_mask, (b, p)).to(self.device)
         kvs: list = [None] * len(self.blocks)
         key_mask, extending = attention_mask, contextlib.nullcontext()
         if past_kv_cache is not None:
             if start_at_layer is not None or stop_at_layer is not None:
                 raise ValueError("past_kv_cache needs every layer to run: it cannot go with start_at_layer / stop_at_layer")
+            past_kv_cache.check_fits(self.cfg.n_layers, b)
             if attention_mask is None:  # the cache keeps a mask history whatever the input
                 attention_mask = torch.ones(b, p, dtype=torch.long, device=self.device)
-            attention_mask = attention_mask.to(self.device)
             kvs, key_mask = past_kv_cache.layers, past_kv_cache.full_mask(attention_mask)
             extending = past_kv_cache.extending(attention_mask)
+        self._warn_if_too_long(p + (0 if past_kv_cache is None else len(past_kv_cache)))
         positions = self._positions(b, p, attention_mask, position_ids, past_kv_cache)
         cos, sin = self.rotary(positions, resid.dtype)
         allowed = self._allowed(p, key_mask)
@@ -224,6 +244,8 @@ class HookedTransformer(WeightViews, HookedRootModule):
             tokens = tokens.unsqueeze(0)
         if tokens.dim() != 2:
             raise ValueError(f"token ids must be [batch pos], got shape {tuple(tokens.shape)}")
+        if tokens.numel() == 0:
+            raise ValueError(f"the input has no tokens: token ids of shape {tuple(tokens.shape)}")
         bad = (tokens < 0) | (tokens >= self.cfg.d_vocab)
         if bad.any():
             row, pos = (int(i) for i in bad.nonzero()[0])
@@ -236,12 +258,33 @@ class HookedTransformer(WeightViews, HookedRootModule):
         self, b: int, p: int, mask: torch.Tensor | None, position_ids: torch.Tensor | None, cache: KVCache | None = None
     ) -> torch.Tensor:
         if position_ids is not None:
+            if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
+                found = getattr(position_ids, "dtype", type(position_ids).__name__)
+                raise TypeError(f"position_ids must be integer ids [batch pos], got {found}")
+            # [batch 1] and the like would also broadcast, giving every position the same rotary angle
+            if tuple(position_ids.shape) not in ((b, p), (1, p), (p,)):
+                raise ValueError(
+                    f"position_ids has shape {tuple(position_ids.shape)}, expected [batch pos] = {(b, p)}, "
+                    f"or [1 pos] = {(1, p)} to give every row the same positions"
+                )
             return position_ids.to(self.device).expand(b, p)
         if cache is not None:
             return cache.positions(mask)
         if mask is None:
             return torch.arange(p, device=self.device).expand(b, p)
         return positions_from_mask(mask.to(self.device))
+
+    def _warn_if_too_long(self, length: int) -> None:
+        """Once per model: past max_position_embeddings the model runs on positions it was not trained for."""
+        limit = self.cfg.max_position_embeddings
+        if length > limit and not self._warned_too_long:
+            self._warned_too_long = True
+            warnings.warn(
+                f"the input is {length} positions long (KV cache included), longer than this model's "
+                f"max_position_embeddings {limit}: its outputs past position {limit - 1} are unreliable "
+                "(warned once per model)",
+                stacklevel=3,
+            )
 
     def _allowed(self, p: int, mask: torch.Tensor | None) -> torch.Tensor:
         """[batch|1, 1, query, key] bool: causal, padding keys masked, a padded query sees itself.

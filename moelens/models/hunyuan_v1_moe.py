@@ -18,14 +18,6 @@ from moelens.verify import moe_reference_sites
 IGNORED_FIELDS = ("moe_intermediate_size", "num_shared_expert", "routed_scaling_factor", "norm_topk_prob", "use_qk_norm")
 
 
-def _per_layer(value, n_layers: int, field: str) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,) * n_layers
-    if len(value) != n_layers:
-        raise ValueError(f"{field} has {len(value)} entries, expected one per layer ({n_layers})")
-    return tuple(int(v) for v in value)
-
-
 class HookedHunyuanMoe(HookedTransformer):
     model_type = "hunyuan_v1_moe"
     checkpoint_names = CheckpointNames(
@@ -40,51 +32,55 @@ class HookedHunyuanMoe(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
         hf = HFConfig(raw)
-        n_layers = hf.req("num_hidden_layers")
-        n_heads = hf.req("num_attention_heads")
+        n_layers = hf.integer("num_hidden_layers", at_least=1)
+        n_heads = hf.integer("num_attention_heads", at_least=1)
         # Tencent's own config names it attention_head_dim; transformers' needs head_dim
-        d_head = hf.opt("head_dim") or hf.opt("attention_head_dim") or hf.req("hidden_size") // n_heads
-        experts = set(_per_layer(hf.req("num_experts"), n_layers, "num_experts"))
+        d_head = hf.head_dim(("head_dim", "attention_head_dim"))
+        experts = set(hf.per_layer("num_experts", n_layers, at_least=1))
         if len(experts) != 1:
             raise ValueError(f"num_experts must be the same on every layer, got {sorted(experts)}")
-        width = hf.req("intermediate_size")
+        n_experts = experts.pop()
+        width = hf.integer("intermediate_size", at_least=1)
         return MoeConfig(
             family=cls.model_type,
-            d_model=hf.req("hidden_size"),
+            d_model=hf.integer("hidden_size", at_least=1),
             n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=hf.opt("num_key_value_heads", n_heads),
+            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
             d_head=d_head,
-            d_vocab=hf.req("vocab_size"),
-            norm_eps=hf.opt("rms_norm_eps", 1e-5),
+            d_vocab=hf.integer("vocab_size", at_least=1),
+            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
             rope=_ntk_alpha_rope(hf, d_head),
-            max_position_embeddings=hf.opt("max_position_embeddings", 2048),
-            qkv_bias=hf.opt("attention_bias", False),
-            o_bias=hf.opt("attention_bias", False),
+            max_position_embeddings=hf.integer("max_position_embeddings", 2048, at_least=1),
+            qkv_bias=hf.flag("attention_bias", False),
+            o_bias=hf.flag("attention_bias", False),
             qk_norm=True,  # transformers builds the q/k norms whatever use_qk_norm says
-            act_fn=hf.opt("hidden_act", "silu"),
+            act_fn=hf.text("hidden_act", "silu"),
             moe_layers=(True,) * n_layers,
-            n_experts=experts.pop(),
-            top_k=_per_layer(hf.req("moe_topk"), n_layers, "moe_topk"),
+            n_experts=n_experts,
+            top_k=hf.per_layer("moe_topk", n_layers, at_least=1, at_most=n_experts),
             d_expert=width,
             d_shared=width,
             shared_first=True,
             router_scoring="softmax",
             router_in_float32=True,
             norm_topk_prob=True,
-            tie_word_embeddings=hf.opt("tie_word_embeddings", False),
+            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
         )
 
 
 def _ntk_alpha_rope(hf: HFConfig, d_head: int) -> RopeConfig:
-    params = {**(hf.opt("rope_scaling") or {}), **(hf.opt("rope_parameters") or {})}
-    kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", hf.opt("rope_theta", 10000.0)))
-    if kind == "dynamic" and params.get("alpha"):
+    rope = hf.rope_section()
+    kind = rope.text("rope_type", rope.text("type", "default"))
+    theta = rope.number("rope_theta", hf.number("rope_theta", 10000.0, above=0), above=0)
+    alpha = rope.number("alpha", None, above=0)
+    if kind == "dynamic" and alpha:
+        if d_head <= 2:
+            raise ValueError(f"head dimension {d_head}: the NTK alpha stretch alpha ** (d / (d - 2)) needs d > 2")
         # a fixed alpha only stretches the base (transformers calls this ntk_alpha)
-        return RopeConfig(theta=theta * params["alpha"] ** (d_head / (d_head - 2)))
+        return RopeConfig(theta=theta * alpha ** (d_head / (d_head - 2)))
     if kind == "default":
         return RopeConfig(theta=theta)
-    raise ValueError(f"Hunyuan rope settings {params} are not supported (expected 'dynamic' with an 'alpha', or none)")
+    raise ValueError(f"Hunyuan rope settings {rope.raw} are not supported (expected 'dynamic' with an 'alpha', or none)")

@@ -27,41 +27,46 @@ class HookedQwen2Moe(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
         hf = HFConfig(raw)
-        n_layers = hf.req("num_hidden_layers")
-        n_experts = hf.req("num_experts")
-        if hf.opt("use_sliding_window", False):
+        n_layers = hf.integer("num_hidden_layers", at_least=1)
+        n_experts = hf.integer("num_experts", at_least=0)
+        if hf.flag("use_sliding_window", False):
             raise ValueError("use_sliding_window=true is not supported (no released Qwen2-MoE checkpoint sets it)")
-        sparse_step = hf.opt("decoder_sparse_step", 1)
-        mlp_only = set(hf.opt("mlp_only_layers", []))
+        sparse_step = hf.integer("decoder_sparse_step", 1, at_least=1)
+        mlp_only = set(hf.integers("mlp_only_layers", [], at_least=0, at_most=n_layers - 1))
         # transformers' rule, num_experts > 0 included
         moe_layers = tuple(
             i not in mlp_only and n_experts > 0 and (i + 1) % sparse_step == 0 for i in range(n_layers)
         )
         any_moe = any(moe_layers)
-        top_k = hf.req("num_experts_per_tok") if any_moe else 0
+        top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts) if any_moe else 0
+        n_heads = hf.integer("num_attention_heads", at_least=1)
+        if all(moe_layers):  # no dense block: its width is not needed
+            d_mlp = hf.integer("intermediate_size", 0, at_least=0)
+        else:
+            d_mlp = hf.integer("intermediate_size", at_least=1)
         return MoeConfig(
             family=cls.model_type,
-            d_model=hf.req("hidden_size"),
+            d_model=hf.integer("hidden_size", at_least=1),
             n_layers=n_layers,
-            n_heads=hf.req("num_attention_heads"),
-            n_kv_heads=hf.opt("num_key_value_heads", hf.req("num_attention_heads")),
+            n_heads=n_heads,
+            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
             d_head=hf.head_dim(),
-            d_vocab=hf.req("vocab_size"),
-            norm_eps=hf.opt("rms_norm_eps", 1e-6),
+            d_vocab=hf.integer("vocab_size", at_least=1),
+            norm_eps=hf.number("rms_norm_eps", 1e-6, at_least=0),
             rope=hf.rope(),
-            max_position_embeddings=hf.opt("max_position_embeddings", 32768),
-            qkv_bias=hf.opt("qkv_bias", True),
-            act_fn=hf.opt("hidden_act", "silu"),
-            d_mlp=hf.req("intermediate_size") if not all(moe_layers) else hf.opt("intermediate_size", 0),
+            max_position_embeddings=hf.integer("max_position_embeddings", 32768, at_least=1),
+            qkv_bias=hf.flag("qkv_bias", True),
+            act_fn=hf.text("hidden_act", "silu"),
+            d_mlp=d_mlp,
             moe_layers=moe_layers,
             n_experts=n_experts,
             top_k=tuple(top_k if m else 0 for m in moe_layers),
-            d_expert=hf.req("moe_intermediate_size") if any_moe else 0,
-            d_shared=hf.req("shared_expert_intermediate_size") if any_moe else 0,
+            d_expert=hf.integer("moe_intermediate_size", at_least=1) if any_moe else 0,
+            d_shared=hf.integer("shared_expert_intermediate_size", at_least=1) if any_moe else 0,
             shared_gate=True,
             shared_first=True,
             router_scoring="softmax",
-            norm_topk_prob=hf.opt("norm_topk_prob", False),
-            tie_word_embeddings=hf.opt("tie_word_embeddings", False),
+            norm_topk_prob=hf.flag("norm_topk_prob", False),
+            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
         )

@@ -26,40 +26,60 @@ class HookedSolarOpen(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
         hf = HFConfig(raw)
-        n_layers = hf.req("num_hidden_layers")
-        d_expert = hf.req("moe_intermediate_size")
-        n_group, topk_group = hf.opt("n_group", 1), hf.opt("topk_group", 1)
-        n_experts = hf.req("n_routed_experts")
-        if n_experts % n_group:
-            raise ValueError(f"n_routed_experts ({n_experts}) must be a multiple of n_group ({n_group})")
+        n_layers = hf.integer("num_hidden_layers", at_least=1)
+        d_expert = hf.integer("moe_intermediate_size", at_least=1)
+        n_experts = hf.integer("n_routed_experts", at_least=1)
+        top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts)
+        n_group, topk_group = hf.integer("n_group", 1, at_least=1), hf.integer("topk_group", 1, at_least=1)
+        _check_groups(n_experts, top_k, n_group, topk_group)
         return MoeConfig(
             family=cls.model_type,
-            d_model=hf.req("hidden_size"),
+            d_model=hf.integer("hidden_size", at_least=1),
             n_layers=n_layers,
-            n_heads=hf.req("num_attention_heads"),
-            n_kv_heads=hf.opt("num_key_value_heads", 8),
-            d_head=hf.opt("head_dim", 128),  # transformers' SolarOpenConfig default
-            d_vocab=hf.req("vocab_size"),
-            norm_eps=hf.opt("rms_norm_eps", 1e-5),
+            n_heads=hf.integer("num_attention_heads", at_least=1),
+            n_kv_heads=hf.integer("num_key_value_heads", 8, at_least=1),
+            d_head=hf.integer("head_dim", 128, at_least=1),  # transformers' SolarOpenConfig default
+            d_vocab=hf.integer("vocab_size", at_least=1),
+            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
             rope=hf.rope(),
-            max_position_embeddings=hf.opt("max_position_embeddings", 131072),
-            qkv_bias=hf.opt("attention_bias", False),
-            act_fn=hf.opt("hidden_act", "silu"),
+            max_position_embeddings=hf.integer("max_position_embeddings", 131072, at_least=1),
+            qkv_bias=hf.flag("attention_bias", False),
+            act_fn=hf.text("hidden_act", "silu"),
             moe_layers=(True,) * n_layers,
             n_experts=n_experts,
-            top_k=(hf.req("num_experts_per_tok"),) * n_layers,
+            top_k=(top_k,) * n_layers,
             d_expert=d_expert,
-            d_shared=d_expert * hf.opt("n_shared_experts", 1),
+            d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1),
             shared_first=False,
             router_scoring="sigmoid",
             router_in_float32=True,
             router_compute_float32=True,
-            norm_topk_prob=hf.opt("norm_topk_prob", True),
-            routed_scaling_factor=float(hf.opt("routed_scaling_factor", 1.0)),
+            norm_topk_prob=hf.flag("norm_topk_prob", True),
+            routed_scaling_factor=hf.number("routed_scaling_factor", 1.0),
             correction_bias=True,
             n_group=n_group,
             topk_group=topk_group,
-            tie_word_embeddings=hf.opt("tie_word_embeddings", False),
+            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in ("first_k_dense_replace", "intermediate_size") if f in raw),
+        )
+
+
+def _check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Refuse the groupings transformers' SolarOpenTopkRouter cannot run: it scores each group by its two best
+    experts (n_group 1 included), keeps the topk_group best groups and picks top_k experts among theirs only."""
+    if topk_group > n_group:
+        raise ValueError(f"topk_group ({topk_group}) must be at most n_group ({n_group})")
+    if n_experts % n_group:
+        raise ValueError(f"n_routed_experts ({n_experts}) must be a multiple of n_group ({n_group})")
+    per_group = n_experts // n_group
+    if per_group < 2:
+        raise ValueError(
+            f"n_routed_experts / n_group = {n_experts} / {n_group} = {per_group} expert per group; a group is "
+            "scored by its 2 best experts, so each needs at least 2"
+        )
+    if topk_group * per_group < top_k:
+        raise ValueError(
+            f"num_experts_per_tok ({top_k}) is more than the {topk_group * per_group} experts in the topk_group "
+            f"({topk_group}) groups of {per_group} (n_routed_experts {n_experts} / n_group {n_group}) kept per token"
         )
