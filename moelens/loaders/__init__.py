@@ -9,7 +9,9 @@ import torch
 
 from moelens.dtypes import parse_dtype
 from moelens.loaders.checkpoint import CheckpointNames, check_shapes, fill, plan_load, slot_map
+from moelens.kernels.offload import ExpertCache, OffloadedExperts
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
+from moelens.loaders.expert_reader import EXPERT_PARAMS, ExpertReader
 from moelens.loaders.files import brief, checkpoint_file, read_json_object
 from moelens.loaders.hub import resolve_checkpoint
 from moelens.loaders.safetensors_files import SafetensorsFiles
@@ -51,6 +53,8 @@ def load_pretrained(
     fold_ln=False,
     center_unembed=False,
     check_finite=True,
+    expert_offload=None,
+    expert_cache_bytes=None,
 ):
     from moelens.models import family_for
 
@@ -58,6 +62,14 @@ def load_pretrained(
     on_meta = device.type == "meta"  # for inspection: the model's structure, no weights read
     if on_meta and (fold_ln or center_unembed):
         raise ValueError("fold_ln and center_unembed change weights, which a model on device='meta' does not have")
+    if expert_offload not in OFFLOAD_MODES:
+        raise ValueError(f"expert_offload must be one of {OFFLOAD_MODES}, got {expert_offload!r}")
+    if expert_offload and (fold_ln or on_meta):
+        raise ValueError(
+            "expert_offload cannot go with " + ("device='meta'" if on_meta else "fold_ln (it would rewrite the offloaded experts)")
+        )
+    if expert_cache_bytes is not None and not expert_offload:
+        raise ValueError("expert_cache_bytes is the size of the offloaded experts' cache: it needs expert_offload")
     folder = resolve_checkpoint(name_or_path, revision)
     hf = read_config(folder)
     model_type = hf.get("model_type")
@@ -90,16 +102,50 @@ def load_pretrained(
         for block in model.blocks:
             if block.is_moe:
                 block.mlp.router.float()
+    offloaded = offload_experts(model, files, keys, expert_offload, expert_cache_bytes, device) if expert_offload else {}
     materialize(model, device)
     model.tie_weights()
     if on_meta:
         check_shapes(slot_map(model, keys), files, keys)
     else:
-        fill(model, files, keys, progress=progress, check_finite=check_finite)
+        fill(model, files, keys, progress=progress, check_finite=check_finite, offloaded=offloaded)
         model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default
     model.tokenizer = tokenizer
     model.name_or_path = str(name_or_path)
     return model.eval()
+
+
+OFFLOAD_MODES = (None, "cpu", "disk")
+
+
+def offload_experts(model, files, keys, mode, cache_bytes, device) -> dict[str, torch.Tensor]:
+    """Move every mixture layer's routed experts off the model into expert stores sharing one cache on
+    `device`; returns their slots for fill(): host tensors ("cpu": filled now, pinned for a CUDA device) or
+    meta tensors ("disk": only shape-checked; read per expert when routed to)."""
+    blocks = [b for b in model.blocks if b.is_moe]
+    per_expert = sum(p[0].numel() * p.element_size() for p in (blocks[0].mlp.experts.W_gate_up, blocks[0].mlp.experts.W_down)) if blocks else 0
+    # default: one layer's experts, enough for a layer's working set to stay while it runs
+    cache = ExpertCache(model.cfg.n_experts * per_expert if cache_bytes is None else cache_bytes, device)
+    shapes = {(i, name): tuple(getattr(model.blocks[i].mlp.experts, name).shape) for i, b in enumerate(model.blocks) if b.is_moe for name in EXPERT_PARAMS}
+    reader = ExpertReader(files, keys, shapes, model.cfg.dtype)
+    slots: dict[str, torch.Tensor] = {}
+    for layer, block in enumerate(model.blocks):
+        if not block.is_moe:
+            continue
+        experts = block.mlp.experts
+        stacks = tuple(
+            torch.empty(shapes[layer, name], dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu",
+                        pin_memory=mode == "cpu" and device.type == "cuda")
+            for name in EXPERT_PARAMS
+        )
+        if mode == "cpu":
+            source = lambda e, stacks=stacks: (stacks[0][e], stacks[1][e])  # noqa: E731
+        else:
+            source = lambda e, layer=layer: reader.read(layer, e)  # noqa: E731
+        experts.offload(OffloadedExperts(layer, model.cfg.n_experts, source, cache, mode), None if mode == "disk" else stacks)
+        slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(EXPERT_PARAMS, stacks)})
+    model.expert_cache = cache
+    return slots
 
 
 def _parse_device(device: torch.device | str) -> torch.device:

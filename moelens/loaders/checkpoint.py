@@ -161,19 +161,23 @@ def fill(
     keys: dict[str, Target],
     progress: bool | None = None,
     check_finite: bool = True,
+    offloaded: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Copy each checkpoint tensor into its slot, one tensor in memory at a time.
 
     check_finite: count the NaN and Inf values of each tensor once in its slot (after the cast, so that an
     overflow shows too) and warn, once, about every tensor that holds any.
+    offloaded: slots that are no longer the model's parameters (offloaded routed experts): host tensors are
+    filled like the rest; meta tensors (experts left on disk) are only checked for shape.
     """
-    slots = slot_map(model, keys)
+    slots = slot_map(model, keys) | (offloaded or {})
     check_shapes(slots, files, keys)
     warn_cast_dtypes(slots, files, keys)
+    to_read = [k for k, t in keys.items() if not slots[t.param].is_meta]
     not_finite: list[str] = []
-    bar = tqdm(total=len(keys), desc="loading", unit="tensor", disable=None if progress is None else not progress)
+    bar = tqdm(total=len(to_read), desc="loading", unit="tensor", disable=None if progress is None else not progress)
     with torch.no_grad():
-        for key, tensor in files.read(list(keys)):
+        for key, tensor in files.read(to_read):
             target = keys[key]
             slot = slots[target.param][target.index]
             slot.copy_(tensor)

@@ -15,6 +15,7 @@ from moelens import generation
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kernels import BACKENDS
+from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
 from moelens.models.components import Block, Embed, RMSNorm, Rotary
 from moelens.positions import check_attention_mask, positions_from_mask
@@ -75,6 +76,8 @@ class HookedTransformer(WeightViews, HookedRootModule):
         fold_ln: bool = False,
         center_unembed: bool = False,
         check_finite: bool = True,
+        expert_offload: Literal["cpu", "disk"] | None = None,
+        expert_cache_bytes: int | None = None,
     ) -> HookedTransformer:
         """Load a checkpoint (local folder or Hub id); the family is chosen from config.json's model_type.
 
@@ -88,12 +91,18 @@ class HookedTransformer(WeightViews, HookedRootModule):
         fold_ln: fold every RMSNorm weight into the weights that read it and set the norms' weights to 1
         (logits unchanged; Hunyuan's per-head q/k norms stay, see moelens.fold). center_unembed: subtract
         the vocabulary mean from W_U (logits move by a per-position constant; probabilities unchanged).
+        expert_offload: keep the routed experts off `device` ("cpu": in host memory, pinned for CUDA;
+        "disk": read from the checkpoint's files when routed to) and fetch those a batch routes to through
+        a cache of at most expert_cache_bytes on `device` (default: one layer's experts), least recently
+        used out first. Logits and every hook are bit for bit those of the resident model;
+        model.expert_cache_stats() counts hits, misses and bytes moved. Not with fold_ln.
         """
         from moelens.loaders import load_pretrained
 
         model = load_pretrained(
             cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress,
             fold_ln=fold_ln, center_unembed=center_unembed, check_finite=check_finite,
+            expert_offload=expert_offload, expert_cache_bytes=expert_cache_bytes,
         )
         model.set_experts_backend(experts_backend)
         return model
@@ -162,6 +171,13 @@ class HookedTransformer(WeightViews, HookedRootModule):
             raise ValueError(f"attention backend must be 'eager' or 'fused', got {backend!r}")
         for block in self.blocks:
             block.attn.backend = backend
+
+    def expert_cache_stats(self) -> ExpertCacheStats:
+        """Hits, misses, bytes moved and seconds spent moving, of the offloaded experts' cache."""
+        cache = getattr(self, "expert_cache", None)
+        if cache is None:
+            raise ValueError("this model's experts are resident: load with expert_offload='cpu' or 'disk' to cache them")
+        return cache.stats
 
     @property
     def device(self) -> torch.device:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import nn
 
 from moelens.config import MoeConfig
 from moelens.hooks import HookPoint
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.experts import check_indices
+from moelens.kernels.offload import OffloadedExperts
 from moelens.models.components.activations import activation
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.router import Router
@@ -24,13 +25,42 @@ class Experts(nn.Module):
         self.W_gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.d_expert, cfg.d_model))
         self.W_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, cfg.d_expert))
         self.act = activation(cfg.act_fn)
-        self.backend = "auto"  # "torch" | "triton" | "auto" (triton on CUDA); see moelens.kernels
+        self.backend = "auto"  # "torch" | "triton" | "auto"; see moelens.kernels
+        self.store: OffloadedExperts | None = None  # set when the weights live off the device (offload())
         self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
         self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
         self.hook_post = HookPoint("batch pos top_k d_expert", "expert neurons per slot")
 
+    def offload(self, store: OffloadedExperts, host_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Hand the weights to an expert store: they stop being this module's parameters (model.to() and
+        state_dict() no longer see them). host_weights: the full stacks where they stay readable (host memory),
+        None when they live only on disk."""
+        del self.W_gate_up, self.W_down
+        self.store, self.host_weights = store, host_weights
+
+    def weights_for(
+        self, indices: Int[torch.Tensor, "T k"]
+    ) -> tuple[Float[torch.Tensor, "E 2I H"], Float[torch.Tensor, "E H I"], Int[torch.Tensor, "T k"]]:
+        """(W_gate_up, W_down, expert ids into them): all experts when resident; when offloaded, only the
+        routed ones, with the ids renumbered into that stack (see moelens.kernels.offload)."""
+        if self.store is None:
+            return self.W_gate_up, self.W_down, indices
+        return self.store.fetch(indices)
+
+    def __getattr__(self, name: str):
+        if name in ("W_gate_up", "W_down") and self.__dict__.get("store") is not None:
+            if self.host_weights is None:
+                # not AttributeError: a property reading this (model.W_out) would turn that into "no attribute"
+                raise ValueError(
+                    f"{name}: this model's routed experts are offloaded to disk and are not held in memory; read one "
+                    "expert with .store.source(expert) or load with expert_offload='cpu' (or none)"
+                )
+            return self.host_weights[0 if name == "W_gate_up" else 1]
+        return super().__getattr__(name)
+
     def extra_repr(self) -> str:
-        return f"n_experts={self.n_experts}, d_expert={self.d_expert}, backend={self.backend}"
+        where = "" if self.store is None else f", offloaded to {self.store.where}"
+        return f"n_experts={self.n_experts}, d_expert={self.d_expert}, backend={self.backend}{where}"
 
 
 class SparseMoe(nn.Module):
@@ -86,12 +116,13 @@ class SparseMoe(nn.Module):
         if self.hook_expert_indices.has_hooks:  # a replacement must name existing experts
             check_indices(indices, router.n_experts, self.hook_expert_indices.name)
         weights = self.hook_expert_weights(router.weights(scores, indices, logits.dtype))
+        W_gate_up, W_down, expert_ids = self.experts.weights_for(indices.reshape(b * p, -1))
         routed = routed_experts(
             x.reshape(b * p, d),
-            indices.reshape(b * p, -1),
+            expert_ids,
             weights.reshape(b * p, -1),
-            self.experts.W_gate_up,
-            self.experts.W_down,
+            W_gate_up,
+            W_down,
             self.experts.act,
             self._expert_hooks,
             (b, p),
