@@ -1,4 +1,5 @@
-"""The `moelens` command: `inspect` a model's routing of a prompt, `verify` it against transformers."""
+"""The `moelens` command: `inspect` a model's routing of a prompt, `verify` it against transformers, `plan` the
+memory and placement a model needs from its config alone."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def size(text: str) -> int:
+    """A memory size: 141GB (1e9 bytes), 80GiB (2**30 bytes), 256G."""
+    from moelens.plan import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _load(model: str | None, dtype: str):
@@ -92,6 +103,18 @@ def verify(args: argparse.Namespace) -> int:
     return status
 
 
+def plan(args: argparse.Namespace) -> int:
+    from moelens.plan import plan as make_plan
+    from moelens.plan import to_json_text
+
+    result = make_plan(
+        args.model, dtype=args.dtype, devices=args.devices, gpus=args.gpus, gpu_memory=args.gpu_memory,
+        cpu_memory=args.cpu_memory, batch=args.batch, seq=args.seq, revision=args.revision,
+    )
+    print(to_json_text(result) if args.json else result)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="moelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=[*DTYPES, "both"], default="both")
     p.add_argument("--seq-len", type=positive_int, default=24)
     p.set_defaults(run=verify)
+    p = sub.add_parser(
+        "plan", help="parameters, memory and a placement that fits, from config.json alone (no weights downloaded)"
+    )
+    p.add_argument("model", help="Hub id (only config.json is fetched), local folder, config.json or default name")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    gpus = p.add_mutually_exclusive_group()
+    gpus.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 (memory from torch.cuda, "
+                      "else --gpu-memory)")
+    gpus.add_argument("--gpus", type=positive_int, help="plan for N GPUs of --gpu-memory each")
+    p.add_argument("--gpu-memory", type=size, help="memory of each GPU: 141GB (1e9 bytes), 80GiB (2**30 bytes); "
+                   "alone: one GPU. With no GPU option the plan is for the CPU only")
+    p.add_argument("--cpu-memory", type=size, help="CPU memory (default: this machine's)")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences per forward (activations, KV cache)")
+    p.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence (activations, KV cache)")
+    p.add_argument("--revision", help="Hub revision of config.json")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
+    p.set_defaults(run=plan)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

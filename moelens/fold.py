@@ -104,7 +104,7 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
             _scale_inputs(mlp.up_proj.weight, w2)
         block.ln1.weight.fill_(1.0)
         block.ln2.weight.fill_(1.0)
-    _untie(model)
+    untie(model)
     _scale_inputs(model.unembed.weight, model.ln_final.weight.float())
     model.ln_final.weight.fill_(1.0)
     after = chosen_experts(model, probe)
@@ -115,15 +115,17 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
 @torch.no_grad()
 def center_unembed(model: HookedTransformer) -> None:
     """Subtract the mean over the vocabulary from W_U (each logit moves by a per-position constant)."""
-    _untie(model)
+    untie(model)
     W = model.unembed.weight  # [d_vocab, d_model]: the mean row over the vocabulary
     W.copy_(W.float() - W.float().mean(0, keepdim=True))
 
 
-def _untie(model: HookedTransformer) -> None:
-    """Give the unembedding its own copy of a tied embedding matrix, so that editing it leaves W_E alone."""
+def untie(model: HookedTransformer, device: torch.device | None = None) -> None:
+    """Give the unembedding its own copy of a tied embedding matrix (on `device`, default the embedding's),
+    so that editing it leaves W_E alone, or so that it can live on another device."""
     if model.unembed.weight is model.embed.weight:
         tied = model.embed.weight
-        model.unembed.weight = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
+        copy = tied.detach().to(device or tied.device, copy=True)
+        model.unembed.weight = nn.Parameter(copy, requires_grad=tied.requires_grad)
     if model.cfg.tie_word_embeddings:
         model.cfg = dataclasses.replace(model.cfg, tie_word_embeddings=False)

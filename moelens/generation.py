@@ -102,6 +102,7 @@ def generate(
             logits = model(tokens, attention_mask=attention_mask)[:, -1]
         else:
             logits = model(step_tokens, attention_mask=step_mask, past_kv_cache=cache)[:, -1]
+        logits = logits.to(model.device)  # with a device map the logits come from the last block's device
         new = sample_next(logits, do_sample, temperature, top_k, top_p, generator)
         if stop_at_eos and eos is not None:
             new = torch.where(finished, pad, new)

@@ -38,26 +38,25 @@ class ExpertCacheStats:
 
 
 class ExpertCache:
-    """Expert weights on the compute device, keyed by (layer, expert), at most `capacity_bytes` between
-    forwards (a layer's working set may exceed it while the layer runs); least recently used out first."""
+    """Expert weights on the compute device(s), keyed by (layer, expert), at most `capacity_bytes` in all
+    between layers (a layer's working set may exceed it while the layer runs); least recently used out first."""
 
-    def __init__(self, capacity_bytes: int, device: torch.device) -> None:
+    def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"expert_cache_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self.device = device
         self.entries: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
         self.bytes = 0
         self.stats = ExpertCacheStats()
 
-    def get(self, key: tuple[int, int], load: Callable[[], ExpertWeights]) -> ExpertWeights:
+    def get(self, key: tuple[int, int], load: Callable[[], ExpertWeights], device: torch.device) -> ExpertWeights:
         if key in self.entries:
             self.stats.hits += 1
             self.entries.move_to_end(key)
             return self.entries[key]
         self.stats.misses += 1
         start = time.perf_counter()
-        weights = tuple(t.to(self.device, non_blocking=True) for t in load())
+        weights = tuple(t.to(device, non_blocking=True) for t in load())
         self.stats.seconds_moving += time.perf_counter() - start
         size = sum(t.nbytes for t in weights)
         self.stats.bytes_moved += size
@@ -81,8 +80,10 @@ class OffloadedExperts:
     """One mixture layer's routed experts, held by `source` (expert id -> its weights, anywhere) and fetched
     through the model's shared ExpertCache."""
 
-    def __init__(self, layer: int, n_experts: int, source: Callable[[int], ExpertWeights], cache: ExpertCache, where: str) -> None:
-        self.layer, self.n_experts, self.source, self.cache, self.where = layer, n_experts, source, cache, where
+    def __init__(
+        self, layer: int, n_experts: int, source: Callable[[int], ExpertWeights], cache: ExpertCache, device: torch.device, where: str
+    ) -> None:
+        self.layer, self.n_experts, self.source, self.cache, self.device, self.where = layer, n_experts, source, cache, device, where
 
     def fetch(
         self, indices: Int[torch.Tensor, "T k"]
@@ -90,7 +91,7 @@ class OffloadedExperts:
         """(gate_up and down weights of the routed experts, stacked in ascending expert id; the indices
         renumbered into that stack)."""
         used = torch.unique(indices).tolist()  # sorted: renumbering keeps the slots' sort order by expert
-        weights = [self.cache.get((self.layer, e), lambda e=e: self.source(e)) for e in used]
+        weights = [self.cache.get((self.layer, e), lambda e=e: self.source(e), self.device) for e in used]
         gate_up = torch.stack([w[0] for w in weights])
         down = torch.stack([w[1] for w in weights])
         self.cache.trim()  # the stacks hold this layer's working set; the cache keeps what fits

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from moelens.dtypes import parse_dtype
 from moelens.loaders.checkpoint import CheckpointNames, check_shapes, fill, plan_load, slot_map
+from moelens.fold import untie
 from moelens.kernels.offload import ExpertCache, OffloadedExperts
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
 from moelens.loaders.expert_reader import EXPERT_PARAMS, ExpertReader
 from moelens.loaders.files import brief, checkpoint_file, read_json_object
 from moelens.loaders.hub import resolve_checkpoint
 from moelens.loaders.safetensors_files import SafetensorsFiles
+from moelens.placement import auto_device_map, device_of, parse_device_map, parse_max_memory
 from moelens.tokenizer import MoeTokenizer
 
 __all__ = ["CheckpointError", "CheckpointNames", "CheckpointWarning", "load_pretrained", "read_config"]
@@ -27,20 +30,21 @@ def read_config(folder: Path) -> dict:
     return read_json_object(path)
 
 
-def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
-    """Give every meta parameter and buffer uninitialised storage on `device`.
+def materialize(model: torch.nn.Module, device_for: Callable[[str], torch.device]) -> None:
+    """Give every meta parameter and buffer uninitialised storage on its device (device_for(full name)).
 
     Like Module.to_empty, but through torch.empty with plain shapes: to_empty's empty_like on meta tensors
     runs torch's Python reference implementation, which imports sympy and torch.fx (~300 MB resident).
     """
-    for module in model.modules():
+    for prefix, module in model.named_modules():
+        where = f"{prefix}." if prefix else ""
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
-                empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                empty = torch.empty(param.shape, dtype=param.dtype, device=device_for(where + name))
                 module._parameters[name] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device_for(where + name))
 
 
 def load_pretrained(
@@ -55,6 +59,8 @@ def load_pretrained(
     check_finite=True,
     expert_offload=None,
     expert_cache_bytes=None,
+    device_map=None,
+    max_memory=None,
 ):
     from moelens.models import family_for
 
@@ -68,6 +74,10 @@ def load_pretrained(
         raise ValueError(
             "expert_offload cannot go with " + ("device='meta'" if on_meta else "fold_ln (it would rewrite the offloaded experts)")
         )
+    if (device_map is not None or max_memory is not None) and on_meta:
+        raise ValueError("device_map places weights on devices; device='meta' builds a model without weights")
+    if max_memory is not None and device_map != "auto":
+        raise ValueError("max_memory is what device_map='auto' fills: pass device_map='auto' with it")
     if expert_cache_bytes is not None and not expert_offload:
         raise ValueError("expert_cache_bytes is the size of the offloaded experts' cache: it needs expert_offload")
     folder = resolve_checkpoint(name_or_path, revision)
@@ -89,8 +99,8 @@ def load_pretrained(
     cfg = dataclasses.replace(cfg, dtype=dtype)
     tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
     files = SafetensorsFiles(folder)
-    keys, untie = plan_load(cfg, family.checkpoint_names, files)
-    if untie:  # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
+    keys, own_head = plan_load(cfg, family.checkpoint_names, files)
+    if own_head:  # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     try:
         with torch.device("meta"):
@@ -102,13 +112,17 @@ def load_pretrained(
         for block in model.blocks:
             if block.is_moe:
                 block.mlp.router.float()
-    offloaded = offload_experts(model, files, keys, expert_offload, expert_cache_bytes, device) if expert_offload else {}
-    materialize(model, device)
+    placed = _place(model, device_map, max_memory) if device_map is not None else None
+    device_for = (lambda name: device) if placed is None else (lambda name: device_of(placed, name))  # noqa: E731
+    offloaded = offload_experts(model, files, keys, expert_offload, expert_cache_bytes, device_for) if expert_offload else {}
+    materialize(model, device_for)
     model.tie_weights()
     if on_meta:
         check_shapes(slot_map(model, keys), files, keys)
     else:
         fill(model, files, keys, progress=progress, check_finite=check_finite, offloaded=offloaded)
+        if placed is not None and placed["unembed"] != placed["embed"] and model.unembed.weight is model.embed.weight:
+            untie(model, placed["unembed"])  # a tied head on another device: a copy of its own there
         model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default
     model.tokenizer = tokenizer
     model.name_or_path = str(name_or_path)
@@ -118,14 +132,20 @@ def load_pretrained(
 OFFLOAD_MODES = (None, "cpu", "disk")
 
 
-def offload_experts(model, files, keys, mode, cache_bytes, device) -> dict[str, torch.Tensor]:
-    """Move every mixture layer's routed experts off the model into expert stores sharing one cache on
-    `device`; returns their slots for fill(): host tensors ("cpu": filled now, pinned for a CUDA device) or
-    meta tensors ("disk": only shape-checked; read per expert when routed to)."""
+def _place(model, device_map, max_memory) -> dict[str, torch.device]:
+    if device_map == "auto":
+        return auto_device_map(model, parse_max_memory(max_memory))
+    return parse_device_map(device_map, model.cfg.n_layers)
+
+
+def offload_experts(model, files, keys, mode, cache_bytes, device_for) -> dict[str, torch.Tensor]:
+    """Move every mixture layer's routed experts off the model into expert stores sharing one cache (each
+    layer's entries on that layer's device); returns their slots for fill(): host tensors ("cpu": filled
+    now, pinned when a layer runs on CUDA) or meta tensors ("disk": shape-checked; read when routed to)."""
     blocks = [b for b in model.blocks if b.is_moe]
     per_expert = sum(p[0].numel() * p.element_size() for p in (blocks[0].mlp.experts.W_gate_up, blocks[0].mlp.experts.W_down)) if blocks else 0
     # default: one layer's experts, enough for a layer's working set to stay while it runs
-    cache = ExpertCache(model.cfg.n_experts * per_expert if cache_bytes is None else cache_bytes, device)
+    cache = ExpertCache(model.cfg.n_experts * per_expert if cache_bytes is None else cache_bytes)
     shapes = {(i, name): tuple(getattr(model.blocks[i].mlp.experts, name).shape) for i, b in enumerate(model.blocks) if b.is_moe for name in EXPERT_PARAMS}
     reader = ExpertReader(files, keys, shapes, model.cfg.dtype)
     slots: dict[str, torch.Tensor] = {}
@@ -133,6 +153,7 @@ def offload_experts(model, files, keys, mode, cache_bytes, device) -> dict[str, 
         if not block.is_moe:
             continue
         experts = block.mlp.experts
+        device = device_for(f"blocks.{layer}.mlp.experts.W_gate_up")
         stacks = tuple(
             torch.empty(shapes[layer, name], dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu",
                         pin_memory=mode == "cpu" and device.type == "cuda")
@@ -142,7 +163,8 @@ def offload_experts(model, files, keys, mode, cache_bytes, device) -> dict[str, 
             source = lambda e, stacks=stacks: (stacks[0][e], stacks[1][e])  # noqa: E731
         else:
             source = lambda e, layer=layer: reader.read(layer, e)  # noqa: E731
-        experts.offload(OffloadedExperts(layer, model.cfg.n_experts, source, cache, mode), None if mode == "disk" else stacks)
+        store = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode)
+        experts.offload(store, None if mode == "disk" else stacks)
         slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(EXPERT_PARAMS, stacks)})
     model.expert_cache = cache
     return slots

@@ -73,6 +73,8 @@ class HookedTransformer(WeightViews, HookedRootModule):
         revision: str | None = None,
         progress: bool | None = None,
         experts_backend: str = "auto",
+        device_map: Literal["auto"] | dict[str, str | torch.device] | None = None,
+        max_memory: dict[str, int | str] | None = None,
         fold_ln: bool = False,
         center_unembed: bool = False,
         check_finite: bool = True,
@@ -96,13 +98,19 @@ class HookedTransformer(WeightViews, HookedRootModule):
         a cache of at most expert_cache_bytes on `device` (default: one layer's experts), least recently
         used out first. Logits and every hook are bit for bit those of the resident model;
         model.expert_cache_stats() counts hits, misses and bytes moved. Not with fold_ln.
+        device_map: whole blocks per device, in place of `device` (see moelens.placement): a mapping of
+        "embed", "blocks.A-B", "ln_final", "unembed" to devices, or "auto" to fill max_memory ({device:
+        bytes or "80GB"}; default 90% of each visible GPU) in order. Each tensor is loaded straight to its
+        device; the residual stream moves between blocks; every hook sees a whole tensor on its block's
+        device. Combines with expert_offload (each layer's cached experts on its block's device).
         """
         from moelens.loaders import load_pretrained
 
         model = load_pretrained(
             cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress,
             fold_ln=fold_ln, center_unembed=center_unembed, check_finite=check_finite,
-            expert_offload=expert_offload, expert_cache_bytes=expert_cache_bytes,
+            expert_offload=expert_offload, expert_cache_bytes=expert_cache_bytes, device_map=device_map,
+            max_memory=max_memory,
         )
         model.set_experts_backend(experts_backend)
         return model
@@ -242,12 +250,15 @@ class HookedTransformer(WeightViews, HookedRootModule):
         allowed = self._allowed(p, key_mask)
         with extending:
             for block, kv in zip(self.blocks[start_at_layer:stop_at_layer], kvs[start_at_layer:stop_at_layer]):
+                device = block.ln1.weight.device
+                if resid.device != device:  # a device map: the stream moves between whole blocks
+                    resid, cos, sin, allowed = (t.to(device) for t in (resid, cos, sin, allowed))
                 resid = block(resid, cos, sin, allowed, kv)
         if stop_at_layer is not None:
             return resid
         if return_type is None:
             return None
-        logits = self.hook_logits(self.unembed(self.ln_final(resid)))
+        logits = self.hook_logits(self.unembed(self.ln_final(resid.to(self.ln_final.weight.device))))
         if return_type == "logits":
             return logits
         loss = self.loss(logits, tokens, attention_mask, per_token=loss_per_token)
@@ -329,6 +340,9 @@ class HookedTransformer(WeightViews, HookedRootModule):
         if tokens.shape[1] < 2:
             raise ValueError("a loss needs at least two positions")
         log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
+        tokens = tokens.to(logits.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(logits.device)
         nll = -log_probs.gather(-1, tokens[:, 1:, None]).squeeze(-1)
         keep = torch.ones_like(nll) if attention_mask is None else (attention_mask[:, 1:] * attention_mask[:, :-1]).to(nll)
         nll = nll * keep

@@ -1,0 +1,171 @@
+"""Expert offload on CPU: peak memory and forward time against the resident model, and LRU vs LFU caches.
+
+Builds (with transformers) a float32 Qwen2-MoE checkpoint with many experts, where the routed experts are
+~90% of the bytes, then measures, each load in a fresh subprocess:
+
+1. peak RSS (/proc VmHWM after loading and one forward, minus after imports) and forward time (batch 1 x
+   256 prefill, then 32 decode steps with the KV cache), for the resident model and for
+   expert_offload="disk" / "cpu" with a cache of one layer's experts;
+2. hit rates of an LRU and an LFU expert cache of several sizes, replayed on the model's own routing trace
+   of decoding (which (layer, expert) pairs each token needed, in order).
+
+The weights are random (perturbed like the tests' checkpoints), so the trace is what a random-weights model
+routes; a trained model's routing is more skewed, which favours both caches.
+Usage: python benchmarks/bench_offload.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from tiny import perturb  # noqa: E402
+
+CONFIG = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    num_experts=64,
+    num_experts_per_tok=4,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+PREFILL, DECODE = 256, 32
+
+RUN = """
+import json, sys, time, torch
+sys.path.insert(0, {root!r})
+from moelens import HookedTransformer
+torch.set_num_threads(2)
+
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+
+base = hwm()
+kwargs = json.loads({kwargs!r})
+model = HookedTransformer.from_pretrained({path!r}, progress=False, **kwargs)
+prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    start = time.perf_counter()
+    model(prompt)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False)
+    generate = time.perf_counter() - start
+stats = model.expert_cache_stats().__dict__ if kwargs.get("expert_offload") else None
+print(json.dumps(dict(peak=hwm() - base, prefill=prefill, generate=generate, stats=stats, tokens=out[0, -8:].tolist())))
+"""
+
+
+def build(folder: Path) -> dict:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**CONFIG)).float()
+    perturb(model, 0)
+    model.save_pretrained(folder, max_shard_size="100GB")
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    return dict(total=total, experts=experts, layer_experts=experts // CONFIG["num_hidden_layers"])
+
+
+def run(path: Path, **kwargs) -> dict:
+    code = RUN.format(root=str(ROOT), kwargs=json.dumps(kwargs), path=str(path), vocab=CONFIG["vocab_size"], prefill=PREFILL, decode=DECODE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def decode_trace(path: Path) -> list[list[tuple[int, int]]]:
+    """Per decoded token, the (layer, expert) pairs it routed to, from the resident model."""
+    from moelens import HookedTransformer
+
+    model = HookedTransformer.from_pretrained(path, progress=False)
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(1))
+    seen: list[list[tuple[int, int]]] = []
+
+    def record(idx, hook):
+        layer = int(hook.name.split(".")[1])
+        if idx.shape[1] == 1:  # decode steps only
+            if layer == 0:
+                seen.append([])
+            seen[-1].extend((layer, int(e)) for e in idx[0, 0].tolist())
+
+    with torch.no_grad(), model.hooks(fwd_hooks=[("blocks.*.mlp.hook_expert_indices", record)]):
+        model.generate(prompt, max_new_tokens=256, stop_at_eos=False)
+    return seen
+
+
+def hit_rate(trace, capacity: int, policy: str) -> float:
+    cache: OrderedDict = OrderedDict()
+    uses: Counter = Counter()
+    hits = total = 0
+    for token in trace:
+        for key in token:
+            total += 1
+            uses[key] += 1
+            if key in cache:
+                hits += 1
+                cache.move_to_end(key)
+                continue
+            cache[key] = True
+            if len(cache) > capacity:
+                # LFU: fewest uses so far, the least recently used of those (min keeps the first in order)
+                victim = next(iter(cache)) if policy == "lru" else min(cache, key=uses.__getitem__)
+                del cache[victim]
+    return hits / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    folder = args.out or Path(tempfile.mkdtemp()) / "ckpt"
+    sizes = build(folder)
+    layer = sizes["layer_experts"]
+    print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}; checkpoint {sizes['total'] / 1e6:.0f} MB "
+          f"float32, routed experts {sizes['experts'] / 1e6:.0f} MB ({CONFIG['num_hidden_layers']} layers x {CONFIG['num_experts']} "
+          f"experts, top-{CONFIG['num_experts_per_tok']}); batch 1: prefill {PREFILL} tokens, then {DECODE} decode steps\n")
+    resident = run(folder)
+    print("| load | peak RSS | vs resident | prefill | vs resident | generate | vs resident | hit rate | MB moved |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = [("resident", resident)]
+    for mode in ("cpu", "disk"):
+        rows.append((f'{mode}, cache = 1 layer', run(folder, expert_offload=mode, expert_cache_bytes=layer)))
+    for name, r in rows:
+        same = r["tokens"] == resident["tokens"]
+        stats = r["stats"]
+        rate = f"{stats['hits'] / max(1, stats['hits'] + stats['misses']):.2f}" if stats else "-"
+        moved = f"{stats['bytes_moved'] / 1e6:.0f}" if stats else "-"
+        print(f"| {name}{'' if same else ' (TOKENS DIFFER)'} | {r['peak'] / 1e6:.0f} MB | {r['peak'] / resident['peak']:.2f}x | "
+              f"{r['prefill'] * 1e3:.0f} ms | {r['prefill'] / resident['prefill']:.2f}x | {r['generate']:.2f} s | "
+              f"{r['generate'] / resident['generate']:.2f}x | {rate} | {moved} |")
+    trace = decode_trace(folder)
+    n_pairs = CONFIG["num_hidden_layers"] * CONFIG["num_experts"]
+    print(f"\nDecode trace: {len(trace)} tokens, {sum(map(len, trace))} expert uses over {n_pairs} (layer, expert) pairs")
+    print("| cache size (experts) | share of all | LRU hit rate | LFU hit rate |")
+    print("|---:|---:|---:|---:|")
+    for share in (0.125, 0.25, 0.5, 0.75):
+        capacity = int(n_pairs * share)
+        print(f"| {capacity} | {share:.0%} | {hit_rate(trace, capacity, 'lru'):.3f} | {hit_rate(trace, capacity, 'lfu'):.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Device maps: which device each part of a model lives on. Whole blocks per device, in order, so that every
+hook sees a whole tensor on its block's device and the residual stream moves only between blocks.
+
+A map names "embed", "blocks.N" or "blocks.A-B" (inclusive), "ln_final" and "unembed", e.g.
+    {"embed": "cuda:0", "blocks.0-15": "cuda:0", "blocks.16-31": "cuda:1", "ln_final": "cuda:1", "unembed": "cuda:1"}
+"auto" fills devices in order within max_memory: the embedding with the first block, the final norm and
+unembedding with the last.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+import torch
+
+PARTS = ("embed", "ln_final", "unembed")
+BLOCK_KEY = re.compile(r"blocks\.(\d+)(?:-(\d+))?$")
+
+
+def parse_device_map(spec: Mapping[str, str | torch.device | int], n_layers: int) -> dict[str, torch.device]:
+    """{"embed" | "blocks.L" | "ln_final" | "unembed": device} for every part, from a user's map."""
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"device_map must be 'auto' or a mapping of model parts to devices, got {type(spec).__name__}")
+    placed: dict[str, torch.device] = {}
+    for key, device in spec.items():
+        dev = _device(device, key)
+        match = BLOCK_KEY.match(str(key))
+        if key in PARTS:
+            names = [key]
+        elif match:
+            first, last = int(match[1]), int(match[2] or match[1])
+            if not first <= last < n_layers:
+                raise ValueError(f"device_map key {key!r}: blocks run from 0 to {n_layers - 1}")
+            names = [f"blocks.{i}" for i in range(first, last + 1)]
+        else:
+            raise ValueError(f"device_map key {key!r} is not one of {PARTS}, 'blocks.N' or 'blocks.A-B'")
+        for name in names:
+            if name in placed:
+                raise ValueError(f"device_map places {name} twice")
+            placed[name] = dev
+    missing = [n for n in (*PARTS, *(f"blocks.{i}" for i in range(n_layers))) if n not in placed]
+    if missing:
+        raise ValueError(f"device_map does not place {', '.join(missing)}")
+    return placed
+
+
+def _device(device, key: str) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device_map[{key!r}] = {device!r} is not a torch device") from err
+
+
+def assign_blocks(
+    block_bytes: Sequence[int], first_bytes: int, last_bytes: int, budgets: Mapping[str, int]
+) -> list[str]:
+    """The device of each block, filling devices in the given order: the first also holds `first_bytes`
+    (embedding), the one holding the last block also `last_bytes` (final norm, unembedding). A ValueError
+    says how much does not fit."""
+    devices = list(budgets)
+    if not devices:
+        raise ValueError("max_memory names no device")
+    if first_bytes > budgets[devices[0]]:
+        raise ValueError(f"the embedding ({first_bytes:,} bytes) does not fit on {devices[0]} ({budgets[devices[0]]:,} bytes)")
+    assignment: list[str] = []
+    d, used = 0, first_bytes
+    for layer, size in enumerate(block_bytes):
+        tail = last_bytes if layer == len(block_bytes) - 1 else 0
+        while used + size + tail > budgets[devices[d]]:
+            d, used = d + 1, 0
+            if d == len(devices):
+                total = first_bytes + sum(block_bytes) + last_bytes
+                raise ValueError(
+                    f"the model ({total:,} bytes) does not fit in max_memory ({sum(budgets.values()):,} bytes over "
+                    f"{', '.join(devices)}): blocks {layer}-{len(block_bytes) - 1} are left over"
+                )
+        assignment.append(devices[d])
+        used += size
+    return assignment
+
+
+def auto_device_map(model: torch.nn.Module, max_memory: Mapping[str, int]) -> dict[str, torch.device]:
+    """Whole blocks per device within max_memory ({device: bytes}), from the model's own parameter sizes."""
+    size = lambda module: sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))  # noqa: E731
+    tied = model.unembed.weight is model.embed.weight  # a tied head is copied to the last device: count it there
+    blocks = [size(b) for b in model.blocks]
+    devices = assign_blocks(blocks, size(model.embed), size(model.ln_final) + (size(model.embed) if tied else size(model.unembed)), max_memory)
+    placed = {f"blocks.{i}": torch.device(d) for i, d in enumerate(devices)}
+    first = torch.device(next(iter(max_memory)))
+    last = torch.device(devices[-1]) if devices else first
+    return {"embed": first, **placed, "ln_final": last, "unembed": last}
+
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(size: int | str, what: str) -> int:
+    """Bytes from an int or "141GB" (GB = 1e9), "80GiB" (2**30), "256G", "512MB"."""
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+        return size
+    match = SIZE.match(size) if isinstance(size, str) else None
+    if not match:
+        raise ValueError(f"{what} = {size!r} is not a size: give bytes as an int or a string like '141GB' or '80GiB'")
+    unit = (match[2] or "").lower().removesuffix("b")
+    return int(float(match[1]) * UNITS[unit])
+
+
+def parse_max_memory(max_memory: Mapping[str | int | torch.device, int | str] | None) -> dict[str, int]:
+    """{device: bytes} for device_map="auto"; without max_memory, 90% of every visible GPU's memory."""
+    if max_memory is None:
+        if not torch.cuda.is_available():
+            raise ValueError("device_map='auto' needs max_memory={device: bytes} on a machine without GPUs")
+        return {f"cuda:{i}": int(0.9 * torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count())}
+    if not isinstance(max_memory, Mapping) or not max_memory:
+        raise ValueError(f"max_memory must be a non-empty mapping of device to bytes, got {max_memory!r}")
+    return {str(_device(d, "max_memory")): parse_size(b, f"max_memory[{d!r}]") for d, b in max_memory.items()}
+
+
+def device_of(placed: Mapping[str, torch.device], param_name: str) -> torch.device:
+    """The device of a parameter or buffer named from the model's root (blocks.3.attn.q_proj.weight, ...)."""
+    parts = param_name.split(".")
+    return placed[".".join(parts[:2]) if parts[0] == "blocks" else parts[0]]

@@ -1,0 +1,794 @@
+"""What a model needs before its weights are downloaded: parameters, bytes, activations, KV cache, placement.
+
+`plan(name_or_path_or_config, dtype=..., ...)` reads config.json only (a local folder, a config file, an
+embedded default name, a Hub id fetched as that one file, or a config dict). Where safetensors files are
+present their headers are read, never their data, to show what is stored next to what is computed.
+
+Parameters are counted on the moelens model itself, built on the meta device as the loader builds it, so the
+count cannot drift from what loading allocates: routers kept float32 in low-precision models count 4 bytes,
+tied embeddings count once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moelens.dtypes import parse_dtype
+from moelens.loaders.errors import CheckpointError
+
+COMPONENTS = (
+    "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
+)
+HEADROOM = 0.10  # of each device's memory, left free: allocator fragmentation, CUDA context, kernels' workspace
+# preferred first: one device (no transfers), then a device map (only hidden states cross devices), then
+# expert parallel (all-to-all of tokens per layer), then offload (expert weights cross PCIe every forward)
+PREFERENCE = ("one_device", "device_map", "expert_parallel", "expert_offload")
+
+
+# ---- sizes -----------------------------------------------------------------------------------------
+
+UNITS = {
+    "": None, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """'141GB' -> 141e9, '80GiB' -> 80 * 2**30, '256G' -> 256e9, '1.5TB'; an int is bytes already.
+
+    A bare number is refused: '80' could mean bytes or gigabytes, and guessing wrong by 1e9 is worse than asking.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 1:
+            raise ValueError(f"expected a positive size, got {text}")
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in UNITS:
+        raise ValueError(f"expected a size like 141GB (1e9 bytes), 80GiB (2**30 bytes) or 256G, got {text!r}")
+    if UNITS[unit] is None:
+        raise ValueError(f"size {text!r} has no unit: write {text}GB (1e9 bytes) or {text}GiB (2**30 bytes)")
+    value = float(match.group(1)) * UNITS[unit]
+    if value < 1:
+        raise ValueError(f"expected a positive size, got {text!r}")
+    return int(value)
+
+
+def human(n: float) -> str:
+    """Bytes in decimal units, as disks and GPU spec sheets print them."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def human_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+# ---- the config --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Source:
+    raw: dict  # config.json
+    where: str  # for the printout
+    folder: Path | None  # where weights may sit next to the config
+
+
+def read_source(model: str | Path | dict, revision: str | None = None) -> Source:
+    """config.json from a dict, a local folder or file, an embedded default name or a Hub id (that file only)."""
+    from moelens.defaults import CONFIGS
+    from moelens.loaders import read_config
+    from moelens.loaders.files import read_json_object
+    from moelens.loaders.hub import resolve_checkpoint
+
+    if isinstance(model, dict):
+        return Source(model, "config dict", None)
+    name = str(model)
+    path = Path(name).expanduser()
+    if name in CONFIGS and not path.exists():  # builds the tiny default: its weights are a few kB
+        folder = resolve_checkpoint(name)
+        return Source(read_config(folder), name, folder)
+    if path.is_dir():
+        return Source(read_config(path), str(path), path)
+    if path.is_file():  # a config.json on its own
+        return Source(read_json_object(path), str(path), None)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or not name:
+        raise FileNotFoundError(f"no checkpoint folder or config file at {path}")
+    config = hub_config(name, revision)
+    # the snapshot folder the config sits in: weights already in the cache for that commit are there too
+    return Source(read_json_object(config), f"{name} (Hub)", config.parent)
+
+
+def hub_config(repo: str, revision: str | None = None) -> Path:
+    """config.json of a Hub repo: from the local cache if there, else downloaded (that file only, never weights).
+
+    resolve_checkpoint is not used: it downloads the safetensors files, which is what planning should avoid.
+    """
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo, "config.json", revision=revision, local_files_only=True))
+    except Exception:  # not cached: fetch it
+        pass
+    try:
+        return Path(hf_hub_download(repo, "config.json", revision=revision))
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileNotFoundError(
+            f"{repo!r} is not a local folder or file, and its config.json could not be fetched from the Hub nor "
+            f"found in the local cache ({first})"
+        ) from err
+
+
+def stored_weights(folder: Path | None) -> dict | None:
+    """What the safetensors files hold, from their headers only; None where there are none.
+
+    A broken or partial set of files (a download in progress) is reported, not raised: the plan needs only
+    the config."""
+    from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
+
+    if folder is None or not (any(folder.glob("*.safetensors")) or (folder / INDEX_FILE).exists()):
+        return None
+    try:
+        files = SafetensorsFiles(folder)
+    except CheckpointError as err:
+        return {"error": str(err)}
+    by_dtype: dict[str, int] = {}
+    for key, nbytes in files.nbytes.items():
+        by_dtype[files.dtypes[key]] = by_dtype.get(files.dtypes[key], 0) + nbytes
+    return {
+        "files": len(files.files),
+        "file_bytes": sum(p.stat().st_size for p in files.files),  # tensors plus headers
+        "tensor_bytes": sum(files.nbytes.values()),
+        "parameters": sum(math.prod(s) for s in files.shapes.values()),
+        "dtypes": by_dtype,
+        "has_lm_head": "lm_head.weight" in files,
+    }
+
+
+# ---- parameter counts -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Count:
+    parameters: int = 0
+    bytes: int = 0
+
+    def add(self, parameters: int, nbytes: int) -> None:
+        self.parameters += parameters
+        self.bytes += nbytes
+
+
+@dataclass
+class LayerCount:
+    layer: int
+    kind: str  # "moe" | "dense"
+    parameters: int = 0
+    bytes: int = 0
+    routed_experts_bytes: int = 0
+    n_experts: int = 0
+    top_k: int = 0
+
+
+def build_meta_model(cfg, family):
+    """The model exactly as load_pretrained allocates it, on the meta device (no memory, no weights).
+
+    Same steps as moelens.loaders.load_pretrained: built, cast to the dtype, and float32 routers where the
+    family keeps them (Hunyuan, Solar) so they count 4 bytes per weight."""
+    with torch.device("meta"):
+        model = family(cfg)
+    model.to(cfg.dtype)
+    if cfg.router_in_float32:
+        for block in model.blocks:
+            if block.is_moe:
+                block.mlp.router.float()
+    return model
+
+
+def component_of(name: str) -> tuple[str, int | None]:
+    """(component, layer or None) of a moelens parameter or buffer name.
+
+    An unknown name is a RuntimeError: a new module must be given a component, not silently dropped."""
+    if name == "embed.weight":
+        return "embeddings", None
+    if name == "unembed.weight":
+        return "unembedding", None
+    if name == "ln_final.weight":
+        return "norms", None
+    match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if match:
+        layer, rest = int(match.group(1)), match.group(2)
+        if rest.startswith(("ln1.", "ln2.", "attn.q_norm.", "attn.k_norm.")):
+            return "norms", layer
+        if rest.startswith("attn."):
+            return "attention", layer
+        if rest.startswith("mlp.router."):
+            return "routers", layer  # weight and Solar's e_score_correction_bias (a buffer)
+        if rest.startswith("mlp.experts."):
+            return "routed_experts", layer
+        if rest.startswith(("mlp.shared_expert.", "mlp.shared_gate.")):
+            return "shared_experts", layer
+        if rest.startswith(("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.")):
+            return "dense_mlp", layer
+    raise RuntimeError(f"moelens.plan does not know which component {name!r} belongs to")
+
+
+def count_model(model) -> tuple[dict[str, Count], list[LayerCount]]:
+    """Sum every parameter and buffer (tied ones once: named_parameters drops duplicates) by component and layer."""
+    cfg = model.cfg
+    components = {name: Count() for name in COMPONENTS}
+    layers = [
+        LayerCount(i, "moe" if moe else "dense", n_experts=cfg.n_experts if moe else 0, top_k=cfg.top_k[i])
+        for i, moe in enumerate(cfg.moe_layers)
+    ]
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    for name, tensor in tensors:
+        numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
+        component, layer = component_of(name)
+        components[component].add(numel, nbytes)
+        if layer is not None:
+            layers[layer].parameters += numel
+            layers[layer].bytes += nbytes
+            if component == "routed_experts":
+                layers[layer].routed_experts_bytes += nbytes
+    return components, layers
+
+
+# ---- activations and KV cache ---------------------------------------------------------------------------
+
+
+def activation_terms(cfg, batch: int, seq: int) -> dict[str, dict]:
+    """Bytes of the largest tensors alive at once in a forward of batch x seq tokens, without caching hooks.
+
+    Each term names its shapes; `peak` = residual + the largest of (attention, mlp, logits), since only one
+    sublayer's temporaries are alive at a time (no gradients, no run_with_cache: that stores every hook)."""
+    b = torch.tensor([], dtype=cfg.dtype).element_size()
+    tokens = batch * seq
+    # Hunyuan and Solar weigh the slot outputs with float32 router weights, which promotes them to float32
+    slot_bytes = max(b, 4) if (cfg.router_in_float32 or cfg.router_compute_float32) else b
+    moe_k = [k for k, moe in zip(cfg.top_k, cfg.moe_layers, strict=True) if moe]
+    k = max(moe_k, default=0)
+    terms = {
+        "residual": (
+            4 * tokens * cfg.d_model * b,
+            "4 x [batch seq d_model]: the stream, the norm's output, the sublayer's output, the new stream",
+        ),
+        "attention": (
+            batch * cfg.n_heads * seq * seq * (2 * b + 4)
+            + tokens * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head * b,
+            "eager: scores and pattern [batch heads seq seq] in the dtype plus the float32 softmax between them; "
+            "q, k, v, z [batch seq heads d_head]",
+        ),
+        "routed_experts": (
+            tokens * k * (3 * cfg.d_expert * b + cfg.d_model * (b + 2 * slot_bytes)) + 3 * tokens * cfg.n_experts * 4
+            if moe_k else 0,
+            "largest layer: [batch*seq*top_k, 2*d_expert] gate/up and [.., d_expert] act*up, [.., d_model] gathered "
+            "inputs, outputs and their unsorted copy; float32 router logits, scores, choice [batch seq n_experts]",
+        ),
+        "shared_or_dense_mlp": (
+            3 * tokens * max(cfg.d_shared, cfg.d_mlp if cfg.dense_layer_indices else 0) * b,
+            "gate, up and act*up [batch seq d_shared or d_mlp]",
+        ),
+        "logits": (
+            tokens * cfg.d_vocab * (b + (4 if b != 4 else 0)),
+            "[batch seq vocab] in the dtype and its float32 copy (the loss and most callers upcast)",
+        ),
+    }
+    out = {name: {"bytes": int(nbytes), "counts": what} for name, (nbytes, what) in terms.items()}
+    # the shared expert's intermediates are freed before the routed experts run (or the other way round)
+    mlp = max(out["routed_experts"]["bytes"], out["shared_or_dense_mlp"]["bytes"])
+    layer = max(out["attention"]["bytes"], mlp)
+    out["layer_peak"] = {"bytes": out["residual"]["bytes"] + layer, "counts": "residual + max(attention, mlp)"}
+    out["peak"] = {
+        "bytes": out["residual"]["bytes"] + max(layer, out["logits"]["bytes"]),
+        "counts": "residual + max(attention, mlp, logits)",
+    }
+    return out
+
+
+def kv_cache_bytes(cfg, batch: int, seq: int) -> int:
+    """Keys and values of every layer for batch x seq positions, in the model dtype."""
+    b = torch.tensor([], dtype=cfg.dtype).element_size()
+    return 2 * cfg.n_layers * batch * seq * cfg.n_kv_heads * cfg.d_head * b
+
+
+# ---- placement -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory: int  # bytes
+
+    @property
+    def budget(self) -> int:
+        return int(self.memory * (1 - HEADROOM))
+
+
+@dataclass
+class Needs:
+    """What the placement options weigh: weights by part, per-forward working memory and the KV cache."""
+
+    embedding: int  # embed weight
+    final: int  # ln_final + unembed (0 for the unembed when tied: it is the embedding)
+    tied_unembed: int  # bytes of the tied matrix a last device other than the first would need a copy of
+    blocks: list[LayerCount]
+    layer_peak: int  # residual + one sublayer's temporaries, on every device that runs blocks
+    peak: int  # layer_peak, or residual + logits where larger
+    kv_per_layer: int
+    batch: int
+    seq: int
+
+    @property
+    def weights(self) -> int:
+        return self.embedding + self.final + sum(b.bytes for b in self.blocks)
+
+    @property
+    def kv(self) -> int:
+        return self.kv_per_layer * len(self.blocks)
+
+    @property
+    def routed_experts(self) -> int:
+        return sum(b.routed_experts_bytes for b in self.blocks)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.peak + self.kv
+
+
+def one_device(needs: Needs, devices: Sequence[Device]) -> tuple[dict | None, str]:
+    """(a) everything on the first device whose budget holds weights + activations + KV cache."""
+    for device in devices:
+        if needs.total <= device.budget:
+            return {"kind": "one_device", "device": device.name, "bytes": needs.total, "budget": device.budget}, ""
+    best = max(devices, key=lambda d: d.budget)
+    return None, f"needs {human(needs.total)}, more than the largest budget ({best.name}: {human(best.budget)})"
+
+
+def device_map(needs: Needs, devices: Sequence[Device]) -> tuple[dict | None, str]:
+    """(b) whole blocks per device, in order: the embedding on the first device used, the final norm and
+    unembedding on the last. Greedy: each part goes on the current device if it still fits, else on the next.
+
+    Every device that runs blocks holds one layer's working memory (layer_peak) and the KV cache of its
+    blocks; the last also holds the logits where they outgrow a layer's temporaries."""
+    logits_extra = needs.peak - needs.layer_peak
+    placed: list[dict] = []
+    d = -1
+
+    def open_next(part: str, cost: int) -> str:
+        """Move on to the first following device that can hold `cost` on its own; '' or why none can."""
+        nonlocal d
+        while True:
+            d += 1
+            if d == len(devices):
+                return f"{part} ({human(cost)}) does not fit on any remaining device" if placed else (
+                    f"{part} ({human(cost)}) does not fit on any device"
+                )
+            if needs.layer_peak + cost <= devices[d].budget:
+                placed.append({"device": devices[d].name, "blocks": [], "embedding": False, "unembedding": False,
+                               "bytes": needs.layer_peak + cost, "budget": devices[d].budget})
+                return ""
+
+    why = open_next("the embedding", needs.embedding)
+    if why:
+        return None, why
+    placed[-1]["embedding"] = True
+    for block in needs.blocks:
+        cost = block.bytes + needs.kv_per_layer
+        if placed[-1]["bytes"] + cost > devices[d].budget:
+            why = open_next(f"block {block.layer}", cost)
+            if why:
+                return None, why
+        else:
+            placed[-1]["bytes"] += cost
+        placed[-1]["blocks"].append(block.layer)
+    # a tied unembedding is the embedding's matrix: a device other than the first needs its own copy
+    cost = needs.final + logits_extra + (needs.tied_unembed if d > 0 else 0)
+    if placed[-1]["bytes"] + cost <= devices[d].budget:  # with the last block if it fits there
+        placed[-1]["bytes"] += cost
+    else:
+        why = open_next("the final norm and unembedding", needs.final + logits_extra + needs.tied_unembed)
+        if why:
+            return None, why
+    placed[-1]["unembedding"] = True
+    if len(placed) < 2:  # all on one device: that is option (a)
+        return None, "everything fits on one device (see one_device)"
+    for part in placed:  # block ranges, first and last, inclusive
+        blocks = part["blocks"]
+        part["blocks"] = [blocks[0], blocks[-1]] if blocks else []
+    return {"kind": "device_map", "devices": placed, "bytes": sum(p["bytes"] for p in placed)}, ""
+
+
+def expert_bytes_each(block: LayerCount) -> int:
+    return block.routed_experts_bytes // block.n_experts if block.n_experts else 0
+
+
+def expert_offload(needs: Needs, device: Device, cpu: Device, cpu_only: bool) -> tuple[dict | None, str]:
+    """(c) everything but the routed experts on `device`; the experts in CPU memory, or on disk where they do
+    not fit there (or where the device is the CPU itself). What is left on the device caches experts.
+
+    The device must at least hold one layer's experts for this batch: min(n_experts, batch*seq*top_k)."""
+    moe = [b for b in needs.blocks if b.kind == "moe" and b.n_experts]
+    if not moe:
+        return None, "no routed experts to offload"
+    experts = needs.routed_experts
+    resident = needs.weights - experts + needs.peak + needs.kv
+    tokens = needs.batch * needs.seq
+    staging = max(min(b.n_experts, tokens * b.top_k) * expert_bytes_each(b) for b in moe)
+    if resident + staging > device.budget:
+        return None, (
+            f"{device.name} cannot hold the rest of the model, activations and KV cache ({human(resident)}) plus "
+            f"one layer's active experts ({human(staging)}) within its budget {human(device.budget)}"
+        )
+    to = "disk" if cpu_only or experts > cpu.budget else "cpu"
+    each = max(expert_bytes_each(b) for b in moe)
+    total_experts = sum(b.n_experts for b in moe)
+    cached = min(total_experts, (device.budget - resident) // each)
+    fraction = cached / total_experts
+    prefill = sum(min(b.n_experts, tokens * b.top_k) * expert_bytes_each(b) for b in moe)
+    decode_max = sum(min(b.n_experts, needs.batch * b.top_k) * expert_bytes_each(b) for b in moe)
+    # uniform routing: each expert is picked by a token with probability top_k/n_experts
+    decode_expected = sum(
+        (1 - fraction) * b.n_experts * (1 - (1 - b.top_k / b.n_experts) ** needs.batch) * expert_bytes_each(b)
+        for b in moe
+    )
+    return {
+        "kind": "expert_offload",
+        "device": device.name,
+        "experts_on": to,
+        "device_bytes": resident,
+        "offloaded_bytes": experts,
+        "budget": device.budget,
+        "expert_cache": {"experts": int(cached), "of": total_experts, "bytes": int(cached * each),
+                         "fraction": round(fraction, 4)},
+        "moved_per_forward": {
+            "prefill_max": prefill,
+            "decode_step_max": decode_max,
+            "decode_step_expected": int(decode_expected),
+        },
+        "assumptions": (
+            "prefill: every expert a layer's batch*seq*top_k slots choose is moved once per layer, none assumed "
+            "cached; decode step (one new token per sequence): worst case batch*top_k experts per layer all "
+            "missing the cache; expected: routing uniform over experts and the cache holding a random "
+            f"{fraction:.0%} of each layer's experts"
+        ),
+    }, ""
+
+
+def expert_parallel(needs: Needs, devices: Sequence[Device]) -> tuple[dict | None, str]:
+    """(d) routed experts split by expert id over the ranks (rank r holds experts r*E/N ...), everything else
+    replicated; each rank also holds the activations and KV cache of the whole batch (conservative)."""
+    ranks = len(devices)
+    if ranks < 2:
+        return None, "needs more than one GPU"
+    moe = [b for b in needs.blocks if b.kind == "moe" and b.n_experts]
+    if not moe:
+        return None, "no routed experts to split"
+    replicated = needs.weights - needs.routed_experts
+    # the rank with the most experts: ceil(E / N) per layer
+    experts_on_rank = sum(math.ceil(b.n_experts / ranks) * expert_bytes_each(b) for b in moe)
+    per_rank = replicated + experts_on_rank + needs.peak + needs.kv
+    short = [d for d in devices if per_rank > d.budget]
+    option = {
+        "kind": "expert_parallel",
+        "ranks": ranks,
+        "devices": [d.name for d in devices],
+        "experts_per_rank": max(math.ceil(b.n_experts / ranks) for b in moe),
+        "replicated_bytes": replicated,
+        "expert_bytes_per_rank": experts_on_rank,
+        "per_rank_weight_bytes": replicated + experts_on_rank,
+        "per_rank_bytes": per_rank,
+        "budget": min(d.budget for d in devices),
+    }
+    if short:
+        return None, f"needs {human(per_rank)} per rank, more than {short[0].name}'s budget {human(short[0].budget)}"
+    return option, ""
+
+
+def place(needs: Needs, gpus: Sequence[Device], cpu: Device) -> dict:
+    """Every option that fits, the preferred first; and why the others do not."""
+    cpu_only = not gpus
+    devices = list(gpus) or [cpu]
+    tries = {
+        "one_device": lambda: one_device(needs, devices),
+        "device_map": lambda: device_map(needs, devices) if len(devices) > 1 else (None, "needs more than one GPU"),
+        "expert_parallel": lambda: expert_parallel(needs, gpus),
+        "expert_offload": lambda: expert_offload(needs, devices[0], cpu, cpu_only),
+    }
+    options, rejected = [], []
+    for kind in PREFERENCE:
+        option, why = tries[kind]()
+        if option is not None:
+            options.append(option)
+        else:
+            rejected.append({"kind": kind, "reason": why})
+    message = "" if options else (
+        f"nothing fits on {', '.join(f'{d.name} ({human(d.memory)})' for d in devices)}: "
+        + "; ".join(f"{r['kind']}: {r['reason']}" for r in rejected)
+    )
+    return {
+        "recommended": options[0] if options else None,
+        "options": options,
+        "rejected": rejected,
+        "message": message,
+        "devices": [{"device": d.name, "memory": d.memory, "budget": d.budget} for d in devices],
+        "cpu": {"memory": cpu.memory, "budget": cpu.budget},
+        "headroom": HEADROOM,
+    }
+
+
+def system_memory() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def gpu_devices(devices: Sequence[str] | str | None, gpus: int | None, gpu_memory: int | str | None) -> list[Device]:
+    """The GPUs to plan for: named devices (memory from torch.cuda where present, else gpu_memory), or N of
+    gpu_memory each; gpu_memory alone means one GPU."""
+    if isinstance(devices, str):
+        devices = [d.strip() for d in devices.split(",") if d.strip()]
+    memory = None if gpu_memory is None else parse_size(gpu_memory)
+    if devices and gpus is not None:
+        raise ValueError("give either devices (--devices) or a GPU count (--gpus), not both")
+    if not devices:
+        if gpus is None and memory is None:
+            return []
+        devices = [f"cuda:{i}" for i in range(gpus or 1)]
+    out = []
+    for name in devices:
+        try:
+            device = torch.device(name)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device {name!r} is not a torch device ({err})") from err
+        if memory is not None:
+            out.append(Device(name, memory))
+        elif device.type == "cuda" and torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count():
+            out.append(Device(name, torch.cuda.get_device_properties(device.index or 0).total_memory))
+        else:
+            raise ValueError(f"device {name}: no such CUDA device here to read its memory from; give --gpu-memory")
+    return out
+
+
+# ---- the plan --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    where: str
+    family: str
+    model_class: str
+    dtype: str
+    parameters: int
+    bytes: int
+    components: dict[str, Count]
+    per_layer: list[LayerCount]
+    activations: dict
+    kv_cache: dict
+    placement: dict
+    on_disk: dict | None
+    config: dict = field(repr=False)  # a few MoeConfig fields, for the printout
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.where,
+            "family": self.family,
+            "model_class": self.model_class,
+            "dtype": self.dtype,
+            "parameters": self.parameters,
+            "bytes": self.bytes,
+            "components": {k: dataclasses.asdict(v) for k, v in self.components.items()},
+            "per_layer": [dataclasses.asdict(layer) for layer in self.per_layer],
+            "activations": self.activations,
+            "kv_cache": self.kv_cache,
+            "placement": self.placement,
+            "on_disk": self.on_disk,
+            "config": self.config,
+        }
+
+    def __str__(self) -> str:
+        return "\n".join(_text(self))
+
+
+def plan(
+    model: str | Path | dict,
+    dtype: str | torch.dtype = "bfloat16",
+    devices: Sequence[str] | str | None = None,
+    gpus: int | None = None,
+    gpu_memory: int | str | None = None,
+    cpu_memory: int | str | None = None,
+    batch: int = 1,
+    seq: int = 2048,
+    revision: str | None = None,
+) -> Plan:
+    """Plan a model from its config: counts, memory of a forward, KV cache and placements that fit.
+
+    model: a checkpoint folder, a config.json path, an embedded default name, a Hub id (only config.json
+    is fetched) or a config.json dict. devices: ["cuda:0", ...] (memory from torch.cuda, or gpu_memory);
+    gpus: N GPUs of gpu_memory each; neither: the CPU only. cpu_memory: default this machine's memory.
+    Sizes are bytes or strings like "141GB", "80GiB"."""
+    from moelens.models import family_for
+
+    dtype = parse_dtype(dtype)
+    for name, value in (("batch", batch), ("seq", seq)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    gpu_list = gpu_devices(devices, gpus, gpu_memory)
+    cpu = Device("cpu", parse_size(cpu_memory) if cpu_memory is not None else system_memory())
+    source = read_source(model, revision)
+    model_type = source.raw.get("model_type")
+    family = family_for(model_type if isinstance(model_type, str) else None, f"{source.where}: config.json")
+    try:
+        cfg = family.config_from_hf(source.raw)
+    except KeyError as err:
+        raise CheckpointError(f"{source.where}: config.json lacks the field {err.args[0]!r} that {family.__name__} needs") from err
+    except ValueError as err:
+        raise CheckpointError(f"{source.where}: config.json: {err}") from err
+    on_disk = stored_weights(source.folder)
+    if cfg.tie_word_embeddings and on_disk and on_disk.get("has_lm_head"):
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head wins, as the loader does
+    cfg = dataclasses.replace(cfg, dtype=dtype)
+    components, layers = count_model(build_meta_model(cfg, family))
+    acts = activation_terms(cfg, batch, seq)
+    kv = kv_cache_bytes(cfg, batch, seq)
+    embed_bytes = components["embeddings"].bytes
+    final_norm = cfg.d_model * torch.tensor([], dtype=dtype).element_size()
+    needs = Needs(
+        embedding=embed_bytes,
+        final=final_norm + components["unembedding"].bytes,
+        tied_unembed=embed_bytes if cfg.tie_word_embeddings else 0,
+        blocks=layers,
+        layer_peak=acts["layer_peak"]["bytes"],
+        peak=acts["peak"]["bytes"],
+        kv_per_layer=kv // cfg.n_layers,
+        batch=batch,
+        seq=seq,
+    )
+    return Plan(
+        where=source.where,
+        family=cfg.family,
+        model_class=family.__name__,
+        dtype=str(dtype).removeprefix("torch."),
+        parameters=sum(c.parameters for c in components.values()),
+        bytes=sum(c.bytes for c in components.values()),
+        components=components,
+        per_layer=layers,
+        activations={"batch": batch, "seq": seq, "terms": acts, "peak": acts["peak"]["bytes"]},
+        kv_cache={
+            "bytes": kv,
+            "counts": f"2 x {cfg.n_layers} layers x batch {batch} x seq {seq} x {cfg.n_kv_heads} kv heads x "
+            f"{cfg.d_head} d_head x {torch.tensor([], dtype=dtype).element_size()} bytes",
+        },
+        placement=place(needs, gpu_list, cpu),
+        on_disk=on_disk,
+        config={
+            "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_experts": cfg.n_experts,
+            "top_k": max(cfg.top_k, default=0), "d_expert": cfg.d_expert, "d_vocab": cfg.d_vocab,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": cfg.router_in_float32,
+        },
+    )
+
+
+# ---- the printout ----------------------------------------------------------------------------------------
+
+
+def _text(p: Plan) -> list[str]:
+    c = p.config
+    lines = [
+        f"{p.where}: {p.model_class} ({p.family}), {c['n_layers']} layers, {c['n_experts']} experts, top-{c['top_k']}",
+        f"{p.parameters:,} parameters ({human_count(p.parameters)}), {human(p.bytes)} in {p.dtype}"
+        + (" (routers kept float32)" if c["router_in_float32"] and p.dtype != "float32" else "")
+        + (" (embedding tied to the unembedding, counted once)" if c["tie_word_embeddings"] else ""),
+    ]
+    if p.on_disk is None:
+        lines.append("on disk: no safetensors files here (counts are from config.json)")
+    elif "error" in p.on_disk:
+        lines.append(f"on disk: weights present but unreadable: {p.on_disk['error']}")
+    else:
+        d = p.on_disk
+        dtypes = ", ".join(f"{k} {human(v)}" for k, v in sorted(d["dtypes"].items(), key=lambda kv: -kv[1]))
+        lines.append(
+            f"on disk: {human(d['file_bytes'])} in {d['files']} safetensors file(s), {d['parameters']:,} parameters "
+            f"stored ({dtypes})"
+        )
+    lines += ["", f"{'component':<16}{'parameters':>18}{'bytes':>12}{'share':>8}"]
+    for name, count in p.components.items():
+        if count.parameters:
+            lines.append(
+                f"{name:<16}{count.parameters:>18,}{human(count.bytes):>12}{count.bytes / p.bytes:>8.1%}"
+            )
+    lines.append(f"{'total':<16}{p.parameters:>18,}{human(p.bytes):>12}")
+    lines += ["", f"{'layers':<16}{'kind':>6}{'parameters each':>18}{'bytes each':>12}{'experts':>12}"]
+    for first, last, layer in _runs(p.per_layer):
+        span = f"{first}" if first == last else f"{first}-{last}"
+        lines.append(
+            f"{span:<16}{layer.kind:>6}{layer.parameters:>18,}{human(layer.bytes):>12}"
+            f"{human(layer.routed_experts_bytes):>12}"
+        )
+    a = p.activations
+    lines += ["", f"activations, one forward of batch {a['batch']} x seq {a['seq']} (no hooks caching):"]
+    for name, term in a["terms"].items():
+        lines.append(f"  {name:<20}{human(term['bytes']):>11}  {term['counts']}")
+    lines.append(f"kv cache             {human(p.kv_cache['bytes']):>11}  {p.kv_cache['counts']}")
+    lines += ["", *_placement_text(p.placement)]
+    return lines
+
+
+def _runs(layers: list[LayerCount]):
+    """Consecutive layers of equal size, as (first, last, one of them)."""
+    runs: list[list] = []
+    for layer in layers:
+        key = (layer.kind, layer.parameters, layer.bytes, layer.routed_experts_bytes)
+        if runs and runs[-1][3] == key:
+            runs[-1][1] = layer.layer
+        else:
+            runs.append([layer.layer, layer.layer, layer, key])
+    return [(first, last, layer) for first, last, layer, _ in runs]
+
+
+def _placement_text(placement: dict) -> list[str]:
+    lines = [
+        f"placement on {_devices_text(placement['devices'])}, cpu memory {human(placement['cpu']['memory'])} "
+        f"(each budget {1 - placement['headroom']:.0%} of memory)"
+    ]
+    if not placement["options"]:
+        lines.append(f"  {placement['message']}")
+    for i, option in enumerate(placement["options"]):
+        lines.append(f"  {'recommended: ' if i == 0 else 'also fits:   '}{_describe(option)}")
+    for r in placement["rejected"]:
+        lines.append(f"  does not fit: {r['kind']}: {r['reason']}")
+    return lines
+
+
+def _devices_text(devices: list[dict]) -> str:
+    """cuda:0-7 (8 x 141.00 GB) when all alike, else each device with its memory."""
+    if len(devices) > 2 and len({d["memory"] for d in devices}) == 1:
+        return f"{devices[0]['device']} .. {devices[-1]['device']} ({len(devices)} x {human(devices[0]['memory'])})"
+    return ", ".join(f"{d['device']} ({human(d['memory'])})" for d in devices)
+
+
+def _describe(o: dict) -> str:
+    if o["kind"] == "one_device":
+        return f"one device: everything on {o['device']} ({human(o['bytes'])} of {human(o['budget'])})"
+    if o["kind"] == "device_map":
+        parts = []
+        for d in o["devices"]:
+            blocks = f"blocks {d['blocks'][0]}-{d['blocks'][1]}" if d["blocks"] else "no blocks"
+            extra = " + embedding" * d["embedding"] + " + unembedding" * d["unembedding"]
+            parts.append(f"{d['device']}: {blocks}{extra} ({human(d['bytes'])})")
+        return "device map: " + "; ".join(parts)
+    if o["kind"] == "expert_parallel":
+        return (
+            f"expert parallel over {o['ranks']} ranks: {o['experts_per_rank']} experts per layer per rank, "
+            f"{human(o['replicated_bytes'])} replicated + {human(o['expert_bytes_per_rank'])} experts = "
+            f"{human(o['per_rank_weight_bytes'])} weights, {human(o['per_rank_bytes'])} with activations and KV "
+            f"cache per rank (budget {human(o['budget'])})"
+        )
+    cache, moved = o["expert_cache"], o["moved_per_forward"]
+    return (
+        f"expert offload: {human(o['device_bytes'])} on {o['device']} (all but the routed experts, with activations "
+        f"and KV cache), routed experts ({human(o['offloaded_bytes'])}) on {o['experts_on']}\n"
+        f"{'':16}expert cache on {o['device']}: {cache['experts']} of {cache['of']} experts ({human(cache['bytes'])}, "
+        f"{cache['fraction']:.0%})\n"
+        f"{'':16}moved per forward: prefill <= {human(moved['prefill_max'])}; decode step <= "
+        f"{human(moved['decode_step_max'])}, ~{human(moved['decode_step_expected'])} expected\n"
+        f"{'':16}({o['assumptions']})"
+    )
+
+
+def to_json_text(p: Plan) -> str:
+    return json.dumps(p.to_json(), indent=2)

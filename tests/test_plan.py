@@ -1,0 +1,343 @@
+"""moelens.plan and `moelens plan`: counts against transformers' own models (built on the meta device, full
+size), the placement options against their memory budgets, and the command."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import huggingface_hub.constants as hub_constants
+import pytest
+import torch
+
+from moelens.cli import main
+from moelens.plan import parse_size, plan
+
+# The public config.json values of the seed checkpoints (the rotary spelled as transformers 5 reads it; the
+# rotary changes no parameter count).
+FULL_CONFIGS = {
+    "Qwen1.5-MoE-A2.7B": {
+        "model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936, "max_position_embeddings": 8192,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
+        "num_experts_per_tok": 4, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "decoder_sparse_step": 1, "hidden_act": "silu", "use_sliding_window": False,
+    },
+    "Qwen2-57B-A14B": {
+        "model_type": "qwen2_moe", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 151936, "max_position_embeddings": 131072,
+        "moe_intermediate_size": 2560, "shared_expert_intermediate_size": 20480, "num_experts": 64,
+        "num_experts_per_tok": 8, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "decoder_sparse_step": 1, "hidden_act": "silu", "use_sliding_window": False,
+    },
+    "Hunyuan-A13B": {
+        "model_type": "hunyuan_v1_moe", "hidden_size": 4096, "intermediate_size": 3072, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128167,
+        "max_position_embeddings": 32768, "num_experts": 64, "moe_topk": [8] * 32,
+        "moe_intermediate_size": [3072] * 32, "num_shared_expert": [1] * 32, "attention_bias": False,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "use_qk_norm": True, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
+    },
+    "Solar-Open-100B": {
+        "model_type": "solar_open", "hidden_size": 4096, "intermediate_size": 10240, "num_hidden_layers": 48,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 196608,
+        "max_position_embeddings": 131072, "moe_intermediate_size": 1280, "n_routed_experts": 128,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "n_group": 1, "topk_group": 1, "tie_word_embeddings": False, "first_k_dense_replace": 0,
+        "rms_norm_eps": 1e-5, "attention_bias": False, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+}
+# published totals, to catch a config typed wrong in both places
+EXPECTED_BILLIONS = {"Qwen1.5-MoE-A2.7B": 14.3, "Qwen2-57B-A14B": 57.4, "Hunyuan-A13B": 80.4, "Solar-Open-100B": 102.65}
+
+
+def hf_component(name: str) -> str:
+    """Component of a transformers parameter or buffer, from transformers' module names."""
+    if "embed_tokens" in name:
+        return "embeddings"
+    if name.startswith("lm_head"):
+        return "unembedding"
+    if name.split(".")[-2].endswith("norm"):  # input_layernorm, post_attention_layernorm, norm, q/k layernorms
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp.gate." in name:  # gate.weight, gate.wg.weight, gate.e_score_correction_bias
+        return "routers"
+    if ".mlp.experts." in name:
+        return "routed_experts"
+    if ".mlp.shared_expert" in name or ".mlp.shared_mlp." in name:  # incl. Qwen's shared_expert_gate
+        return "shared_experts"
+    if ".mlp." in name:
+        return "dense_mlp"
+    raise AssertionError(f"unclassified transformers tensor {name}")
+
+
+def hf_weights(config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """transformers' model on the meta device, built as from_pretrained(dtype=...) builds it: under the default
+    dtype (modules that ask for float32 keep it) and with _keep_in_fp32_modules_strict upcast. Every weight:
+    parameters (tied ones once) and buffers except the rotary's."""
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(**config)
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(hf_config)]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config)
+    finally:
+        torch.set_default_dtype(default)
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "rotary_emb" not in n}
+    return {n: t.float() if any(k in n for k in keep) else t for n, t in tensors.items()}
+
+
+@pytest.mark.parametrize("name", list(FULL_CONFIGS))
+def test_counts_match_transformers_at_full_size(name):
+    config = FULL_CONFIGS[name]
+    hf = hf_weights(config, torch.bfloat16)
+    p = plan(dict(config), dtype="bfloat16", cpu_memory="1TB")
+    assert p.parameters == sum(t.numel() for t in hf.values())
+    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values())
+    assert p.parameters / 1e9 == pytest.approx(EXPECTED_BILLIONS[name], abs=0.1)
+    for component, count in p.components.items():
+        mine = {n: t for n, t in hf.items() if hf_component(n) == component}
+        assert count.parameters == sum(t.numel() for t in mine.values()), component
+        assert count.bytes == sum(t.numel() * t.element_size() for t in mine.values()), component
+    assert {hf_component(n) for n in hf} <= set(p.components)
+    for layer in p.per_layer:
+        mine = [t for n, t in hf.items() if n.startswith(f"model.layers.{layer.layer}.")]
+        assert layer.parameters == sum(t.numel() for t in mine)
+        assert layer.kind == "moe"
+
+
+def test_dense_blocks_and_tied_head(checkpoints):
+    """A Qwen checkpoint with a dense block, and a tied Hunyuan one, against transformers' loaded models."""
+    from transformers import HunYuanMoEV1ForCausalLM, Qwen2MoeForCausalLM
+
+    for (family, variant), cls in [(("qwen2_moe", "dense_block"), Qwen2MoeForCausalLM),
+                                   (("hunyuan_v1_moe", "base"), HunYuanMoEV1ForCausalLM)]:
+        folder = checkpoints[family, variant]
+        hf = cls.from_pretrained(folder)
+        p = plan(folder, dtype="float32", cpu_memory="1GB")
+        assert p.parameters == sum(t.numel() for t in hf.parameters()) + sum(
+            b.numel() for n, b in hf.named_buffers() if "rotary_emb" not in n
+        )
+        assert p.on_disk["parameters"] == p.parameters  # what is stored is what the model holds
+        dense = [n for n, _ in hf.named_parameters() if hf_component(n) == "dense_mlp"]
+        assert p.components["dense_mlp"].parameters == sum(hf.get_parameter(n).numel() for n in dense)
+    assert [layer.kind for layer in plan(checkpoints["qwen2_moe", "dense_block"]).per_layer] == ["moe", "dense", "moe"]
+
+
+SOLAR = FULL_CONFIGS["Solar-Open-100B"]
+SOLAR_EXPERT_BYTES = 3 * 4096 * 1280 * 2  # gate, up, down of one expert, bfloat16 (by hand)
+
+
+def test_activations_and_kv_cache_by_hand():
+    p = plan(dict(SOLAR), batch=8, seq=2048, cpu_memory="1TB")
+    assert p.kv_cache["bytes"] == 2 * 48 * 8 * 2048 * 8 * 128 * 2
+    terms = p.activations["terms"]
+    assert terms["logits"]["bytes"] == 8 * 2048 * 196608 * (2 + 4)
+    assert terms["attention"]["bytes"] >= 8 * 64 * 2048 * 2048 * (2 + 2 + 4)  # scores, pattern, float32 softmax
+    assert terms["routed_experts"]["bytes"] >= 8 * 2048 * 8 * 2 * 1280 * 2
+    assert p.activations["peak"] == terms["residual"]["bytes"] + max(
+        terms["attention"]["bytes"], terms["routed_experts"]["bytes"], terms["shared_or_dense_mlp"]["bytes"],
+        terms["logits"]["bytes"],
+    )
+
+
+def check_device_map(p, option):
+    """Budgets kept, blocks in order once each, embedding on the first device and unembedding on the last; and
+    the bytes each device reports are its weights (from the per-layer counts) plus working memory."""
+    devices = option["devices"]
+    budgets = {d["device"]: d["budget"] for d in p.placement["devices"]}
+    assert all(d["bytes"] <= budgets[d["device"]] for d in devices)
+    blocks = [b for d in devices if d["blocks"] for b in range(d["blocks"][0], d["blocks"][1] + 1)]
+    assert blocks == list(range(len(p.per_layer)))
+    assert [d["embedding"] for d in devices] == [True] + [False] * (len(devices) - 1)
+    assert [d["unembedding"] for d in devices] == [False] * (len(devices) - 1) + [True]
+    order = [d["device"] for d in devices]
+    assert order == sorted(order, key=list(budgets).index)
+    layer_peak = p.activations["terms"]["layer_peak"]["bytes"]
+    kv_per_layer = p.kv_cache["bytes"] // len(p.per_layer)
+    weights = sum(d["bytes"] - layer_peak for d in devices) - kv_per_layer * len(p.per_layer)
+    logits_extra = p.activations["peak"] - layer_peak
+    assert weights - logits_extra == p.bytes  # untied: every weight placed exactly once
+
+
+@pytest.mark.parametrize("gpus, memory", [(2, "141GB"), (4, "80GB"), (8, "40GiB"), (3, "100GB")])
+def test_device_map_respects_budgets(gpus, memory):
+    p = plan(dict(SOLAR), gpus=gpus, gpu_memory=memory, cpu_memory="1TB", batch=2, seq=1024)
+    option = next(o for o in p.placement["options"] if o["kind"] == "device_map")
+    check_device_map(p, option)
+    assert p.placement["recommended"]["kind"] == "device_map"  # 205 GB fits on none of these alone
+    assert len(option["devices"]) >= math.ceil(p.bytes / (parse_size(memory) * 0.9))
+
+
+def test_device_map_for_a_model_of_two_sizes_of_blocks():
+    """Blocks of different sizes (dense and mixture): the map still respects each budget."""
+    config = dict(FULL_CONFIGS["Qwen2-57B-A14B"], mlp_only_layers=[0, 1, 2, 3])
+    p = plan(config, gpus=5, gpu_memory="30GB", cpu_memory="1TB", seq=512)
+    assert {layer.kind for layer in p.per_layer} == {"moe", "dense"}
+    check_device_map(p, next(o for o in p.placement["options"] if o["kind"] == "device_map"))
+
+
+def test_impossible_budget_has_no_option_and_says_why():
+    # a Solar block alone is 4.2 GB: no device map on 4 GB GPUs, no offload (the rest is 12 GB), no EP
+    p = plan(dict(SOLAR), gpus=8, gpu_memory="4GB", cpu_memory="64GB", seq=128)
+    assert p.placement["options"] == [] and p.placement["recommended"] is None
+    reasons = {r["kind"]: r["reason"] for r in p.placement["rejected"]}
+    assert "block 0" in reasons["device_map"]
+    assert p.placement["message"].startswith("nothing fits")
+    assert "nothing fits" in str(p)
+
+
+def test_offload_when_only_the_experts_do_not_fit():
+    p = plan(dict(SOLAR), gpus=1, gpu_memory="80GB", cpu_memory="256GB", seq=1024)
+    option = p.placement["recommended"]
+    assert option["kind"] == "expert_offload" and option["experts_on"] == "cpu"
+    assert [o["kind"] for o in p.placement["options"]] == ["expert_offload"]
+    experts = p.components["routed_experts"].bytes
+    assert experts == 48 * 128 * SOLAR_EXPERT_BYTES
+    assert option["offloaded_bytes"] == experts
+    assert option["device_bytes"] == p.bytes - experts + p.activations["peak"] + p.kv_cache["bytes"]
+    cache = option["expert_cache"]
+    assert 0 < cache["experts"] < 48 * 128
+    assert option["device_bytes"] + cache["bytes"] <= 80e9 * 0.9 < option["device_bytes"] + cache["bytes"] + SOLAR_EXPERT_BYTES
+    moved = option["moved_per_forward"]
+    assert moved["prefill_max"] == experts  # 1024 tokens x top-8 reach every expert of every layer
+    assert moved["decode_step_max"] == 48 * 8 * SOLAR_EXPERT_BYTES  # batch 1: top_k experts per layer
+    # CPU memory too small for 193 GB of experts: they stay on disk
+    small = plan(dict(SOLAR), gpus=1, gpu_memory="80GB", cpu_memory="64GB", seq=1024)
+    assert small.placement["recommended"]["experts_on"] == "disk"
+
+
+def test_expert_parallel_per_rank_bytes_by_hand():
+    p = plan(dict(SOLAR), gpus=8, gpu_memory="141GB", cpu_memory="1TB", seq=256)
+    option = next(o for o in p.placement["options"] if o["kind"] == "expert_parallel")
+    experts = 48 * 128 * SOLAR_EXPERT_BYTES
+    assert option["replicated_bytes"] == p.bytes - experts
+    assert option["expert_bytes_per_rank"] == experts // 8 and option["experts_per_rank"] == 16
+    assert option["per_rank_weight_bytes"] == p.bytes - experts + experts // 8
+    assert option["per_rank_bytes"] == option["per_rank_weight_bytes"] + p.activations["peak"] + p.kv_cache["bytes"]
+    kinds = [o["kind"] for o in p.placement["options"]]
+    assert kinds == ["device_map", "expert_parallel", "expert_offload"]  # preference order
+
+
+def test_one_device_first_and_cpu_only():
+    p = plan(dict(FULL_CONFIGS["Qwen1.5-MoE-A2.7B"]), gpus=2, gpu_memory="80GB", cpu_memory="1TB")
+    assert p.placement["recommended"] == p.placement["options"][0]
+    assert p.placement["recommended"]["kind"] == "one_device" and p.placement["recommended"]["device"] == "cuda:0"
+    cpu = plan(dict(FULL_CONFIGS["Qwen1.5-MoE-A2.7B"]), cpu_memory="64GB")
+    assert cpu.placement["recommended"] == {**cpu.placement["recommended"], "kind": "one_device", "device": "cpu"}
+    disk = plan(dict(FULL_CONFIGS["Qwen1.5-MoE-A2.7B"]), cpu_memory="16GB")
+    assert disk.placement["recommended"]["kind"] == "expert_offload"
+    assert disk.placement["recommended"]["experts_on"] == "disk"
+
+
+@pytest.mark.parametrize("text, value", [
+    ("141GB", 141 * 10**9), ("80GiB", 80 * 2**30), ("256G", 256 * 10**9), ("1.5TB", 1.5e12), ("512 MiB", 512 * 2**20),
+])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["80", "lots", "12XB", "-3GB", "0GB", ""])
+def test_bad_sizes(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+
+
+def test_plan_json_of_a_checkpoint(qwen_path, capsys):
+    from transformers import Qwen2MoeForCausalLM
+
+    assert main(["plan", str(qwen_path), "--json", "--dtype", "float32", "--cpu-memory", "8GB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"parameters", "bytes", "components", "per_layer", "activations", "kv_cache", "placement"} <= set(out)
+    hf = Qwen2MoeForCausalLM.from_pretrained(qwen_path)
+    assert out["parameters"] == sum(t.numel() for t in hf.parameters())
+    assert out["bytes"] == 4 * out["parameters"]
+    assert out["on_disk"]["parameters"] == out["parameters"] and out["on_disk"]["dtypes"] == {"F32": out["bytes"]}
+    assert set(out["per_layer"][0]) >= {"layer", "parameters", "bytes", "kind"}
+    assert sum(layer["parameters"] for layer in out["per_layer"]) == sum(
+        t.numel() for n, t in hf.named_parameters() if n.startswith("model.layers.")
+    )
+    assert out["placement"]["recommended"]["kind"] == "one_device"
+    assert set(out["components"]["routed_experts"]) == {"parameters", "bytes"}
+
+
+def test_plan_of_an_embedded_default(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    import moelens.defaults
+    from moelens.defaults import CONFIGS
+
+    monkeypatch.setattr("moelens.defaults.cache_root", lambda: tmp_path)
+    assert main(["plan", "tiny-qwen2-moe", "--gpus", "2", "--gpu-memory", "1GB"]) == 0
+    out = capsys.readouterr().out
+    config = json.loads((Path(moelens.defaults.__file__).parent / CONFIGS["tiny-qwen2-moe"]).read_text())
+    hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**config))
+    assert f"{sum(t.numel() for t in hf.parameters()):,} parameters" in out
+    assert "HookedQwen2Moe" in out and "recommended: one device: everything on cuda:0" in out
+
+
+def test_plan_of_a_hub_id_from_the_cache(tmp_path, monkeypatch, qwen_path):
+    """A Hub id whose snapshot is cached: its config.json is read there, and its weights' headers."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    for repo, files in (("full", None), ("config-only", ["config.json"])):
+        folder = tmp_path / f"models--org--{repo}"
+        snapshot = folder / "snapshots" / commit
+        if files is None:
+            shutil.copytree(qwen_path, snapshot)
+        else:
+            snapshot.mkdir(parents=True)
+            shutil.copy(qwen_path / "config.json", snapshot)
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    full, config_only = plan("org/full", cpu_memory="1GB"), plan("org/config-only", cpu_memory="1GB")
+    assert full.parameters == config_only.parameters == full.on_disk["parameters"]
+    assert config_only.on_disk is None and "Hub" in full.where
+    with pytest.raises(FileNotFoundError, match="org/absent"):
+        plan("org/absent")
+
+
+def test_plan_errors_are_one_line(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "nowhere" / "model")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint folder or config file" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "tiny-qwen2-moe", "--gpus", "2", "--gpu-memory", "lots"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpu-memory" in err and "'lots'" in err
+    assert main(["plan", str(tmp_path), "--cpu-memory", "1GB"]) == 2  # a folder without config.json
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.json" in err
+    if torch.cuda.device_count() < 8:  # a device whose memory cannot be read here
+        assert main(["plan", "tiny-qwen2-moe", "--devices", "cuda:7"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--gpu-memory" in err
+
+
+def test_devices_take_their_memory_from_torch_cuda(monkeypatch):
+    """--devices reads each GPU's memory from torch.cuda (faked here: no GPU needed); --gpu-memory overrides."""
+    from types import SimpleNamespace
+
+    from moelens.plan import gpu_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=(i + 1) * 2**30))
+    assert [(d.name, d.memory) for d in gpu_devices("cuda:0,cuda:1", None, None)] == [("cuda:0", 2**30), ("cuda:1", 2**31)]
+    assert [d.memory for d in gpu_devices(None, 2, None)] == [2**30, 2**31]
+    assert [d.memory for d in gpu_devices(["cuda:1"], None, "5GB")] == [5 * 10**9]
+    with pytest.raises(ValueError, match="--gpu-memory"):
+        gpu_devices("cuda:2", None, None)
+    p = plan("tiny-solar-open", devices="cuda:0,cuda:1", cpu_memory="1GB")
+    assert p.placement["recommended"]["device"] == "cuda:0"
