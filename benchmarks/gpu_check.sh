@@ -2,7 +2,9 @@
 # One prepared device run for a session that is lent a GPU (fits the 10-minute command limit):
 #   run({"command": "bash benchmarks/gpu_check.sh", "timeout_s": 580})
 # 1. the Triton kernel tests compiled for real (not the interpreter), against the fp64 loop on the CPU;
-# 2. the routed-expert benchmark at the four flagship shapes (README table).
+# 2. the routed-expert benchmark at the four flagship shapes (README table);
+# 3. expert offload: copy bandwidth, prefill/decode resident vs offloaded, logits bit for bit.
+# If step 1 passes, record the GPU's compute capability in moelens/kernels/experts.py VERIFIED_TRITON_ARCHS.
 # The device image has its own torch/triton/transformers; moelens runs from the checkout (PYTHONPATH).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -11,5 +13,6 @@ out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$out/env.txt"
 # end-to-end tests need transformers' newest families; the kernel tests do not
-timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py -k "not end_to_end and not triton_backend" 2>&1 | tee "$out/kernel_tests.log"
-timeout 330 python3 benchmarks/bench_triton_experts.py --repeat 10 2>&1 | tee "$out/bench_triton.md"
+timeout 170 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py -k "not end_to_end and not triton_backend" 2>&1 | tee "$out/kernel_tests.log"
+timeout 240 python3 benchmarks/bench_triton_experts.py --repeat 10 2>&1 | tee "$out/bench_triton.md"
+timeout 130 python3 benchmarks/bench_offload_gpu.py 2>&1 | tee "$out/bench_offload.md"
