@@ -92,19 +92,33 @@ def auto_device_map(model: torch.nn.Module, max_memory: Mapping[str, int]) -> di
     return {"embed": first, **placed, "ln_final": last, "unembed": last}
 
 
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+UNITS = {
+    "": None, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
 
 
-def parse_size(size: int | str, what: str) -> int:
-    """Bytes from an int or "141GB" (GB = 1e9), "80GiB" (2**30), "256G", "512MB"."""
-    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
-        return size
-    match = SIZE.match(size) if isinstance(size, str) else None
-    if not match:
-        raise ValueError(f"{what} = {size!r} is not a size: give bytes as an int or a string like '141GB' or '80GiB'")
-    unit = (match[2] or "").lower().removesuffix("b")
-    return int(float(match[1]) * UNITS[unit])
+def parse_size(text: str | int, what: str = "size") -> int:
+    """'141GB' -> 141e9, '80GiB' -> 80 * 2**30, '256G' -> 256e9, '1.5TB'; an int is bytes already.
+
+    A bare number in a string is refused: '80' could mean bytes or gigabytes, and guessing wrong by 1e9 is
+    worse than asking.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 1:
+            raise ValueError(f"{what}: expected a positive size, got {text}")
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in UNITS:
+        raise ValueError(f"{what}: expected a size like 141GB (1e9 bytes), 80GiB (2**30 bytes) or 256G, got {text!r}")
+    if UNITS[unit] is None:
+        raise ValueError(f"{what}: size {text!r} has no unit: write {text}GB (1e9 bytes) or {text}GiB (2**30 bytes)")
+    value = float(match.group(1)) * UNITS[unit]
+    if value < 1:
+        raise ValueError(f"{what}: expected a positive size, got {text!r}")
+    return int(value)
 
 
 def parse_max_memory(max_memory: Mapping[str | int | torch.device, int | str] | None) -> dict[str, int]:

@@ -24,6 +24,7 @@ import torch
 
 from moelens.dtypes import parse_dtype
 from moelens.loaders.errors import CheckpointError
+from moelens.placement import parse_size
 
 COMPONENTS = (
     "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
@@ -35,34 +36,6 @@ PREFERENCE = ("one_device", "device_map", "expert_parallel", "expert_offload")
 
 
 # ---- sizes -----------------------------------------------------------------------------------------
-
-UNITS = {
-    "": None, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
-def parse_size(text: str | int) -> int:
-    """'141GB' -> 141e9, '80GiB' -> 80 * 2**30, '256G' -> 256e9, '1.5TB'; an int is bytes already.
-
-    A bare number is refused: '80' could mean bytes or gigabytes, and guessing wrong by 1e9 is worse than asking.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 1:
-            raise ValueError(f"expected a positive size, got {text}")
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in UNITS:
-        raise ValueError(f"expected a size like 141GB (1e9 bytes), 80GiB (2**30 bytes) or 256G, got {text!r}")
-    if UNITS[unit] is None:
-        raise ValueError(f"size {text!r} has no unit: write {text}GB (1e9 bytes) or {text}GiB (2**30 bytes)")
-    value = float(match.group(1)) * UNITS[unit]
-    if value < 1:
-        raise ValueError(f"expected a positive size, got {text!r}")
-    return int(value)
-
 
 def human(n: float) -> str:
     """Bytes in decimal units, as disks and GPU spec sheets print them."""
@@ -397,8 +370,8 @@ def device_map(needs: Needs, devices: Sequence[Device]) -> tuple[dict | None, st
         else:
             placed[-1]["bytes"] += cost
         placed[-1]["blocks"].append(block.layer)
-    # a tied unembedding is the embedding's matrix: a device other than the first needs its own copy
-    cost = needs.final + logits_extra + (needs.tied_unembed if d > 0 else 0)
+    # a tied unembedding is the embedding's matrix: a device other than the embedding's needs its own copy
+    cost = needs.final + logits_extra + (needs.tied_unembed if len(placed) > 1 else 0)
     if placed[-1]["bytes"] + cost <= devices[d].budget:  # with the last block if it fits there
         placed[-1]["bytes"] += cost
     else:
@@ -475,7 +448,7 @@ def expert_parallel(needs: Needs, devices: Sequence[Device]) -> tuple[dict | Non
     replicated; each rank also holds the activations and KV cache of the whole batch (conservative)."""
     ranks = len(devices)
     if ranks < 2:
-        return None, "needs more than one GPU"
+        return None, "needs two or more GPUs"
     moe = [b for b in needs.blocks if b.kind == "moe" and b.n_experts]
     if not moe:
         return None, "no routed experts to split"
@@ -506,7 +479,7 @@ def place(needs: Needs, gpus: Sequence[Device], cpu: Device) -> dict:
     devices = list(gpus) or [cpu]
     tries = {
         "one_device": lambda: one_device(needs, devices),
-        "device_map": lambda: device_map(needs, devices) if len(devices) > 1 else (None, "needs more than one GPU"),
+        "device_map": lambda: device_map(needs, devices) if len(devices) > 1 else (None, "needs two or more GPUs"),
         "expert_parallel": lambda: expert_parallel(needs, gpus),
         "expert_offload": lambda: expert_offload(needs, devices[0], cpu, cpu_only),
     }
@@ -746,7 +719,7 @@ def _placement_text(placement: dict) -> list[str]:
         f"(each budget {1 - placement['headroom']:.0%} of memory)"
     ]
     if not placement["options"]:
-        lines.append(f"  {placement['message']}")
+        lines.append("  nothing fits:")
     for i, option in enumerate(placement["options"]):
         lines.append(f"  {'recommended: ' if i == 0 else 'also fits:   '}{_describe(option)}")
     for r in placement["rejected"]:

@@ -60,7 +60,7 @@ def test_blocks_fill_devices_in_order_within_their_budgets():
 
 def test_sizes_parse():
     assert parse_size("141GB", "x") == 141 * 10**9 and parse_size("80GiB", "x") == 80 * 2**30 and parse_size(7, "x") == 7
-    with pytest.raises(ValueError, match="max_memory"):
+    with pytest.raises(ValueError, match=r"max_memory\['cuda:0'\]: expected a size"):
         parse_size("lots", "max_memory['cuda:0']")
 
 

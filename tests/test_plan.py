@@ -147,7 +147,7 @@ def test_activations_and_kv_cache_by_hand():
     )
 
 
-def check_device_map(p, option):
+def check_device_map(p, option, tied=False):
     """Budgets kept, blocks in order once each, embedding on the first device and unembedding on the last; and
     the bytes each device reports are its weights (from the per-layer counts) plus working memory."""
     devices = option["devices"]
@@ -163,14 +163,18 @@ def check_device_map(p, option):
     kv_per_layer = p.kv_cache["bytes"] // len(p.per_layer)
     weights = sum(d["bytes"] - layer_peak for d in devices) - kv_per_layer * len(p.per_layer)
     logits_extra = p.activations["peak"] - layer_peak
-    assert weights - logits_extra == p.bytes  # untied: every weight placed exactly once
+    # every weight placed once; a tied unembedding away from the embedding's device is a second copy of it
+    copy = p.components["embeddings"].bytes if tied else 0
+    assert weights - logits_extra == p.bytes + copy
 
 
+@pytest.mark.parametrize("name", ["Solar-Open-100B", "Hunyuan-A13B"])
 @pytest.mark.parametrize("gpus, memory", [(2, "141GB"), (4, "80GB"), (8, "40GiB"), (3, "100GB")])
-def test_device_map_respects_budgets(gpus, memory):
-    p = plan(dict(SOLAR), gpus=gpus, gpu_memory=memory, cpu_memory="1TB", batch=2, seq=1024)
+def test_device_map_respects_budgets(name, gpus, memory):
+    config = FULL_CONFIGS[name]
+    p = plan(dict(config), gpus=gpus, gpu_memory=memory, cpu_memory="1TB", batch=2, seq=1024)
     option = next(o for o in p.placement["options"] if o["kind"] == "device_map")
-    check_device_map(p, option)
+    check_device_map(p, option, tied=config["tie_word_embeddings"])
     assert p.placement["recommended"]["kind"] == "device_map"  # 205 GB fits on none of these alone
     assert len(option["devices"]) >= math.ceil(p.bytes / (parse_size(memory) * 0.9))
 
