@@ -11,6 +11,7 @@ experts nobody routed to are simply absent. Tests check the logits and every hoo
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,8 +49,13 @@ class ExpertCache:
         self.entries: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
         self.bytes = 0
         self.stats = ExpertCacheStats()
+        self._lock = threading.Lock()  # two threads may run one model (hooks are per thread; the cache is shared)
 
     def get(self, key: tuple[int, int], load: Callable[[], ExpertWeights], device: torch.device) -> ExpertWeights:
+        with self._lock:
+            return self._get(key, load, device)
+
+    def _get(self, key: tuple[int, int], load: Callable[[], ExpertWeights], device: torch.device) -> ExpertWeights:
         if key in self.entries:
             self.stats.hits += 1
             self.entries.move_to_end(key)
@@ -66,6 +72,10 @@ class ExpertCache:
 
     def trim(self) -> None:
         """Evict least recently used entries down to the capacity."""
+        with self._lock:
+            self._trim()
+
+    def _trim(self) -> None:
         while self.bytes > self.capacity_bytes and self.entries:
             _, weights = self.entries.popitem(last=False)
             self.bytes -= sum(t.nbytes for t in weights)
