@@ -107,7 +107,8 @@ def test_forward_options(qwen_model, tokens):
     per_token = qwen_model(tokens, return_type="loss", loss_per_token=True)
     assert per_token.shape == (2, 19)
     both = qwen_model(tokens, return_type="both")
-    torch.testing.assert_close(both[0], logits) and torch.testing.assert_close(both[1], loss)
+    torch.testing.assert_close(both[0], logits)
+    torch.testing.assert_close(both[1], loss)
     assert qwen_model(tokens, return_type=None) is None
     resid = qwen_model(tokens, stop_at_layer=2)
     _, cache = qwen_model.run_with_cache(tokens)
