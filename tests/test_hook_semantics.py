@@ -63,9 +63,11 @@ def test_editing_in_place_equals_returning_the_edit_at_every_site(backend_models
     model = backend_models[family, backend]
     tokens = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(11))
     sites = floating_sites(model, tokens)
-    if backend == "triton":  # only the routed experts' sites differ between backends; the rest is the same torch code
-        sites = [s for s in sites if s.endswith(EXPERT_SITES)]
-        assert len(sites) == len(EXPERT_SITES) * len(model.cfg.moe_layer_indices)
+    if backend == "triton":
+        # only the routed experts' sites differ between backends (the rest is the same torch code), and every
+        # mixture layer runs the same kernels: one layer's sites, to keep the interpreter's time in bounds
+        sites = [s for s in sites if s.startswith("blocks.1.") and s.endswith(EXPERT_SITES)]
+        assert len(sites) == len(EXPERT_SITES)
     else:
         assert len(sites) > 30
     plain = model(tokens)
