@@ -3,8 +3,8 @@
 Builds (with transformers) a float32 Qwen2-MoE checkpoint with many experts, where the routed experts are
 ~90% of the bytes, then measures, each load in a fresh subprocess:
 
-1. peak RSS (/proc VmHWM after loading and one forward, minus after imports) and forward time (batch 1 x
-   256 prefill, then 32 decode steps with the KV cache), for the resident model and for
+1. peak RSS (/proc VmHWM after loading and the forwards, minus after imports) and forward time (batch 1 x
+   256 prefill after two warm-up forwards, then 32 decode steps with the KV cache), for the resident model and for
    expert_offload="disk" / "cpu" with a cache of one layer's experts;
 2. hit rates of an LRU and an LFU expert cache of several sizes, replayed on the model's own routing trace
    of decoding (which (layer, expert) pairs each token needed, in order).
@@ -62,6 +62,8 @@ kwargs = json.loads({kwargs!r})
 model = HookedTransformer.from_pretrained({path!r}, progress=False, **kwargs)
 prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
+    for _ in range(2):  # first calls pay one-time costs (allocator, kernels): warm up on another prompt
+        model(torch.randint(0, {vocab}, (1, 64), generator=torch.Generator().manual_seed(1)))
     start = time.perf_counter()
     model(prompt)
     prefill = time.perf_counter() - start

@@ -167,13 +167,23 @@ def routed_experts(
     return routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks, batch_pos)
 
 
-def routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks: ExpertHooks, batch_pos):
+# (rows sorted by expert, stacked weights, rows per expert) -> the rows times their experts' weights
+GroupedLinear = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+
+
+def routed_experts_torch(
+    x, indices, weights, W_gate_up, W_down, act, hooks: ExpertHooks, batch_pos,
+    n_experts: int | None = None, linear: GroupedLinear = grouped_linear,
+):
     """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows, back to slot
     order for the weighted outputs. Per-slot hooks see (and replace) tensors in slot order; the sorted
-    copies are only permuted for them when a hook is on."""
+    copies are only permuted for them when a hook is on.
+
+    n_experts (default: the stacks' length) and linear let expert parallelism (kernels.expert_parallel)
+    run the same steps with each rank's experts only: its linear computes the rank's groups and gathers."""
     T, k = indices.shape
     experts = indices.reshape(-1)
-    order, counts = sort_slots(experts, W_gate_up.shape[0])
+    order, counts = sort_slots(experts, W_gate_up.shape[0] if n_experts is None else n_experts)
     unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
 
     def hooked_sorted(hook: HookPoint, t: torch.Tensor) -> torch.Tensor:
@@ -183,7 +193,7 @@ def routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks: Exp
         seen, changed = hooked_changed(hook, t[unsort].view(T, k, -1), batch_pos)
         return seen.reshape(T * k, -1)[order] if changed else t
 
-    gate_up = grouped_linear(x[order // k], W_gate_up, counts)
+    gate_up = linear(x[order // k], W_gate_up, counts)
     pre, pre_linear = gate_up.chunk(2, dim=-1)
     new_pre, new_pre_linear = hooked_sorted(hooks.pre, pre), hooked_sorted(hooks.pre_linear, pre_linear)
     if new_pre is not pre or new_pre_linear is not pre_linear:
@@ -191,6 +201,6 @@ def routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks: Exp
         # layouts, and a run must not depend on which hooks are on
         pre, pre_linear = torch.cat([new_pre, new_pre_linear], dim=-1).chunk(2, dim=-1)
     post = hooked_sorted(hooks.post, act(pre) * pre_linear)
-    out = grouped_linear(post, W_down, counts) * weights.reshape(-1)[order].unsqueeze(-1)
+    out = linear(post, W_down, counts) * weights.reshape(-1)[order].unsqueeze(-1)
     weighted = hooked(hooks.outputs, out[unsort].view(T, k, -1), batch_pos)
     return weighted.sum(dim=1).to(x.dtype)

@@ -11,6 +11,7 @@ import torch
 from moelens.dtypes import parse_dtype
 from moelens.loaders.checkpoint import CheckpointNames, check_shapes, fill, plan_load, slot_map
 from moelens.fold import untie
+from moelens.kernels.expert_parallel import ExpertShard, expert_range, init_process_group
 from moelens.kernels.offload import ExpertCache, OffloadedExperts
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
 from moelens.loaders.expert_reader import EXPERT_PARAMS, ExpertReader
@@ -61,6 +62,7 @@ def load_pretrained(
     expert_cache_bytes=None,
     device_map=None,
     max_memory=None,
+    expert_parallel=False,
 ):
     from moelens.models import family_for
 
@@ -80,6 +82,13 @@ def load_pretrained(
         raise ValueError("max_memory is what device_map='auto' fills: pass device_map='auto' with it")
     if expert_cache_bytes is not None and not expert_offload:
         raise ValueError("expert_cache_bytes is the size of the offloaded experts' cache: it needs expert_offload")
+    if expert_parallel:
+        clash = [name for name, on in [("fold_ln", fold_ln), ("device='meta'", on_meta), ("device_map", device_map is not None),
+                                       ("expert_offload", expert_offload)] if on]
+        if clash:
+            raise ValueError(
+                f"expert_parallel cannot go with {', '.join(clash)} yet: each rank holds its experts whole on `device`"
+            )
     folder = resolve_checkpoint(name_or_path, revision)
     hf = read_config(folder)
     model_type = hf.get("model_type")
@@ -114,7 +123,11 @@ def load_pretrained(
                 block.mlp.router.float()
     placed = _place(model, device_map, max_memory) if device_map is not None else None
     device_for = (lambda name: device) if placed is None else (lambda name: device_of(placed, name))  # noqa: E731
-    offloaded = offload_experts(model, files, keys, expert_offload, expert_cache_bytes, device_for) if expert_offload else {}
+    offloaded = {}  # slots fill() must not treat as parameters: the experts that stay off the model
+    if expert_offload:
+        offloaded = offload_experts(model, files, keys, expert_offload, expert_cache_bytes, device_for)
+    elif expert_parallel:
+        offloaded = shard_experts(model, files, keys, device)
     materialize(model, device_for)
     model.tie_weights()
     if on_meta:
@@ -146,7 +159,7 @@ def offload_experts(model, files, keys, mode, cache_bytes, device_for) -> dict[s
     per_expert = sum(p[0].numel() * p.element_size() for p in (blocks[0].mlp.experts.W_gate_up, blocks[0].mlp.experts.W_down)) if blocks else 0
     # default: one layer's experts, enough for a layer's working set to stay while it runs
     cache = ExpertCache(model.cfg.n_experts * per_expert if cache_bytes is None else cache_bytes)
-    shapes = {(i, name): tuple(getattr(model.blocks[i].mlp.experts, name).shape) for i, b in enumerate(model.blocks) if b.is_moe for name in EXPERT_PARAMS}
+    shapes = expert_shapes(model)
     reader = ExpertReader(files, keys, shapes, model.cfg.dtype)
     slots: dict[str, torch.Tensor] = {}
     for layer, block in enumerate(model.blocks):
@@ -168,6 +181,37 @@ def offload_experts(model, files, keys, mode, cache_bytes, device_for) -> dict[s
         slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(EXPERT_PARAMS, stacks)})
     model.expert_cache = cache
     return slots
+
+
+def shard_experts(model, files, keys, device: torch.device) -> dict[str, torch.Tensor]:
+    """Expert parallelism: give every mixture layer only this rank's experts (kernels.expert_parallel), read
+    expert by expert from the checkpoint's files; returns meta slots for the full stacks, so that fill()
+    checks their shapes and reads nothing of the other ranks' experts."""
+    rank, world = init_process_group(device)
+    lo, hi = expert_range(model.cfg.n_experts, world, rank)
+    shapes = expert_shapes(model)
+    reader = ExpertReader(files, keys, shapes, model.cfg.dtype)
+    slots: dict[str, torch.Tensor] = {}
+    for layer, block in enumerate(model.blocks):
+        if not block.is_moe:
+            continue
+        own = [reader.read(layer, e) for e in range(lo, hi)]  # more ranks than experts leave some with none
+        stacks = [
+            torch.stack([w[i] for w in own]) if own else torch.empty((0, *shapes[layer, name][1:]), dtype=model.cfg.dtype)
+            for i, name in enumerate(EXPERT_PARAMS)
+        ]
+        block.mlp.experts.keep_shard(ExpertShard(layer, model.cfg.n_experts, *(t.to(device) for t in stacks), rank=rank, world=world))
+        for name in EXPERT_PARAMS:
+            slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shapes[layer, name], dtype=model.cfg.dtype, device="meta")
+    return slots
+
+
+def expert_shapes(model) -> dict[tuple[int, str], tuple[int, ...]]:
+    """(layer, "W_gate_up" | "W_down") -> the full stack's shape [E, ...], for every mixture layer."""
+    return {
+        (i, name): tuple(getattr(block.mlp.experts, name).shape)
+        for i, block in enumerate(model.blocks) if block.is_moe for name in EXPERT_PARAMS
+    }
 
 
 def _parse_device(device: torch.device | str) -> torch.device:

@@ -80,6 +80,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
         check_finite: bool = True,
         expert_offload: Literal["cpu", "disk"] | None = None,
         expert_cache_bytes: int | None = None,
+        expert_parallel: bool = False,
     ) -> HookedTransformer:
         """Load a checkpoint (local folder or Hub id); the family is chosen from config.json's model_type.
 
@@ -103,14 +104,21 @@ class HookedTransformer(WeightViews, HookedRootModule):
         bytes or "80GB"}; default 90% of each visible GPU) in order. Each tensor is loaded straight to its
         device; the residual stream moves between blocks; every hook sees a whole tensor on its block's
         device. Combines with expert_offload (each layer's cached experts on its block's device).
+        expert_parallel: under torchrun (or any initialised default process group), rank r of N reads and
+        holds only experts [r*E//N, (r+1)*E//N) of each layer; the rest is replicated, and every rank's
+        logits, hooks and caches are bit for bit one process's (see moelens.kernels.expert_parallel). Torch
+        experts backend only; not with fold_ln, device_map or expert_offload; no backward through experts.
         """
         from moelens.loaders import load_pretrained
+
+        if expert_parallel and experts_backend == "triton":
+            raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
 
         model = load_pretrained(
             cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress,
             fold_ln=fold_ln, center_unembed=center_unembed, check_finite=check_finite,
             expert_offload=expert_offload, expert_cache_bytes=expert_cache_bytes, device_map=device_map,
-            max_memory=max_memory,
+            max_memory=max_memory, expert_parallel=expert_parallel,
         )
         model.set_experts_backend(experts_backend)
         return model

@@ -9,6 +9,7 @@ from torch import nn
 from moelens.config import MoeConfig
 from moelens.hooks import HookPoint
 from moelens.kernels import ExpertHooks, routed_experts
+from moelens.kernels.expert_parallel import ExpertShard
 from moelens.kernels.experts import check_indices
 from moelens.kernels.offload import OffloadedExperts
 from moelens.models.components.activations import activation
@@ -27,6 +28,7 @@ class Experts(nn.Module):
         self.act = activation(cfg.act_fn)
         self.backend = "auto"  # "torch" | "triton" | "auto"; see moelens.kernels
         self.store: OffloadedExperts | None = None  # set when the weights live off the device (offload())
+        self.shard: ExpertShard | None = None  # set when this rank holds only some experts (expert parallel)
         self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
         self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
         self.hook_post = HookPoint("batch pos top_k d_expert", "expert neurons per slot")
@@ -38,6 +40,12 @@ class Experts(nn.Module):
         del self.W_gate_up, self.W_down
         self.store, self.host_weights = store, host_weights
 
+    def keep_shard(self, shard: ExpertShard) -> None:
+        """Expert parallelism: this rank holds only shard's experts, and the full stacks stop being this
+        module's parameters (model.to() and state_dict() no longer see them)."""
+        del self.W_gate_up, self.W_down
+        self.shard = shard
+
     def weights_for(
         self, indices: Int[torch.Tensor, "T k"]
     ) -> tuple[Float[torch.Tensor, "E 2I H"], Float[torch.Tensor, "E H I"], Int[torch.Tensor, "T k"]]:
@@ -48,6 +56,11 @@ class Experts(nn.Module):
         return self.store.fetch(indices)
 
     def __getattr__(self, name: str):
+        if name in ("W_gate_up", "W_down") and self.__dict__.get("shard") is not None:
+            raise ValueError(
+                f"{name}: with expert_parallel this rank holds only {self.shard}; its stack is .shard.{name} "
+                f"(experts {self.shard.lo} to {self.shard.hi - 1})"
+            )
         if name in ("W_gate_up", "W_down") and self.__dict__.get("store") is not None:
             if self.host_weights is None:
                 # not AttributeError: a property reading this (model.W_out) would turn that into "no attribute"
@@ -60,6 +73,7 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         where = "" if self.store is None else f", offloaded to {self.store.where}"
+        where += "" if self.shard is None else f", {self.shard}"
         return f"n_experts={self.n_experts}, d_expert={self.d_expert}, backend={self.backend}{where}"
 
 
@@ -116,6 +130,12 @@ class SparseMoe(nn.Module):
         if self.hook_expert_indices.has_hooks:  # a replacement must name existing experts
             check_indices(indices, router.n_experts, self.hook_expert_indices.name)
         weights = self.hook_expert_weights(router.weights(scores, indices, logits.dtype))
+        if self.experts.shard is not None:  # expert parallel: this rank's experts, the others' gathered
+            routed = self.experts.shard(
+                x.reshape(b * p, d), indices.reshape(b * p, -1), weights.reshape(b * p, -1), self.experts.act,
+                self._expert_hooks, (b, p), self.experts.backend,
+            )
+            return self.hook_routed_out(routed.view(b, p, d))
         W_gate_up, W_down, expert_ids = self.experts.weights_for(indices.reshape(b * p, -1))
         routed = routed_experts(
             x.reshape(b * p, d),
