@@ -43,6 +43,8 @@ def init_process_group(device: torch.device) -> tuple[int, int]:
                 f"expert_parallel: no process group is initialised and {', '.join(missing)} are not set; run under "
                 "torchrun, or call torch.distributed.init_process_group() before from_pretrained"
             )
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # nccl binds each rank to the current device
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
