@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -86,13 +87,20 @@ class ActivationCache(CacheAnalysis):
         return ActivationCache({k: v.to(device) for k, v in self.cache_dict.items()}, self.model, self.has_batch_dim)
 
     def remove_batch_dim(self) -> ActivationCache:
-        """Drop the batch axis of a batch-of-one cache."""
+        """Drop the batch axis of a batch-of-one cache, in place, and return the cache (TransformerLens's
+        semantics: every tensor loses its leading axis of size 1 and has_batch_dim becomes False). A cache
+        whose batch axis is already gone is returned unchanged, with a logged warning."""
         if not self.has_batch_dim:
+            logging.warning("Tried removing batch dimension after already having removed it.")
             return self
-        sizes = {v.shape[0] for v in self.cache_dict.values()}
+        sizes = {v.shape[0] for v in self.cache_dict.values() if v.ndim > 0}
         if sizes - {1}:
             raise ValueError(f"remove_batch_dim needs a batch of one, the cache has batch sizes {sorted(sizes)}")
-        return ActivationCache({k: v[0] for k, v in self.cache_dict.items()}, self.model, has_batch_dim=False)
+        for key, value in self.cache_dict.items():
+            if value.ndim > 0:
+                self.cache_dict[key] = value[0]
+        self.has_batch_dim = False
+        return self
 
     def __repr__(self) -> str:
         return f"ActivationCache({len(self)} tensors: {list(self.cache_dict)[:4]}{' ...' if len(self) > 4 else ''})"

@@ -8,6 +8,11 @@ remove_batch_dim; an int pos_slice drops the pos axis, a slice / list / tensor k
 it into the next weights. This is what makes the final norm linear in the components, so attributions add up.
 Direct logit attribution here stays exact without fold_ln too, because the token directions it uses
 (model.tokens_to_residual_directions) carry ln_final's weight.
+
+As in TransformerLens, the stacking methods (accumulated_resid, decompose_resid, stack_head_results,
+get_full_resid_decomposition) default to apply_ln=False, and logit_attrs ALWAYS applies the final norm's cached
+scale itself (apply_ln_to_stack(layer=-1)): pass it an un-normalised stack (apply_ln=False), or the scale is
+applied twice. logit_attrs therefore needs ln_final.hook_scale in the cache (MissingHooksError otherwise).
 """
 
 from __future__ import annotations
@@ -180,22 +185,36 @@ class CacheAnalysis:
         return torch.stack([self.cache_dict[name] for name in names])
 
     def apply_ln_to_stack(
-        self, residual_stack: Stack, layer: int | None = None, mlp_input: bool = False, pos_slice: PosSlice = None
+        self,
+        residual_stack: Stack,
+        layer: int | None = None,
+        mlp_input: bool = False,
+        pos_slice: PosSlice = None,
+        batch_slice: PosSlice = None,
+        has_batch_dim: bool = True,
     ) -> Stack:
         """Divide each component by the RMS its norm computed on the real stream (the cached hook_scale of
         ln_final for layer None / -1 / n_layers, else of block `layer`'s ln1, or ln2 with mlp_input).
         RMSNorm has no centering, so this is all the norm does apart from its weight, which is NOT applied
         (fold_ln moves it into the next weights; tokens_to_residual_directions includes ln_final's).
         The result is float32 (the scale's dtype) for a lower-precision stack. pos_slice must be the one the
-        stack was made with."""
+        stack was made with (it is applied to the scale only). batch_slice, as in TransformerLens, is applied
+        to the stack's batch axis (axis 1) when has_batch_dim, and to the scale (an int drops the axis)."""
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
         name = "ln_final.hook_scale" if layer == n else f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
         self._require("apply_ln_to_stack", [name])
+        if batch_slice is not None and not self.has_batch_dim:
+            raise ValueError("apply_ln_to_stack: batch_slice given, but this cache has no batch axis")
+        if batch_slice is not None and has_batch_dim:
+            residual_stack = slice_pos(residual_stack, batch_slice, 1)
         scale = self._get(name, pos_slice)
-        if residual_stack.shape[-scale.dim() : -1] != scale.shape[:-1]:
+        if batch_slice is not None:
+            scale = slice_pos(scale, batch_slice, 0)
+        if residual_stack.shape[-scale.dim() : -1] != scale.shape[:-1] or residual_stack.dim() < scale.dim():
             raise ValueError(
                 f"apply_ln_to_stack: the stack's {tuple(residual_stack.shape)} does not match {name} "
-                f"{tuple(scale.shape)} after pos_slice={pos_slice!r}; pass the pos_slice the stack was made with"
+                f"{tuple(scale.shape)} after pos_slice={pos_slice!r}, batch_slice={batch_slice!r}; pass the "
+                "pos_slice the stack was made with"
             )
         return residual_stack / scale
 
@@ -342,8 +361,12 @@ class CacheAnalysis:
         return (stack, labels) if return_labels else stack
 
     # ---- logit attribution -------------------------------------------------------------------------
-    def _as_directions(self, x: Tokens | torch.Tensor, pos_slice: PosSlice, rest: torch.Size) -> torch.Tensor:
-        """Token ids or residual directions -> directions [..., d_model] broadcastable to [*rest, d_model]."""
+    def _as_directions(
+        self, x: Tokens | torch.Tensor, pos_slice: PosSlice, rest: torch.Size, batched: bool,
+        batch_slice: PosSlice = None,
+    ) -> torch.Tensor:
+        """Token ids or residual directions -> directions [..., d_model] broadcastable to [*rest, d_model].
+        `batched`: the (normalised) stack has a batch axis, i.e. rest is [batch, pos] or [batch]."""
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             dirs, lead = x, x.shape[:-1]
         else:
@@ -353,14 +376,25 @@ class CacheAnalysis:
             else:
                 ids = torch.as_tensor(x)
                 dirs, lead = self.model.tokens_to_residual_directions(ids), ids.shape
-        full = (2 if self.has_batch_dim else 1)
+        # tokens with the cache's full batch axis: batch_slice applies (already-sliced ones are taken as they are)
+        n_batch = self._n_batch()
+        if batch_slice is not None and len(lead) in (1, 2) and n_batch is not None and lead[0] == n_batch:
+            dirs = slice_pos(dirs, batch_slice, 0)
+            lead = dirs.shape[:-1]
+        full = 2 if batched else 1
         if len(lead) == full:  # has a pos axis: full length (slice it) or already sliced
             n_pos = self._n_pos()
             if pos_slice is not None and (n_pos is None or lead[-1] == n_pos):
                 dirs = slice_pos(dirs, pos_slice, len(lead) - 1)
-        elif self.has_batch_dim and len(lead) == 1 and len(rest) == 2:  # one token per batch row
-            dirs = dirs.unsqueeze(1)
-        elif len(lead) != 0 and not (self.has_batch_dim and len(lead) == 1):
+        elif batched and len(lead) == 1 and len(rest) == 2:
+            if lead[0] == rest[0]:  # one token per batch row
+                dirs = dirs.unsqueeze(1)
+            elif lead[0] != rest[1]:  # else one token per position, shared by the rows (as TransformerLens)
+                raise ValueError(
+                    f"tokens / directions of leading shape {tuple(lead)} match neither the batch nor the "
+                    f"positions of the stack's {tuple(rest)}"
+                )
+        elif len(lead) != 0 and not (batched and len(lead) == 1):
             raise ValueError(
                 f"tokens / directions of leading shape {tuple(lead)} do not match the stack's {tuple(rest)}"
             )
@@ -372,11 +406,30 @@ class CacheAnalysis:
                 return self.cache_dict[name].shape[self._pos_dim]
         return None
 
-    def _directions(self, tokens, incorrect_tokens, pos_slice: PosSlice, rest: torch.Size) -> torch.Tensor:
-        dirs = self._as_directions(tokens, pos_slice, rest)
+    def _n_batch(self) -> int | None:
+        if not self.has_batch_dim:
+            return None
+        for name in ("ln_final.hook_scale", "hook_embed", "blocks.0.hook_resid_pre"):
+            if name in self.cache_dict:
+                return self.cache_dict[name].shape[0]
+        return None
+
+    def _directions(
+        self, tokens, incorrect_tokens, pos_slice: PosSlice, rest: torch.Size, batched: bool | None = None,
+        batch_slice: PosSlice = None,
+    ) -> torch.Tensor:
+        batched = self.has_batch_dim if batched is None else batched
+        dirs = self._as_directions(tokens, pos_slice, rest, batched, batch_slice)
         if incorrect_tokens is not None:
-            dirs = dirs - self._as_directions(incorrect_tokens, pos_slice, rest)
+            dirs = dirs - self._as_directions(incorrect_tokens, pos_slice, rest, batched, batch_slice)
         return dirs
+
+    @staticmethod
+    def _token_shape(x) -> tuple:
+        if isinstance(x, (str, int)):
+            return ()
+        t = torch.as_tensor(x)
+        return tuple(t.shape[:-1]) if t.is_floating_point() else tuple(t.shape)
 
     def logit_attrs(
         self,
@@ -384,17 +437,39 @@ class CacheAnalysis:
         tokens: Tokens | Float[torch.Tensor, "... d_model"],
         incorrect_tokens: Tokens | None = None,
         pos_slice: PosSlice = None,
+        batch_slice: PosSlice = None,
+        has_batch_dim: bool = True,
     ) -> Float[torch.Tensor, "component *batch_and_pos"]:
-        """Each component's contribution to a token's logit (or to the logit difference tokens -
-        incorrect_tokens): component . direction, with directions from model.tokens_to_residual_directions
-        (W_U column times ln_final's weight). Apply the final norm first (apply_ln=True when stacking) for
-        direct logit attribution: then the components' sum is the logit itself (RMSNorm has no centering
-        constant; the unembedding has no bias). tokens: one id / one-token string for all positions, Int
-        [batch] (one per row), Int [batch pos] (full length, then pos_slice applies, or already sliced), or
-        float directions [..., d_model] in the same layouts."""
-        dirs = self._directions(tokens, incorrect_tokens, pos_slice, residual_stack.shape[1:-1])
-        dtype = torch.promote_types(residual_stack.dtype, dirs.dtype)
-        return (residual_stack.to(dtype) * dirs.to(residual_stack.device, dtype)).sum(-1)
+        """TransformerLens's logit_attrs: each component's direct contribution to a token's logit (or to the
+        logit difference tokens - incorrect_tokens). Like TransformerLens it FIRST applies the final norm
+        (apply_ln_to_stack(residual_stack, layer=-1, pos_slice, batch_slice, has_batch_dim): division by the
+        cached ln_final.hook_scale, which must be in the cache), so pass an un-normalised stack
+        (apply_ln=False, the default of every stacking method). It then dots each component with
+        model.tokens_to_residual_directions(tokens): W_U column times ln_final's weight, so the result is
+        exact whether or not the model was loaded with fold_ln (with fold_ln the weight is 1 and this is
+        TransformerLens's W_U column). The components of a full decomposition of the final stream
+        (decompose_resid / get_full_resid_decomposition / accumulated_resid's "final_post") therefore sum to
+        the model's logit (RMSNorm has no centering constant; the unembedding has no bias).
+
+        residual_stack: [component, batch, pos, d_model] (pos already sliced by pos_slice; batch NOT
+        sliced: batch_slice is applied here when has_batch_dim). has_batch_dim=False: the stack has no
+        batch axis (a remove_batch_dim'ed cache, or a batched cache with an int batch_slice). tokens: one id
+        / one-token string for all positions, Int [batch] (one per row) or [pos] (one per position, shared
+        by the rows, when that length is not the batch size), Int [batch pos] (full length, then pos_slice
+        applies, or already sliced; a full batch axis gets batch_slice), or float directions [..., d_model]
+        in the same layouts. incorrect_tokens must have the same shape as tokens (ValueError otherwise)."""
+        if incorrect_tokens is not None and self._token_shape(tokens) != self._token_shape(incorrect_tokens):
+            raise ValueError(
+                f"tokens and incorrect_tokens must have the same shape! (tokens.shape="
+                f"{self._token_shape(tokens)}, incorrect_tokens.shape={self._token_shape(incorrect_tokens)})"
+            )
+        scaled = self.apply_ln_to_stack(
+            residual_stack, layer=-1, pos_slice=pos_slice, batch_slice=batch_slice, has_batch_dim=has_batch_dim
+        )
+        batched = has_batch_dim and self.has_batch_dim and not isinstance(batch_slice, int)
+        dirs = self._directions(tokens, incorrect_tokens, pos_slice, scaled.shape[1:-1], batched, batch_slice)
+        dtype = torch.promote_types(scaled.dtype, dirs.dtype)
+        return (scaled.to(dtype) * dirs.to(scaled.device, dtype)).sum(-1)
 
     def expert_logit_attribution(
         self,

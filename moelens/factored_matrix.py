@@ -6,6 +6,8 @@ d_model x d_model matrix of rank d_head; the factors are what one should store a
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from jaxtyping import Float
 
@@ -42,8 +44,9 @@ class FactoredMatrix:
         return FactoredMatrix(self.B.transpose(-2, -1), self.A.transpose(-2, -1))
 
     def svd(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Thin SVD of AB without forming it: (U [..., m, r'], S [..., r'], Vh [..., r', n]) with
-        AB = U @ diag(S) @ Vh (torch.linalg.svd's convention; r' = min(m, r, n)).
+        """Thin SVD of AB without forming it, in TransformerLens's convention: (U [..., m, r'], S [..., r'],
+        V [..., n, r']) with AB = U @ diag(S) @ V.transpose(-2, -1) (V, not torch.linalg.svd's Vh;
+        r' = min(m, r, n)).
 
         Done in float32 at least: SVD of bfloat16 is not supported and loses the small singular values."""
         dtype = torch.promote_types(torch.promote_types(self.A.dtype, self.B.dtype), torch.float32)
@@ -51,11 +54,33 @@ class FactoredMatrix:
         # AB = Ua Sa Vha B, and Sa Vha B is only r x n: decompose that small matrix instead.
         Ua, Sa, Vha = torch.linalg.svd(A, full_matrices=False)
         Um, S, Vh = torch.linalg.svd(Sa.unsqueeze(-1) * Vha @ B, full_matrices=False)
-        return Ua @ Um, S, Vh
+        return Ua @ Um, S, Vh.transpose(-2, -1)
+
+    @property
+    def U(self) -> torch.Tensor:
+        """Left singular vectors [..., m, r']."""
+        return self.svd()[0]
 
     @property
     def S(self) -> torch.Tensor:
+        """Singular values [..., r'], largest first."""
         return self.svd()[1]
+
+    @property
+    def V(self) -> torch.Tensor:
+        """Right singular vectors [..., n, r']: AB = U @ diag(S) @ V.transpose(-2, -1)."""
+        return self.svd()[2]
+
+    @property
+    def Vh(self) -> torch.Tensor:
+        """TransformerLens's (misnamed, deprecated) alias of V: returns V [..., n, r'], not its transpose."""
+        warnings.warn(
+            "FactoredMatrix.Vh returns V (right singular vectors, [..., n, r']), as in TransformerLens, not "
+            "V.transpose(-2, -1); use .V",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.V
 
     def norm(self) -> torch.Tensor:
         """Frobenius norm of AB per leading index, from the singular values."""

@@ -2,13 +2,106 @@
 
 from __future__ import annotations
 
-from moelens.names import alias_candidates
+import re
+
+from moelens.names import SITES, alias_candidates, site_pattern
+
+# TransformerLens's shorthands, applied before anything else (so TL code gets TL's names).
+_ACT_NAME_ALIAS = {
+    "attn": "pattern",
+    "attn_logits": "attn_scores",
+    "key": "k",
+    "query": "q",
+    "value": "v",
+    "mlp_pre": "pre",
+    "mlp_mid": "mid",
+    "mlp_post": "post",
+}
+_LAYER_TYPE_ALIAS = {"a": "attn", "m": "mlp", "b": "", "block": "", "blocks": "", "attention": "attn"}
+_ATTN_NAMES = ("k", "v", "q", "z", "rot_k", "rot_q", "result", "pattern", "attn_scores")
+_MLP_NAMES = ("pre", "post", "mid", "pre_linear")
+_LN_NAMES = ("scale", "normalized")
+_COMPACT = re.compile(r"([a-z]+)(\d+)([a-z]?.*)")  # "k6", "scale4ln1", "pre5"
+
+# Every site a name may denote: moelens's own and TransformerLens's (which moelens may not emit).
+_KNOWN_SITES = frozenset(s.name for s in SITES) | {
+    "hook_tokens",
+    "hook_pos_embed",
+    "blocks.L.hook_attn_in",
+    "blocks.L.hook_q_input",
+    "blocks.L.hook_k_input",
+    "blocks.L.hook_v_input",
+    "blocks.L.hook_mlp_in",
+    "blocks.L.attn.hook_result",
+    "blocks.L.mlp.hook_mid",
+    "blocks.L.ln1.hook_scale",
+    "blocks.L.ln1.hook_normalized",
+    "blocks.L.ln2.hook_scale",
+    "blocks.L.ln2.hook_normalized",
+    "ln_final.hook_scale",
+    "ln_final.hook_normalized",
+}
 
 
-def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
-    """Full hook name of a short or standard name: get_act_name("resid_pre", 3) -> "blocks.3.hook_resid_pre",
-    get_act_name("normalized", 1, "ln2") -> "blocks.1.ln2.hook_normalized". Where a name could be either a
-    dense MLP's or the experts' site ("mlp_neurons"), the first is returned; models resolve it themselves."""
-    if layer_type is not None:
-        return f"blocks.{layer}.{layer_type}.hook_{name}"
-    return alias_candidates(name, layer)[0]
+def _is_site(full_name: str, layer) -> bool:
+    pattern = re.sub(r"^blocks\.[^.]+\.", "blocks.L.", full_name)
+    if pattern in _KNOWN_SITES or site_pattern(full_name) in _KNOWN_SITES:
+        return True
+    # Without a layer TransformerLens returns a per-block site's tail (get_act_name("resid_pre") ->
+    # "hook_resid_pre", handy with name.endswith): accept it where some block site ends so.
+    return layer is None and any(s.startswith("blocks.L.") and s[len("blocks.L."):] == full_name for s in _KNOWN_SITES)
+
+
+def get_act_name(name: str, layer: int | str | None = None, layer_type: str | None = None) -> str:
+    """Full hook name of a shorthand, by TransformerLens's rules (transformer_lens.utils.get_act_name):
+
+    get_act_name('k', 6, 'a') == 'blocks.6.attn.hook_k'; get_act_name('pre', 2) == 'blocks.2.mlp.hook_pre';
+    get_act_name('embed') == 'hook_embed'; get_act_name('normalized', 27, 'ln2') == 'blocks.27.ln2.hook_normalized';
+    get_act_name('k6') == 'blocks.6.attn.hook_k'; get_act_name('scale4ln1') == 'blocks.4.ln1.hook_scale';
+    get_act_name('pre5') == 'blocks.5.mlp.hook_pre'; get_act_name('scale') == 'ln_final.hook_scale'.
+
+    A full name (with a '.' or starting 'hook_') given without layer and layer_type comes back as it is. A
+    compact "<name><layer><layer_type>" is split on its first digits. Aliases: attn -> pattern, attn_logits ->
+    attn_scores, key/query/value -> k/q/v, mlp_pre/mlp_mid/mlp_post -> pre/mid/post. Attention names (k, q, v,
+    z, rot_k, rot_q, result, pattern, attn_scores) always go to 'attn', MLP names (pre, post, mid, pre_linear)
+    to 'mlp'; layer types a/attention -> attn, m -> mlp, b/block/blocks -> none. scale/normalized without a
+    layer are ln_final's. The layer number is not checked and no model is needed.
+
+    moelens's own names, where the rules above name no site, resolve as cache keys do: ('router_logits', 0)
+    -> 'blocks.0.mlp.hook_router_logits', ('layer_output', 2) -> 'blocks.2.hook_resid_post',
+    ('expert_post', 1) -> 'blocks.1.mlp.experts.hook_post' (for "mlp_neurons", the dense MLP's site).
+
+    Raises ValueError where the result can be no hook (unknown name or layer type, or a per-block moelens
+    name without a layer).
+    """
+    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
+        return name
+    given_name, given_layer_type = name, layer_type
+    match = _COMPACT.match(name)
+    if match is not None:
+        name, layer, layer_type = match.groups(0)
+    name = _ACT_NAME_ALIAS.get(name, name)
+    if name in _ATTN_NAMES:
+        layer_type = "attn"
+    elif name in _MLP_NAMES:
+        layer_type = "mlp"
+    elif layer_type in _LAYER_TYPE_ALIAS:
+        layer_type = _LAYER_TYPE_ALIAS[layer_type]
+    full = f"blocks.{layer}." if layer is not None else ""
+    full += (f"{layer_type}." if layer_type else "") + f"hook_{name}"
+    if name in _LN_NAMES and layer is None:
+        full = f"ln_final.{full}"
+    if _is_site(full, layer):
+        return full
+    if match is None and not given_layer_type:
+        # moelens aliases (router_logits, expert_post, the family notes' standard names, ...)
+        try:
+            candidate = alias_candidates(given_name, layer)[0]
+        except KeyError as err:
+            raise ValueError(f"get_act_name({given_name!r}): {err.args[0]}") from None
+        if candidate != given_name:
+            return candidate
+    raise ValueError(
+        f"get_act_name({given_name!r}, {layer!r}, {given_layer_type!r}) -> {full!r} names no hook site"
+        + (f" (unknown layer type {layer_type!r})" if layer_type and layer_type not in ("attn", "mlp", "ln1", "ln2") else "")
+    )

@@ -224,14 +224,15 @@ def test_head_results(runs, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logit_attrs_sum_to_logits(runs, toks, family):
     model, logits, cache = runs[family]
-    stack = cache.get_full_resid_decomposition(apply_ln=True, return_labels=False)
+    # as TransformerLens, logit_attrs applies the final norm's cached scale itself: the stack is un-normalised
+    stack = cache.get_full_resid_decomposition(return_labels=False)
     # per-position token ids: components add up to that token's logit (RMSNorm has no centering constant)
     attrs = cache.logit_attrs(stack, toks)
     assert attrs.shape == (stack.shape[0], 2, 12)
     close(attrs.sum(0), logits.gather(-1, toks[..., None])[..., 0])
     # a logit difference, one token per row, last position only
     right, wrong = torch.tensor([5, 17]), torch.tensor([40, 2])
-    last = cache.get_full_resid_decomposition(apply_ln=True, pos_slice=-1, return_labels=False)
+    last = cache.get_full_resid_decomposition(pos_slice=-1, return_labels=False)
     diff = cache.logit_attrs(last, right, incorrect_tokens=wrong, pos_slice=-1)
     assert diff.shape == (stack.shape[0], 2)
     close(diff.sum(0), logits[torch.arange(2), -1, right] - logits[torch.arange(2), -1, wrong])
@@ -239,13 +240,16 @@ def test_logit_attrs_sum_to_logits(runs, toks, family):
     close(cache.logit_attrs(stack, 7).sum(0), logits[..., 7])
     close(cache.logit_attrs(stack, model.tokens_to_residual_directions(7)), cache.logit_attrs(stack, 7), 0)
     # full-length tokens with a pos_slice are sliced; already-sliced ones are taken as they are
-    part = cache.get_full_resid_decomposition(apply_ln=True, pos_slice=slice(2, 5), return_labels=False)
+    part = cache.get_full_resid_decomposition(pos_slice=slice(2, 5), return_labels=False)
     a = cache.logit_attrs(part, toks, pos_slice=slice(2, 5))
     close(a, cache.logit_attrs(part, toks[:, 2:5], pos_slice=slice(2, 5)), 0)
     close(a.sum(0), logits[:, 2:5].gather(-1, toks[:, 2:5, None])[..., 0])
-    # accumulated stream at the end, through the final norm: the logit lens of the last entry is the logits
-    acc = cache.accumulated_resid(apply_ln=True)
+    # accumulated stream at the end (logit_attrs normalises it): the last entry gives the logits
+    acc = cache.accumulated_resid()
     close(cache.logit_attrs(acc, toks)[-1], logits.gather(-1, toks[..., None])[..., 0])
+    # a stack normalised already is normalised again (TransformerLens's semantics): not the logits
+    twice = cache.logit_attrs(cache.get_full_resid_decomposition(apply_ln=True, return_labels=False), toks)
+    close(twice, attrs / cache["ln_final.hook_scale"][..., 0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -255,7 +259,7 @@ def test_expert_logit_attribution(runs, toks, family):
     ela = cache.expert_logit_attribution(toks)
     assert ela.shape == (cfg.n_layers, cfg.n_experts, 2, 12)
     # the same numbers as the decomposition's expert components through logit_attrs
-    stack, labels = cache.get_full_resid_decomposition(apply_ln=True)
+    stack, labels = cache.get_full_resid_decomposition()
     attrs = dict(zip(labels, cache.logit_attrs(stack, toks)))
     for l in range(cfg.n_layers):
         close(ela[l], torch.stack([attrs[f"L{l}.E{e}"] for e in range(cfg.n_experts)]))
@@ -311,6 +315,8 @@ def test_without_batch_dim(runs, toks, family):
     stack, labels = single.get_full_resid_decomposition(apply_ln=True)
     batched = cache.get_full_resid_decomposition(apply_ln=True, return_labels=False)
     close(stack, batched[:, 0])
-    close(single.logit_attrs(stack, toks[0]), cache.logit_attrs(batched, toks)[:, 0])
+    raw = single.get_full_resid_decomposition(return_labels=False)
+    batched_raw = cache.get_full_resid_decomposition(return_labels=False)
+    close(single.logit_attrs(raw, toks[0]), cache.logit_attrs(batched_raw, toks)[:, 0])
     close(single.expert_logit_attribution(toks[0]), cache.expert_logit_attribution(toks)[:, :, 0])
     assert single.accumulated_resid(pos_slice=-1).shape == (model.cfg.n_layers + 1, model.cfg.d_model)

@@ -153,3 +153,9 @@ def test_get_act_name():
     assert get_act_name("layer_output", 2) == "blocks.2.hook_resid_post"
     assert get_act_name("normalized", 1, "ln2") == "blocks.1.ln2.hook_normalized"
     assert get_act_name("logits") == "hook_logits"
+    # TransformerLens's rules (more in test_tl_parity_names.py)
+    assert get_act_name("attn", 0) == "blocks.0.attn.hook_pattern"
+    assert get_act_name("k6") == "blocks.6.attn.hook_k"
+    assert get_act_name("k", 6, "a") == "blocks.6.attn.hook_k"
+    with pytest.raises(ValueError):
+        get_act_name("no_such_site", 0)

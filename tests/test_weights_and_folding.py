@@ -120,9 +120,10 @@ def test_factored_matrix(family_models):
         assert OV.shape == QK.shape == (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_model)
         close(OV.AB, torch.einsum("lhmd,lhdn->lhmn", model.W_V, model.W_O))
         close(QK[1, 2].AB, model.W_Q[1, 2] @ model.W_K[1, 2].T)
-        U, S, Vh = OV.svd()
+        U, S, V = OV.svd()  # TransformerLens's convention: AB = U diag(S) V^T
         assert S.shape == (cfg.n_layers, cfg.n_heads, cfg.d_head)
-        close(U @ torch.diag_embed(S) @ Vh, OV.AB)
+        assert U.shape == V.shape == (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head)
+        close(U @ torch.diag_embed(S) @ V.transpose(-2, -1), OV.AB)
         close(OV.norm(), torch.linalg.matrix_norm(OV.AB))
         close(S, torch.linalg.svdvals(OV.AB)[..., : cfg.d_head], 1e-4)
         # BA is d_head x d_head with the eigenvalues of AB that are not zero
