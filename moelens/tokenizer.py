@@ -17,6 +17,9 @@ class MoeTokenizer:
         self.pad_token_id = pad_token_id if pad_token_id is not None else eos_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        # what to_tokens pads a list on, as Hugging Face tokenizers and TransformerLens default; set "left" and
+        # the forward infers the attention mask from the leading pad tokens, as TransformerLens does
+        self.padding_side = "right"
 
     @classmethod
     def from_folder(cls, folder: Path, config: dict) -> MoeTokenizer | None:
@@ -52,9 +55,11 @@ class MoeTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
     def batch(
-        self, texts: str | list[str], prepend_bos: bool = False
+        self, texts: str | list[str], prepend_bos: bool = False, padding_side: str = "left"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens [batch pos], attention_mask [batch pos]); rows padded on the left."""
+        """(tokens [batch pos], attention_mask [batch pos]); shorter rows padded on padding_side."""
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if isinstance(texts, str):
             texts = [texts]
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
@@ -80,8 +85,12 @@ class MoeTokenizer:
         if width != min(len(r) for r in rows) and self.pad_token_id is None:
             raise ValueError("texts of different lengths need a pad token, and this tokenizer has none (nor an eos)")
         pad = self.pad_token_id if self.pad_token_id is not None else 0
-        tokens = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+        if padding_side == "left":
+            tokens = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+        else:
+            tokens = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
         return tokens, mask
 
     def decode(self, ids: list[int]) -> str:

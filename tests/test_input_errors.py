@@ -79,9 +79,8 @@ def test_generate_refuses_right_padding(qwen_model, mask):
 def test_generate_refuses_right_padding_from_a_tokenizer(text_model, monkeypatch):
     batch = type(text_model.tokenizer).batch
 
-    def right_padded(self, texts, prepend_bos=False):
-        tokens, mask = batch(self, texts, prepend_bos)
-        return tokens.flip(-1), mask.flip(-1)
+    def right_padded(self, texts, prepend_bos=False, padding_side="left"):
+        return batch(self, texts, prepend_bos, "right")
 
     monkeypatch.setattr(type(text_model.tokenizer), "batch", right_padded)
     with pytest.raises(ValueError, match="left padding"):

@@ -122,3 +122,39 @@ def test_remove_batch_dim_is_in_place(qwen_model, tokens):
     with pytest.raises(ValueError, match="batch of one"):
         batched.remove_batch_dim()
     assert batched.has_batch_dim and batched["blocks.0.hook_resid_pre"].shape[0] == tokens.shape[0]
+
+
+# ---- padding: a list of texts through to_tokens and the forward -----------------------------------------
+def test_to_tokens_pads_right_by_default_so_each_rows_logits_are_its_own():
+    """TransformerLens's default: model(model.to_tokens([a, b])) gives each row the logits it gets alone."""
+    from moelens import HookedTransformer
+
+    model = HookedTransformer.from_pretrained("tiny-qwen2-moe", progress=False)
+    texts = ["The quick brown fox", "Hi"]
+    tokens = model.to_tokens(texts)
+    assert model.tokenizer.padding_side == "right" and tokens[1, -1] == model.tokenizer.pad_token_id
+    logits = model(tokens)
+    for row, text in enumerate(texts):
+        alone = model(model.to_tokens(text))
+        n = alone.shape[1]
+        torch.testing.assert_close(logits[row, :n], alone[0], rtol=0, atol=1e-5)
+
+
+def test_left_padding_side_makes_the_forward_infer_the_mask():
+    from moelens import HookedTransformer
+
+    model = HookedTransformer.from_pretrained("tiny-qwen2-moe", progress=False)
+    model.tokenizer.padding_side = "left"
+    try:
+        texts = ["The quick brown fox", "Hi"]
+        tokens = model.to_tokens(texts)
+        assert tokens[1, 0] == model.tokenizer.pad_token_id
+        logits = model(tokens)
+        alone = model(model.to_tokens(texts[1]))
+        torch.testing.assert_close(logits[1, -alone.shape[1]:], alone[0], rtol=0, atol=1e-5)
+        explicit = model(*model.tokenize(texts)[:1], attention_mask=model.tokenize(texts)[1])
+        assert torch.equal(logits, explicit)
+    finally:
+        model.tokenizer.padding_side = "right"
+    with pytest.raises(ValueError, match="padding_side must be 'left' or 'right'"):
+        model.to_tokens(texts, padding_side="middle")

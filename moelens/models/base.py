@@ -132,14 +132,21 @@ class HookedTransformer(WeightViews, HookedRootModule):
             )
         return self.tokenizer
 
-    def to_tokens(self, text: str | list[str], prepend_bos: bool = False) -> Int[torch.Tensor, "batch pos"]:
-        """Token ids [batch pos]; a list of texts is left-padded (see tokenize() for the mask)."""
-        return self.tokenize(text, prepend_bos)[0]
+    def to_tokens(
+        self, text: str | list[str], prepend_bos: bool = False, padding_side: str | None = None
+    ) -> Int[torch.Tensor, "batch pos"]:
+        """Token ids [batch pos]. A list of texts is padded on padding_side (default: the tokenizer's,
+        "right", as in TransformerLens: every row's real tokens then keep positions 0.. and their logits
+        in a plain forward). With "left" padding the forward infers the mask from the leading pad tokens
+        only when model.tokenizer.padding_side is "left"; otherwise use tokenize() for the mask."""
+        side = padding_side or self._require_tokenizer().padding_side
+        return self.tokenize(text, prepend_bos, padding_side=side)[0]
 
     def tokenize(
-        self, text: str | list[str], prepend_bos: bool = False
+        self, text: str | list[str], prepend_bos: bool = False, padding_side: str = "left"
     ) -> tuple[Int[torch.Tensor, "batch pos"], Int[torch.Tensor, "batch pos"]]:
-        tokens, mask = self._require_tokenizer().batch(text, prepend_bos)
+        """(tokens, attention_mask); left-padded by default, as generation needs."""
+        tokens, mask = self._require_tokenizer().batch(text, prepend_bos, padding_side)
         return tokens.to(self.device), mask.to(self.device)
 
     def to_str_tokens(self, text: str | torch.Tensor | list[int]) -> list[str]:
@@ -229,6 +236,8 @@ class HookedTransformer(WeightViews, HookedRootModule):
             attention_mask = text_mask if attention_mask is None else attention_mask
         if start_at_layer is None:
             tokens = self._check_tokens(input)
+            if attention_mask is None and past_kv_cache is None:
+                attention_mask = self._mask_of_left_padding(tokens)
             resid = self.hook_embed(self.embed(tokens))
         else:
             if return_type in ("loss", "both"):
@@ -271,6 +280,14 @@ class HookedTransformer(WeightViews, HookedRootModule):
             return logits
         loss = self.loss(logits, tokens, attention_mask, per_token=loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
+
+    def _mask_of_left_padding(self, tokens: Int[torch.Tensor, "batch pos"]) -> Int[torch.Tensor, "batch pos"] | None:
+        """With model.tokenizer.padding_side == "left" (as TransformerLens): leading pad tokens are padding."""
+        tok = self.tokenizer
+        if tok is None or tok.padding_side != "left" or tok.pad_token_id is None:
+            return None
+        real = (tokens != tok.pad_token_id).long().cummax(-1).values
+        return real if not bool(real.all()) else None
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
