@@ -106,6 +106,24 @@ class MoeConfig:
     def dense_layer_indices(self) -> list[int]:
         return [i for i, moe in enumerate(self.moe_layers) if not moe]
 
+    # TransformerLens's config names, with its meaning, for code written against HookedTransformerConfig
+    @property
+    def n_ctx(self) -> int:
+        """Longest input the model was configured for (max_position_embeddings)."""
+        return self.max_position_embeddings
+
+    @property
+    def n_key_value_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def normalization_type(self) -> str:
+        return "RMS"
+
+    @property
+    def positional_embedding_type(self) -> str:
+        return "rotary"
+
     @property
     def d_rot(self) -> int:
         """Rotated dimensions per head (the rest pass through)."""

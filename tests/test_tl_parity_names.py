@@ -158,3 +158,10 @@ def test_left_padding_side_makes_the_forward_infer_the_mask():
         model.tokenizer.padding_side = "right"
     with pytest.raises(ValueError, match="padding_side must be 'left' or 'right'"):
         model.to_tokens(texts, padding_side="middle")
+
+
+def test_config_answers_to_transformer_lens_names(qwen_model):
+    cfg = qwen_model.cfg
+    assert (cfg.n_ctx, cfg.n_key_value_heads) == (256, 2)  # the tiny checkpoint's max_position_embeddings, kv heads
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_vocab) == (64, 3, 4, 16, 96)
+    assert (cfg.normalization_type, cfg.positional_embedding_type, cfg.act_fn) == ("RMS", "rotary", "silu")
