@@ -101,6 +101,8 @@ class HookPoint(nn.Module):
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(the tensor to go on with, whether a hook may have changed it: replaced it or edited it in place)."""
+        if not self.has_hooks:  # the common case, on every site of every forward
+            return x, False
         fwd, bwd = self.hooks_in_effect("fwd"), self.hooks_in_effect("bwd")
         changed = False
         if fwd:
