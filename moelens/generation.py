@@ -6,6 +6,7 @@ fire on the prompt and then on every new token (with the cache, a hook sees only
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -86,6 +87,9 @@ def generate(
         tokens = model._check_tokens(input)
         if attention_mask is not None:
             attention_mask = check_attention_mask(attention_mask, tuple(tokens.shape)).to(model.device)
+        else:  # as the forward does: leading pads are padding when the tokenizer pads on the left
+            attention_mask = model._mask_of_left_padding(tokens)
+            _warn_if_right_padded(model, tokens)
     if attention_mask is not None:
         _check_left_padded(attention_mask)
     if generator is None and seed is not None:
@@ -119,6 +123,22 @@ def generate(
         return tokens
     texts = _decode_rows(model, tokens, prompt_len, prompt_mask, eos if stop_at_eos else None)
     return texts[0] if isinstance(input, str) else texts
+
+
+def _warn_if_right_padded(model: HookedTransformer, tokens: Int[torch.Tensor, "batch pos"]) -> None:
+    """Token ids without a mask, where some rows end in pad tokens and others do not: most likely a batch
+    from to_tokens (right-padded by default), which generate would continue from the pads."""
+    pad = None if model.tokenizer is None else model.tokenizer.pad_token_id
+    if pad is None or tokens.shape[0] < 2:
+        return
+    ends_padded = tokens[:, -1] == pad
+    if ends_padded.any() and not ends_padded.all():
+        warnings.warn(
+            f"rows {ends_padded.nonzero().flatten().tolist()} end with the pad token ({pad}) and others do not: "
+            "generate continues every row from its last position. For a batch of texts pass the texts, or "
+            "left-padded tokens with their mask: tokens, mask = model.tokenize(texts)",
+            stacklevel=3,
+        )
 
 
 def _check_sampling_args(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:

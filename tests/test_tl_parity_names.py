@@ -165,3 +165,20 @@ def test_config_answers_to_transformer_lens_names(qwen_model):
     assert (cfg.n_ctx, cfg.n_key_value_heads) == (256, 2)  # the tiny checkpoint's max_position_embeddings, kv heads
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_vocab) == (64, 3, 4, 16, 96)
     assert (cfg.normalization_type, cfg.positional_embedding_type, cfg.act_fn) == ("RMS", "rotary", "silu")
+
+
+def test_generate_on_a_right_padded_batch_warns_and_left_padding_is_masked():
+    """generate continues each row from its last position: a to_tokens batch (right-padded) is flagged, not
+    silently continued from pads; with the tokenizer padding on the left the pads are masked as in forward."""
+    from moelens import HookedTransformer
+
+    model = HookedTransformer.from_pretrained("tiny-qwen2-moe", progress=False)
+    texts = ["The quick brown fox", "Hi"]
+    with pytest.warns(UserWarning, match=r"rows \[1\] end with the pad token"):
+        model.generate(model.to_tokens(texts), max_new_tokens=2)
+    model.tokenizer.padding_side = "left"
+    try:
+        out = model.generate(model.to_tokens(texts), max_new_tokens=3)
+    finally:
+        model.tokenizer.padding_side = "right"
+    assert torch.equal(out, model.generate(*model.tokenize(texts)[:1], attention_mask=model.tokenize(texts)[1], max_new_tokens=3))
