@@ -5,7 +5,17 @@ from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kv_cache import KVCache
 from moelens.loaders import CheckpointError, CheckpointWarning
-from moelens.models import FAMILIES, HookedHunyuanMoe, HookedQwen2Moe, HookedSolarOpen, HookedTransformer
+from moelens.models import (
+    FAMILIES,
+    HookedDeepseekV3,
+    HookedHunyuanMoe,
+    HookedMixtral,
+    HookedOlmoe,
+    HookedQwen2Moe,
+    HookedQwen3Moe,
+    HookedSolarOpen,
+    HookedTransformer,
+)
 
 __all__ = [
     "ActivationCache",
@@ -13,8 +23,12 @@ __all__ = [
     "CheckpointWarning",
     "FAMILIES",
     "HookPoint",
+    "HookedDeepseekV3",
     "HookedHunyuanMoe",
+    "HookedMixtral",
+    "HookedOlmoe",
     "HookedQwen2Moe",
+    "HookedQwen3Moe",
     "HookedSolarOpen",
     "HookedRootModule",
     "HookedTransformer",

@@ -227,7 +227,8 @@ class CacheAnalysis:
         z = self.cache_dict[f"blocks.{layer}.attn.hook_z"]
         cfg = self.model.cfg
         # head h's output is z_h @ W_O[h]: o_proj's input columns of head h; the o bias is left out
-        W_O = self.model.blocks[layer].attn.o_proj.weight.view(cfg.d_model, cfg.n_heads, cfg.d_head)
+        # -1: each head's value width (d_head, or MLA's v_head_dim)
+        W_O = self.model.blocks[layer].attn.o_proj.weight.view(cfg.d_model, cfg.n_heads, -1)
         return torch.einsum("...hk,mhk->...hm", z, W_O.to(z.device, z.dtype))
 
     def compute_head_results(self) -> None:
@@ -288,13 +289,13 @@ class CacheAnalysis:
             post, W = self._get(f"{pre}.hook_post", pos_slice), block.mlp.down_proj.weight
             return [_neurons(post, W)], [f"L{l}.mlp.N{i}" for i in range(post.shape[-1])]
         parts, labels = [], []
-        if hasattr(block.mlp, "shared_expert"):
+        if block.mlp.has_shared_expert:
             if not expand:
                 self._require(what, [f"{pre}.hook_shared_out"])
                 parts.append(self._get(f"{pre}.hook_shared_out", pos_slice)[None])
                 labels.append(f"L{l}.shared")
             else:
-                gated = hasattr(block.mlp, "shared_gate")
+                gated = block.mlp.shared_expert_gated
                 self._require(what, [f"{pre}.shared_expert.hook_post"] + ([f"{pre}.hook_shared_gate"] if gated else []))
                 post = self._get(f"{pre}.shared_expert.hook_post", pos_slice)
                 if gated:  # Qwen2-MoE: sigmoid(gate) scales the whole shared expert, so each neuron

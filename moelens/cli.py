@@ -1,14 +1,20 @@
 """The `moelens` command: `inspect` a model's routing of a prompt, `verify` it against transformers, `plan` the
-memory and placement a model needs from its config alone."""
+memory and placement a model needs from its config alone, `trace` the routing of a whole corpus to Parquet."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
+from moelens import defaults
+from moelens.analysis import plot_routing, routing_table
 from moelens.loaders.errors import CheckpointError
+from moelens.models import HookedTransformer
+from moelens.plan import parse_size, plan as make_plan, to_json_text
+from moelens.verify import ReferenceUnavailable, verify as run_verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # What bad input raises in moelens (a CheckpointError is also a ValueError; OSError: a path that is not there):
@@ -34,8 +40,6 @@ def positive_int(text: str) -> int:
 
 def size(text: str) -> int:
     """A memory size: 141GB (1e9 bytes), 80GiB (2**30 bytes), 256G."""
-    from moelens.plan import parse_size
-
     try:
         return parse_size(text)
     except ValueError as err:
@@ -44,16 +48,11 @@ def size(text: str) -> int:
 
 def _load(model: str | None, dtype: str):
     """A checkpoint folder, Hub id or embedded default name -> (model, where it came from)."""
-    from moelens import HookedTransformer
-    from moelens.defaults import DEFAULT
-
-    path = model or DEFAULT
+    path = model or defaults.DEFAULT
     return HookedTransformer.from_pretrained(path, dtype=DTYPES[dtype]), path
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from moelens.analysis import routing_table
-
     model, path = _load(args.model, args.dtype)
     print(f"{type(model).__name__} from {path} ({model.cfg.n_layers} layers, {model.cfg.n_experts} experts)")
     if model.tokenizer is None:
@@ -69,8 +68,6 @@ def inspect(args: argparse.Namespace) -> int:
     table = routing_table(model, tokens, top_next=args.top)
     print(table)
     if args.plot:
-        from moelens.analysis import plot_routing
-
         try:
             plot_routing(table, args.plot, n_experts=model.cfg.n_experts)
         except ImportError as err:
@@ -81,9 +78,6 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
-    from moelens.verify import ReferenceUnavailable
-    from moelens.verify import verify as run_verify
-
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -104,14 +98,36 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def plan(args: argparse.Namespace) -> int:
-    from moelens.plan import plan as make_plan
-    from moelens.plan import to_json_text
-
     result = make_plan(
         args.model, dtype=args.dtype, devices=args.devices, gpus=args.gpus, gpu_memory=args.gpu_memory,
         cpu_memory=args.cpu_memory, batch=args.batch, seq=args.seq, revision=args.revision,
     )
     print(to_json_text(result) if args.json else result)
+    return 0
+
+
+def trace(args: argparse.Namespace) -> int:
+    # the trace extra (pyarrow): imported only when a trace is asked for, so the other commands run without it
+    from moelens.trace import trace as run_trace
+
+    path = args.model or defaults.DEFAULT
+    model = HookedTransformer.from_pretrained(path, dtype=DTYPES[args.dtype], device=args.device)
+    summary = run_trace(
+        model, [Path(p) for p in args.data], args.out, seq_len=args.seq_len, batch_size=args.batch_size,
+        max_tokens=args.max_tokens, router_logits=args.router_logits, windows_per_part=args.windows_per_part,
+        model_name=path, command=args.argv, progress=args.progress,
+    )
+    if summary.skipped_files:
+        shown = ", ".join(summary.skipped_files[:5]) + (", ..." if len(summary.skipped_files) > 5 else "")
+        print(f"left out {len(summary.skipped_files)} files of the given folders (hidden, or not a text suffix): {shown}")
+    if summary.already_complete:
+        if not args.progress:  # with progress on, the trace said so itself
+            print(f"{summary.out}: trace already complete ({summary.n_tokens} tokens, {summary.n_rows} rows)")
+    else:
+        print(
+            f"traced {summary.n_tokens} tokens ({summary.n_rows} rows) into {summary.out}: {summary.parts_written} "
+            f"parts written, {summary.parts_reused} kept from an earlier run"
+        )
     return 0
 
 
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="per layer, the experts each token is routed to, and the next tokens")
     p.add_argument(
         "model", nargs="?", help="Hub id, local folder, or an embedded default: tiny-qwen2-moe (the default), "
-        "tiny-hunyuan-moe, tiny-solar-open"
+        + ", ".join(n for n in defaults.CONFIGS if n != defaults.DEFAULT)
     )
     p.add_argument("--prompt", default="The quick brown fox", help="text (or space-separated ids without tokenizer)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
@@ -150,7 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--revision", help="Hub revision of config.json")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     p.set_defaults(run=plan)
+    p = sub.add_parser(
+        "trace", help="routing of every token of a corpus into Parquet (resumable; query with DuckDB or moelens.analysis.traces)"
+    )
+    p.add_argument("model", nargs="?", help="Hub id, local folder or embedded default name (default: tiny-qwen2-moe)")
+    p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files (one document each), .jsonl "
+                   "files (one document per line, its 'text' field), or folders of them (recursively, sorted)")
+    p.add_argument("--out", required=True, metavar="DIR", help="trace folder: created, or resumed if it holds a partial trace")
+    p.add_argument("--seq-len", type=positive_int, default=1024, help="tokens per window (each window is one forward)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward")
+    p.add_argument("--max-tokens", type=positive_int, help="stop after exactly this many tokens")
+    p.add_argument("--router-logits", action="store_true", help="also store each token's router logits [n_experts]")
+    p.add_argument("--windows-per-part", type=positive_int, help="windows per Parquet part (default: 2**17 tokens' worth)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(run=trace)
     args = parser.parse_args(argv)
+    args.argv = ["moelens", *(sys.argv[1:] if argv is None else argv)]
     try:
         return args.run(args)
     except USER_ERRORS as err:

@@ -1,4 +1,7 @@
-"""MoeConfig: one frozen, family-neutral description of a model, built by each family from config.json."""
+"""MoeConfig: one frozen, family-neutral description of a model's sizes, built by each family from config.json.
+
+Behaviour (how a family routes, where it norms q and k, how its shared expert is added) is not a flag here:
+it is the component classes the family file picks. A family with sizes of its own subclasses MoeConfig."""
 
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # the rotated dims stored as interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave)
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,6 @@ class MoeConfig:
     # attention
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm of rotated queries and keys (Hunyuan)
     # MLP / mixture
     act_fn: str = "silu"
     d_mlp: int = 0  # dense MLP width (blocks that are not mixtures)
@@ -51,15 +55,10 @@ class MoeConfig:
     n_experts: int = 0
     top_k: tuple[int, ...] = ()  # per block
     d_expert: int = 0
-    d_shared: int = 0  # 0: no shared expert
-    shared_gate: bool = False  # sigmoid-gated shared expert (Qwen2-MoE)
-    shared_first: bool = True  # hooks fire in the family's order
-    router_scoring: Literal["softmax", "sigmoid"] = "softmax"
-    router_in_float32: bool = False  # router weight kept float32 at load (and applied in float32 while it is)
-    router_compute_float32: bool = False  # router always applied in float32, whatever the weight's dtype (Solar)
+    d_shared: int = 0  # shared expert width, where the family's mixture block has one
+    # sizes and constants the routers read; how a family routes is its router class (models/components)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
-    correction_bias: bool = False  # Solar: e_score_correction_bias, used only for the choice
     n_group: int = 1
     topk_group: int = 1
     # embeddings

@@ -87,17 +87,17 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     before = chosen_experts(model, probe)
     for block in model.blocks:
         w1 = block.ln1.weight.float()
-        for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+        for proj in block.attn.input_projections():
             _scale_inputs(proj.weight, w1)
         w2 = block.ln2.weight.float()
         mlp = block.mlp
         if block.is_moe:
             _scale_inputs(mlp.router.weight, w2)
             _scale_inputs(mlp.experts.W_gate_up, w2)  # gate and up rows both read ln2's output
-            if hasattr(mlp, "shared_expert"):
+            if mlp.has_shared_expert:
                 _scale_inputs(mlp.shared_expert.gate_proj.weight, w2)
                 _scale_inputs(mlp.shared_expert.up_proj.weight, w2)
-            if hasattr(mlp, "shared_gate"):
+            if mlp.shared_expert_gated:
                 _scale_inputs(mlp.shared_gate.weight, w2)
         else:
             _scale_inputs(mlp.gate_proj.weight, w2)

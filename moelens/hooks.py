@@ -13,7 +13,7 @@ import fnmatch
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 import torch
 from torch import nn
@@ -164,6 +164,9 @@ class HookedRootModule(nn.Module):
 
     hook_dict: dict[str, HookPoint]
     mod_dict: dict[str, nn.Module]
+    # what run_with_cache returns, built as cache_class(store, model, has_batch_dim=True): set by the model
+    # class (moelens.cache.ActivationCache), so that hooks know nothing of the cache built on them
+    cache_class: ClassVar[type]
 
     def setup(self) -> None:
         """Name every HookPoint after its module path; call at the end of the subclass __init__."""
@@ -314,8 +317,6 @@ class HookedRootModule(nn.Module):
         to each selected site is computed and cached under "<name>_grad". Only those gradients are
         computed: no parameter's .grad is written.
         """
-        from moelens.cache import ActivationCache
-
         store: dict[str, torch.Tensor] = {}
         names = self.resolve_hook_names(names_filter)
 
@@ -344,7 +345,7 @@ class HookedRootModule(nn.Module):
         finally:
             if collecting is not None:
                 _GRAD_TARGETS.reset(collecting)
-        cache = ActivationCache(store, self, has_batch_dim=True)
+        cache = self.cache_class(store, self, has_batch_dim=True)
         if remove_batch_dim:
             cache = cache.remove_batch_dim()
         return out, cache

@@ -1,6 +1,7 @@
-"""The hook vocabulary: every site's name, layout, meaning and the family notes' standard name.
+"""The hook vocabulary's names: every site's full name, the family notes' standard name and the short
+TransformerLens-style alias, so that cache["router_logits", 3] and get_act_name agree.
 
-Written once here so that support(), print(model), ActivationCache aliases and the docs agree.
+Layouts and meanings are not here: each is written once, where its HookPoint is declared.
 Names are relative to the model root; ``L`` stands for a block index.
 """
 
@@ -12,56 +13,58 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Site:
+    """A hook site's names; its layout and meaning are declared on its HookPoint (see model.support())."""
+
     name: str  # e.g. "blocks.L.mlp.hook_router_logits"
-    layout: str
-    meaning: str
     standard: str | None = None  # family notes' (nnterp) name
     short: str | None = None  # TransformerLens-style short name, as in cache["resid_post", 3]
 
 
+# Every site some family has, in forward order.
 SITES: tuple[Site, ...] = (
-    Site("hook_embed", "batch pos d_model", "token embeddings", "token_embeddings", "embed"),
-    Site("blocks.L.hook_resid_pre", "batch pos d_model", "residual stream entering the block", "layer_input", "resid_pre"),
-    Site("blocks.L.ln1.hook_scale", "batch pos 1", "RMS of the block input (x / scale * w is the norm's output)", None, "scale"),
-    Site("blocks.L.ln1.hook_normalized", "batch pos d_model", "normed stream entering attention", "attention_norm_output", "normalized"),
-    Site("blocks.L.attn.hook_q", "batch pos head d_head", "query projection (bias included)", None, "q"),
-    Site("blocks.L.attn.hook_k", "batch pos kv_head d_head", "key projection (bias included)", None, "k"),
-    Site("blocks.L.attn.hook_v", "batch pos kv_head d_head", "value projection (bias included)", "attention_values", "v"),
-    Site("blocks.L.attn.hook_rot_q", "batch pos head d_head", "queries entering attention (after rotary, and q norm where the family has one)", "attention_queries", "rot_q"),
-    Site("blocks.L.attn.hook_rot_k", "batch pos kv_head d_head", "keys entering attention (after rotary, and k norm where the family has one)", "attention_keys", "rot_k"),
-    Site("blocks.L.attn.hook_attn_scores", "batch head query key", "scaled, masked scores before the softmax", "attention_scores", "attn_scores"),
-    Site("blocks.L.attn.hook_pattern", "batch head query key", "attention probabilities", "attention_probabilities", "pattern"),
-    Site("blocks.L.attn.hook_z", "batch pos head d_head", "per-head outputs before the output projection", "attention_head_outputs", "z"),
-    Site("blocks.L.hook_attn_out", "batch pos d_model", "what attention adds to the residual stream", "attention_output", "attn_out"),
-    Site("blocks.L.hook_resid_mid", "batch pos d_model", "residual stream after the attention add", "layer_mid", "resid_mid"),
-    Site("blocks.L.ln2.hook_scale", "batch pos 1", "RMS of the mid stream", None, None),
-    Site("blocks.L.ln2.hook_normalized", "batch pos d_model", "normed stream entering the MLP", "mlp_norm_output", None),
-    # dense MLP blocks
-    Site("blocks.L.mlp.hook_pre", "batch pos d_mlp", "dense MLP gate pre-activation", None, "pre"),
-    Site("blocks.L.mlp.hook_pre_linear", "batch pos d_mlp", "dense MLP up projection", None, "pre_linear"),
-    Site("blocks.L.mlp.hook_post", "batch pos d_mlp", "dense MLP neurons: act(gate) * up", "mlp_neurons", "post"),
-    # mixture blocks
-    Site("blocks.L.mlp.hook_router_logits", "batch pos n_experts", "router logits, before scoring", "router_logits", "router_logits"),
-    Site("blocks.L.mlp.hook_router_scores", "batch pos n_experts", "softmax / sigmoid scores of every expert (float32)", None, "router_scores"),
-    Site("blocks.L.mlp.hook_choice_scores", "batch pos n_experts", "scores the top-k is taken on (scores + correction bias)", None, "choice_scores"),
-    Site("blocks.L.mlp.hook_expert_indices", "batch pos top_k", "expert each routing slot sends the token to", "expert_indices", "expert_indices"),
-    Site("blocks.L.mlp.hook_expert_weights", "batch pos top_k", "weight of each slot's expert output", "expert_weights", "expert_weights"),
-    Site("blocks.L.mlp.experts.hook_pre", "batch pos top_k d_expert", "gate pre-activation per slot", None, "expert_pre"),
-    Site("blocks.L.mlp.experts.hook_pre_linear", "batch pos top_k d_expert", "up projection per slot", None, "expert_pre_linear"),
-    Site("blocks.L.mlp.experts.hook_post", "batch pos top_k d_expert", "expert neurons per slot: act(gate) * up", "mlp_neurons", "expert_post"),
-    Site("blocks.L.mlp.hook_expert_outputs", "batch pos top_k d_model", "weighted output of each slot", "expert_outputs", "expert_outputs"),
-    Site("blocks.L.mlp.hook_routed_out", "batch pos d_model", "routed experts' combined output", "routed_output", "routed_out"),
-    Site("blocks.L.mlp.shared_expert.hook_pre", "batch pos d_shared", "shared expert gate pre-activation", None, "shared_pre"),
-    Site("blocks.L.mlp.shared_expert.hook_pre_linear", "batch pos d_shared", "shared expert up projection", None, "shared_pre_linear"),
-    Site("blocks.L.mlp.shared_expert.hook_post", "batch pos d_shared", "shared expert neurons", None, "shared_post"),
-    Site("blocks.L.mlp.shared_expert.hook_out", "batch pos d_model", "shared expert output, ungated", None, "shared_expert_out"),
-    Site("blocks.L.mlp.hook_shared_gate", "batch pos 1", "shared expert gate logit, before the sigmoid", None, "shared_gate"),
-    Site("blocks.L.mlp.hook_shared_out", "batch pos d_model", "shared expert output as added to the routed sum", "shared_expert_output", "shared_out"),
-    Site("blocks.L.hook_mlp_out", "batch pos d_model", "what the MLP / mixture adds to the residual stream", "mlp_output", "mlp_out"),
-    Site("blocks.L.hook_resid_post", "batch pos d_model", "residual stream leaving the block", "layer_output", "resid_post"),
-    Site("ln_final.hook_scale", "batch pos 1", "RMS of the final residual stream", None, None),
-    Site("ln_final.hook_normalized", "batch pos d_model", "final normed stream, what the unembedding reads", "final_norm_output", None),
-    Site("hook_logits", "batch pos d_vocab", "logits", "logits", "logits"),
+    Site("hook_embed", "token_embeddings", "embed"),
+    Site("blocks.L.hook_resid_pre", "layer_input", "resid_pre"),
+    Site("blocks.L.ln1.hook_scale", None, "scale"),
+    Site("blocks.L.ln1.hook_normalized", "attention_norm_output", "normalized"),
+    Site("blocks.L.attn.hook_q_latent", None, "q_latent"),
+    Site("blocks.L.attn.hook_q", None, "q"),
+    Site("blocks.L.attn.hook_kv_latent", None, "kv_latent"),
+    Site("blocks.L.attn.hook_k_rope", None, "k_rope"),
+    Site("blocks.L.attn.hook_k", None, "k"),
+    Site("blocks.L.attn.hook_v", "attention_values", "v"),
+    Site("blocks.L.attn.hook_rot_q", "attention_queries", "rot_q"),
+    Site("blocks.L.attn.hook_rot_k", "attention_keys", "rot_k"),
+    Site("blocks.L.attn.hook_attn_scores", "attention_scores", "attn_scores"),
+    Site("blocks.L.attn.hook_pattern", "attention_probabilities", "pattern"),
+    Site("blocks.L.attn.hook_z", "attention_head_outputs", "z"),
+    Site("blocks.L.hook_attn_out", "attention_output", "attn_out"),
+    Site("blocks.L.hook_resid_mid", "layer_mid", "resid_mid"),
+    Site("blocks.L.ln2.hook_scale", None, None),
+    Site("blocks.L.ln2.hook_normalized", "mlp_norm_output", None),
+    Site("blocks.L.mlp.hook_pre", None, "pre"),
+    Site("blocks.L.mlp.hook_pre_linear", None, "pre_linear"),
+    Site("blocks.L.mlp.hook_post", "mlp_neurons", "post"),
+    Site("blocks.L.mlp.hook_router_logits", "router_logits", "router_logits"),
+    Site("blocks.L.mlp.hook_router_scores", None, "router_scores"),
+    Site("blocks.L.mlp.hook_choice_scores", None, "choice_scores"),
+    Site("blocks.L.mlp.hook_expert_indices", "expert_indices", "expert_indices"),
+    Site("blocks.L.mlp.hook_expert_weights", "expert_weights", "expert_weights"),
+    Site("blocks.L.mlp.experts.hook_pre", None, "expert_pre"),
+    Site("blocks.L.mlp.experts.hook_pre_linear", None, "expert_pre_linear"),
+    Site("blocks.L.mlp.experts.hook_post", "mlp_neurons", "expert_post"),
+    Site("blocks.L.mlp.hook_expert_outputs", "expert_outputs", "expert_outputs"),
+    Site("blocks.L.mlp.hook_routed_out", "routed_output", "routed_out"),
+    Site("blocks.L.mlp.shared_expert.hook_pre", None, "shared_pre"),
+    Site("blocks.L.mlp.shared_expert.hook_pre_linear", None, "shared_pre_linear"),
+    Site("blocks.L.mlp.shared_expert.hook_post", None, "shared_post"),
+    Site("blocks.L.mlp.shared_expert.hook_out", None, "shared_expert_out"),
+    Site("blocks.L.mlp.hook_shared_gate", None, "shared_gate"),
+    Site("blocks.L.mlp.hook_shared_out", "shared_expert_output", "shared_out"),
+    Site("blocks.L.hook_mlp_out", "mlp_output", "mlp_out"),
+    Site("blocks.L.hook_resid_post", "layer_output", "resid_post"),
+    Site("ln_final.hook_scale", None, None),
+    Site("ln_final.hook_normalized", "final_norm_output", None),
+    Site("hook_logits", "logits", "logits"),
 )
 
 _BY_PATTERN: dict[str, Site] = {s.name: s for s in SITES}

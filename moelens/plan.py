@@ -22,9 +22,17 @@ from pathlib import Path
 
 import torch
 
+from huggingface_hub import hf_hub_download
+
+from moelens import defaults
 from moelens.dtypes import parse_dtype
+from moelens.families import family_for
+from moelens.loaders import read_config
 from moelens.loaders.errors import CheckpointError
+from moelens.loaders.files import read_json_object
+from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
 from moelens.placement import parse_size
+from moelens.pretrained import resolve
 
 COMPONENTS = (
     "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
@@ -64,17 +72,12 @@ class Source:
 
 def read_source(model: str | Path | dict, revision: str | None = None) -> Source:
     """config.json from a dict, a local folder or file, an embedded default name or a Hub id (that file only)."""
-    from moelens.defaults import CONFIGS
-    from moelens.loaders import read_config
-    from moelens.loaders.files import read_json_object
-    from moelens.loaders.hub import resolve_checkpoint
-
     if isinstance(model, dict):
         return Source(model, "config dict", None)
     name = str(model)
     path = Path(name).expanduser()
-    if name in CONFIGS and not path.exists():  # builds the tiny default: its weights are a few kB
-        folder = resolve_checkpoint(name)
+    if name in defaults.CONFIGS and not path.exists():  # builds the tiny default: its weights are a few kB
+        folder = resolve(name)
         return Source(read_config(folder), name, folder)
     if path.is_dir():
         return Source(read_config(path), str(path), path)
@@ -90,10 +93,8 @@ def read_source(model: str | Path | dict, revision: str | None = None) -> Source
 def hub_config(repo: str, revision: str | None = None) -> Path:
     """config.json of a Hub repo: from the local cache if there, else downloaded (that file only, never weights).
 
-    resolve_checkpoint is not used: it downloads the safetensors files, which is what planning should avoid.
+    resolve() is not used: it downloads the safetensors files, which is what planning should avoid.
     """
-    from huggingface_hub import hf_hub_download
-
     try:
         return Path(hf_hub_download(repo, "config.json", revision=revision, local_files_only=True))
     except Exception:  # not cached: fetch it
@@ -113,8 +114,6 @@ def stored_weights(folder: Path | None) -> dict | None:
 
     A broken or partial set of files (a download in progress) is reported, not raised: the plan needs only
     the config."""
-    from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
-
     if folder is None or not (any(folder.glob("*.safetensors")) or (folder / INDEX_FILE).exists()):
         return None
     try:
@@ -159,18 +158,9 @@ class LayerCount:
 
 
 def build_meta_model(cfg, family):
-    """The model exactly as load_pretrained allocates it, on the meta device (no memory, no weights).
-
-    Same steps as moelens.loaders.load_pretrained: built, cast to the dtype, and float32 routers where the
-    family keeps them (Hunyuan, Solar) so they count 4 bytes per weight."""
-    with torch.device("meta"):
-        model = family(cfg)
-    model.to(cfg.dtype)
-    if cfg.router_in_float32:
-        for block in model.blocks:
-            if block.is_moe:
-                block.mlp.router.float()
-    return model
+    """The model exactly as loading allocates it (family.build): on the meta device (no memory, no weights),
+    in the dtype, float32 routers where the family keeps them (Hunyuan, Solar) so they count 4 bytes each."""
+    return family.build(cfg)
 
 
 def component_of(name: str) -> tuple[str, int | None]:
@@ -186,7 +176,8 @@ def component_of(name: str) -> tuple[str, int | None]:
     match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
     if match:
         layer, rest = int(match.group(1)), match.group(2)
-        if rest.startswith(("ln1.", "ln2.", "attn.q_norm.", "attn.k_norm.")):
+        norms = ("ln1.", "ln2.", "attn.q_norm.", "attn.k_norm.", "attn.q_a_layernorm.", "attn.kv_a_layernorm.")
+        if rest.startswith(norms):
             return "norms", layer
         if rest.startswith("attn."):
             return "attention", layer
@@ -225,7 +216,7 @@ def count_model(model) -> tuple[dict[str, Count], list[LayerCount]]:
 # ---- activations and KV cache ---------------------------------------------------------------------------
 
 
-def activation_terms(cfg, batch: int, seq: int) -> dict[str, dict]:
+def activation_terms(cfg, batch: int, seq: int, float32_router: bool = False) -> dict[str, dict]:
     """Bytes of the largest tensors alive at once in a forward of batch x seq tokens, without caching hooks.
 
     Each term names its shapes; `peak` = residual + the largest of (attention, mlp, logits), since only one
@@ -233,7 +224,7 @@ def activation_terms(cfg, batch: int, seq: int) -> dict[str, dict]:
     b = torch.tensor([], dtype=cfg.dtype).element_size()
     tokens = batch * seq
     # Hunyuan and Solar weigh the slot outputs with float32 router weights, which promotes them to float32
-    slot_bytes = max(b, 4) if (cfg.router_in_float32 or cfg.router_compute_float32) else b
+    slot_bytes = max(b, 4) if float32_router else b
     moe_k = [k for k, moe in zip(cfg.top_k, cfg.moe_layers, strict=True) if moe]
     k = max(moe_k, default=0)
     terms = {
@@ -594,8 +585,6 @@ def plan(
     is fetched) or a config.json dict. devices: ["cuda:0", ...] (memory from torch.cuda, or gpu_memory);
     gpus: N GPUs of gpu_memory each; neither: the CPU only. cpu_memory: default this machine's memory.
     Sizes are bytes or strings like "141GB", "80GiB"."""
-    from moelens.models import family_for
-
     dtype = parse_dtype(dtype)
     for name, value in (("batch", batch), ("seq", seq)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -616,7 +605,8 @@ def plan(
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head wins, as the loader does
     cfg = dataclasses.replace(cfg, dtype=dtype)
     components, layers = count_model(build_meta_model(cfg, family))
-    acts = activation_terms(cfg, batch, seq)
+    float32_router = family.components.router.float32_weight
+    acts = activation_terms(cfg, batch, seq, float32_router)
     kv = kv_cache_bytes(cfg, batch, seq)
     embed_bytes = components["embeddings"].bytes
     final_norm = cfg.d_model * torch.tensor([], dtype=dtype).element_size()
@@ -651,7 +641,7 @@ def plan(
         config={
             "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_experts": cfg.n_experts,
             "top_k": max(cfg.top_k, default=0), "d_expert": cfg.d_expert, "d_vocab": cfg.d_vocab,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": cfg.router_in_float32,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": float32_router,
         },
     )
 

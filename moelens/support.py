@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 from moelens.names import SITES, layer_of, site_for, site_pattern
+from moelens.sitemap import SiteMap
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,7 @@ class SupportRow:
     meaning: str
     standard: str
     layers: str  # which blocks have it ("all", "1,3", or "-" for model-level sites)
+    reference: str = "-"  # the transformers module (and what of it) the hook equals, from the site map
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,8 @@ class SupportTable:
         return [r.name for r in self.rows]
 
     def __str__(self) -> str:
-        header = ("hook", "layout", "shape", "blocks", "standard name", "meaning")
-        lines = [header] + [(r.name, r.layout, r.shape, r.layers, r.standard, r.meaning) for r in self.rows]
+        header = ("hook", "layout", "shape", "blocks", "standard name", "transformers", "meaning")
+        lines = [header] + [(r.name, r.layout, r.shape, r.layers, r.standard, r.reference, r.meaning) for r in self.rows]
         widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
         text = [f"{self.model}: hook points"]
         for line in lines:
@@ -48,7 +52,10 @@ class SupportTable:
 
 def _dims(model) -> dict[str, str]:
     cfg = model.cfg
-    dims = {
+    # every integer size of the config names an axis (a family's own sizes: q_lora_rank, v_head_dim, ...)
+    sizes = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    dims = {name: v for name, v in sizes.items() if type(v) is int}
+    dims |= {
         "d_model": cfg.d_model,
         "d_head": cfg.d_head,
         "head": cfg.n_heads,
@@ -79,9 +86,20 @@ def _span(layers: list[int], n_layers: int) -> str:
     return "all" if layers == list(range(n_layers)) else ",".join(map(str, layers))
 
 
+def _references(site_map: SiteMap) -> dict[str, str]:
+    """hook pattern -> "module (read)" of the first layer that has it, with the layer number as L."""
+    out: dict[str, str] = {}
+    for ref in site_map.references:
+        module = re.sub(r"\.layers\.\d+(?=\.|$)", ".layers.L", ref.module)
+        read = "" if ref.read == "out" else f" ({ref.read})"
+        out.setdefault(site_pattern(ref.hook), module + read)
+    return out
+
+
 def support_table(model) -> SupportTable:
     cfg = model.cfg
     dims = _dims(model)
+    references = _references(type(model).site_map(cfg))
     present: dict[str, list[int]] = {}
     for name in model.hook_dict:
         layer = layer_of(name)
@@ -92,16 +110,17 @@ def support_table(model) -> SupportTable:
     for pattern, layers in present.items():
         site = site_for(pattern)
         hp = model.hook_dict[pattern.replace("blocks.L.", f"blocks.{layers[0]}.")] if layers else model.hook_dict[pattern]
-        layout = site.layout if site else hp.layout
+        layout = hp.layout
         top_k = {cfg.top_k[layer] for layer in layers} if "top_k" in layout else set()
         rows.append(
             SupportRow(
                 name=pattern,
                 layout=layout,
                 shape=_shape(layout, dims, top_k),
-                meaning=site.meaning if site else hp.meaning,
+                meaning=hp.meaning,
                 standard=(site.standard if site and site.standard else "-"),
                 layers=_span(layers, cfg.n_layers),
+                reference=references.get(pattern, "-"),
             )
         )
     absent = []

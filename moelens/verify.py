@@ -1,7 +1,7 @@
 """Compare a moelens model with transformers' own forward on the same checkpoint, site by site.
 
-transformers is imported only here (it is an optional dependency). Each family lists its reference sites:
-which transformers module's input or output corresponds to which moelens hook.
+transformers is imported only here, inside load_reference (it is an optional dependency). Which transformers
+module's input or output corresponds to which moelens hook is read from the family's site map.
 """
 
 from __future__ import annotations
@@ -11,37 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moelens.models.base import HookedTransformer
 from moelens.positions import positions_from_mask
-
-# A reference site: (moelens hook pattern with L, module path under the transformers decoder layer
-# (or under the model for model-level sites), what to read: "in" | "out" | "out.N" | "out.heads_first"
-# (an output laid out [batch head pos d_head], shown as moelens's [batch pos head d_head]).
-RefSite = tuple[str, str, str]
-
-LLAMA_LIKE_SITES: tuple[RefSite, ...] = (
-    ("blocks.L.hook_resid_pre", "", "in"),
-    ("blocks.L.ln1.hook_normalized", "input_layernorm", "out"),
-    ("blocks.L.attn.hook_q", "self_attn.q_proj", "out"),
-    ("blocks.L.attn.hook_k", "self_attn.k_proj", "out"),
-    ("blocks.L.attn.hook_v", "self_attn.v_proj", "out"),
-    ("blocks.L.hook_attn_out", "self_attn", "out.0"),
-    ("blocks.L.ln2.hook_normalized", "post_attention_layernorm", "out"),
-    ("blocks.L.hook_mlp_out", "mlp", "out"),
-    ("blocks.L.hook_resid_post", "", "out"),
-    ("ln_final.hook_normalized", "model.norm", "out"),
-    ("hook_logits", "lm_head", "out"),
-)
-
-
-def moe_reference_sites(gate: str, experts: str, shared_expert: str) -> tuple[RefSite, ...]:
-    """The mixture's sites, for a family whose router returns (logits, weights, indices)."""
-    return (
-        ("blocks.L.mlp.hook_router_logits", gate, "out.0"),
-        ("blocks.L.mlp.hook_expert_weights", gate, "out.1"),
-        ("blocks.L.mlp.hook_expert_indices", gate, "out.2"),
-        ("blocks.L.mlp.hook_routed_out", experts, "out"),
-        ("blocks.L.mlp.shared_expert.hook_out", shared_expert, "out"),
-    )
+from moelens.pretrained import resolve
+from moelens.sitemap import Reference
 
 
 @dataclass
@@ -84,23 +57,10 @@ def _capture(module: torch.nn.Module, what: str, store: dict, key: str) -> Calla
     return handle.remove
 
 
-def reference_forward(hf_model, family, tokens, attention_mask=None, position_ids=None) -> tuple[torch.Tensor, dict]:
+def reference_forward(hf_model, references: tuple[Reference, ...], tokens, attention_mask=None, position_ids=None):
     """transformers' logits and the tensors at every reference site, keyed by moelens hook name."""
     store: dict[str, torch.Tensor] = {}
-    removers = []
-    sites = LLAMA_LIKE_SITES + tuple(family.reference_sites)
-    n_layers = hf_model.config.num_hidden_layers
-    for pattern, path, what in sites:
-        if "blocks.L." in pattern:
-            for layer in range(n_layers):
-                base = hf_model.model.layers[layer]
-                try:
-                    module = base.get_submodule(path) if path else base
-                except AttributeError:
-                    continue  # e.g. a dense block has no router
-                removers.append(_capture(module, what, store, pattern.replace("blocks.L.", f"blocks.{layer}.")))
-        else:
-            removers.append(_capture(hf_model.get_submodule(path), what, store, pattern))
+    removers = [_capture(hf_model.get_submodule(r.module), r.read, store, r.hook) for r in references]
     try:
         with torch.no_grad():
             out = hf_model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids)
@@ -115,7 +75,8 @@ def compare(model, hf_model, tokens, attention_mask=None) -> VerifyReport:
     positions = None
     if attention_mask is not None:  # transformers' plain forward does not derive positions from the mask
         positions = positions_from_mask(attention_mask)
-    ref_logits, ref = reference_forward(hf_model, type(model), tokens, attention_mask, positions)
+    references = type(model).site_map(model.cfg).references
+    ref_logits, ref = reference_forward(hf_model, references, tokens, attention_mask, positions)
     with torch.no_grad():
         logits, cache = model.run_with_cache(tokens, attention_mask=attention_mask, names_filter=list(ref))
     keep = torch.ones(tokens.shape, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -170,10 +131,7 @@ def load_reference(path, dtype: torch.dtype = torch.float32):
 
 def verify(path, dtype: torch.dtype = torch.float32, tokens: torch.Tensor | None = None, seed: int = 0, seq_len: int = 24) -> VerifyReport:
     """Load `path` with moelens and with transformers and compare them on random tokens (2 x seq_len)."""
-    from moelens import HookedTransformer
-    from moelens.loaders.hub import resolve_checkpoint
-
-    path = resolve_checkpoint(path)
+    path = resolve(path)
     model = HookedTransformer.from_pretrained(path, dtype=dtype, progress=False)
     hf_model = load_reference(path, dtype)
     if tokens is None:

@@ -31,6 +31,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import nn
 
+from moelens import fold
 from moelens.factored_matrix import FactoredMatrix
 
 if TYPE_CHECKING:
@@ -75,6 +76,18 @@ class WeightViews:
     def _per_layer(self, fn: Callable[[Attention], torch.Tensor]) -> torch.Tensor:
         return torch.stack([fn(block.attn) for block in self.blocks])
 
+    def _per_head(self, what: str, fn: Callable[[Attention], torch.Tensor]) -> torch.Tensor:
+        """A per-head projection view, for attention whose q / k / v are linear maps of the stream."""
+        attn = self.blocks[0].attn
+        if not attn.per_head_projections:
+            # not AttributeError: a property raising it would read as "no attribute W_Q"
+            raise ValueError(
+                f"{what}: {type(attn).__name__}'s keys and values come out of a normed low-rank latent, so there "
+                "is no per-head linear map of the residual stream; read the projections on blocks[L].attn "
+                "(q_a_proj / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj) or the hooks"
+            )
+        return self._per_layer(fn)
+
     def _heads_in(self, linear: nn.Linear, n: int) -> torch.Tensor:
         """[n*d_head, d_model] -> [n, d_model, d_head] (a view)."""
         return einops.rearrange(linear.weight, "(head d_head) d_model -> head d_model d_head", head=n)
@@ -85,15 +98,15 @@ class WeightViews:
 
     @property
     def W_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
-        return self._per_layer(lambda a: self._heads_in(a.q_proj, self.cfg.n_heads))
+        return self._per_head("W_Q", lambda a: self._heads_in(a.q_proj, self.cfg.n_heads))
 
     @property
     def W_K_grouped(self) -> Float[torch.Tensor, "n_layers n_kv_heads d_model d_head"]:
-        return self._per_layer(lambda a: self._heads_in(a.k_proj, self.cfg.n_kv_heads))
+        return self._per_head("W_K_grouped", lambda a: self._heads_in(a.k_proj, self.cfg.n_kv_heads))
 
     @property
     def W_V_grouped(self) -> Float[torch.Tensor, "n_layers n_kv_heads d_model d_head"]:
-        return self._per_layer(lambda a: self._heads_in(a.v_proj, self.cfg.n_kv_heads))
+        return self._per_head("W_V_grouped", lambda a: self._heads_in(a.v_proj, self.cfg.n_kv_heads))
 
     @property
     def W_K(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
@@ -118,15 +131,15 @@ class WeightViews:
 
     @property
     def b_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._per_layer(lambda a: self._bias(a.q_proj, self.cfg.n_heads, self.cfg.d_head))
+        return self._per_head("b_Q", lambda a: self._bias(a.q_proj, self.cfg.n_heads, self.cfg.d_head))
 
     @property
     def b_K(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._repeat_kv(self._per_layer(lambda a: self._bias(a.k_proj, self.cfg.n_kv_heads, self.cfg.d_head)))
+        return self._repeat_kv(self._per_head("b_K", lambda a: self._bias(a.k_proj, self.cfg.n_kv_heads, self.cfg.d_head)))
 
     @property
     def b_V(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._repeat_kv(self._per_layer(lambda a: self._bias(a.v_proj, self.cfg.n_kv_heads, self.cfg.d_head)))
+        return self._repeat_kv(self._per_head("b_V", lambda a: self._bias(a.v_proj, self.cfg.n_kv_heads, self.cfg.d_head)))
 
     @property
     def b_O(self) -> Float[torch.Tensor, "n_layers d_model"]:
@@ -155,7 +168,7 @@ class WeightViews:
         return torch.stack([fn(block.mlp) for block in self.blocks])
 
     def _shared(self, what: str, fn: Callable[[SparseMoe], torch.Tensor]) -> torch.Tensor:
-        if not self.cfg.d_shared:
+        if not any(block.is_moe and block.mlp.has_shared_expert for block in self.blocks):
             raise ValueError(f"{what}: this model's mixtures have no shared expert")
         return self._per_moe_layer(what, fn)
 
@@ -192,7 +205,7 @@ class WeightViews:
     @property
     def W_shared_sigmoid_gate(self) -> Float[torch.Tensor, "n_layers d_model"]:
         """Qwen2-MoE's shared_expert_gate: the shared expert is scaled by sigmoid(x @ this[l])."""
-        if not self.cfg.shared_gate:
+        if not any(b.is_moe and b.mlp.shared_expert_gated for b in self.blocks):
             raise ValueError("W_shared_sigmoid_gate: this model's shared expert is not gated (only Qwen2-MoE's is)")
         return self._shared("W_shared_sigmoid_gate", lambda m: m.shared_gate.weight[0])
 
@@ -204,8 +217,6 @@ class WeightViews:
         Folding re-rounds the router's weights, and routing is discontinuous: near-tied tokens can change
         experts. The count on a probe batch is kept as self.routing_changes (moelens.fold.RoutingChanges),
         with a warning when it is not zero."""
-        from moelens import fold
-
         if fold_ln:
             self.routing_changes = fold.fold_layer_norm(self)  # type: ignore[arg-type]
             if self.routing_changes.total:

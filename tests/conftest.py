@@ -1,3 +1,4 @@
+import importlib
 import os
 import shutil
 import sys
@@ -32,6 +33,9 @@ VARIANTS = {
     ("solar_open", "sharded"): lambda d: tiny.build_solar(d, seed=2, max_shard_size="100KB"),
     ("solar_open", "fused"): lambda d: tiny.fused(tiny.build_solar(d, seed=3)),
 }
+# A family's own test module tests/tiny_<family>.py adds its variants here (a dict VARIANTS like this one).
+for _path in sorted(Path(__file__).parent.glob("tiny_*.py")):
+    VARIANTS.update(importlib.import_module(_path.stem).VARIANTS)
 FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open"]
 
 
@@ -79,3 +83,9 @@ def copy_checkpoint(tmp_path, checkpoints):
         return dst
 
     return copy
+
+
+def has_shared_expert(model, layer: int | None = None) -> bool:
+    """Capability read from the model: whether (that layer's) mixture block has a shared expert."""
+    blocks = [model.blocks[layer]] if layer is not None else [b for b in model.blocks if b.is_moe]
+    return any(b.is_moe and b.mlp.has_shared_expert for b in blocks)

@@ -202,6 +202,11 @@ def test_unknown_model_type(ckpt):
     refused(ckpt, "config.json", "'llama_moe_9000'", "not supported", "qwen2_moe")
 
 
+def test_quantised_checkpoint_is_refused_before_reading_weights(ckpt):
+    tiny.edit_config(ckpt, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    refused(ckpt, "config.json", "quantization_config", "'fp8'", "unquantised")
+
+
 def test_missing_model_type(ckpt):
     tiny.edit_config(ckpt, model_type=None)
     refused(ckpt, "config.json", "model_type", "qwen2_moe")

@@ -5,7 +5,7 @@ Each check is against something computed another way: cached streams, the model'
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, has_shared_expert
 
 from moelens import HookedTransformer
 from moelens.cache_analysis import MissingHooksError
@@ -57,7 +57,7 @@ def expected_labels(model, expand=False):
         if not block.is_moe:
             labels += [f"L{l}.mlp.N{i}" for i in range(cfg.d_mlp)] if expand else [f"L{l}.mlp"]
             continue
-        if cfg.d_shared:
+        if block.mlp.has_shared_expert:
             labels += [f"L{l}.shared.N{i}" for i in range(cfg.d_shared)] if expand else [f"L{l}.shared"]
         if expand:
             labels += [f"L{l}.E{e}.N{i}" for e in range(cfg.n_experts) for i in range(cfg.d_expert)]
@@ -77,9 +77,12 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
     comp = dict(zip(labels, stack))
     close(comp["embed"], cache["hook_embed"], 0)
     for l in range(model.cfg.n_layers):
+        if not model.blocks[l].is_moe:
+            continue
         experts = torch.stack([comp[f"L{l}.E{e}"] for e in range(model.cfg.n_experts)])
         close(experts.sum(0), cache["routed_out", l])
-        close(comp[f"L{l}.shared"], cache["shared_out", l], 0)
+        if has_shared_expert(model, l):
+            close(comp[f"L{l}.shared"], cache["shared_out", l], 0)
         # an expert contributes only where the token chose it, and then exactly its slots' sum
         indices, outputs = cache["expert_indices", l], cache["expert_outputs", l]
         for e in range(model.cfg.n_experts):
@@ -98,12 +101,13 @@ def test_full_decomposition_expanded_into_neurons(runs, family):
     # each expert's neurons add up to that expert's part of the unexpanded decomposition
     coarse = dict(zip(*cache.get_full_resid_decomposition()[::-1]))
     index = {lab: i for i, lab in enumerate(labels)}
-    for l in range(model.cfg.n_layers):
+    for l in model.cfg.moe_layer_indices:
         for e in (0, model.cfg.n_experts - 1):
             rows = [index[f"L{l}.E{e}.N{i}"] for i in range(model.cfg.d_expert)]
             close(stack[rows].sum(0), coarse[f"L{l}.E{e}"])
-        rows = [index[f"L{l}.shared.N{i}"] for i in range(model.cfg.d_shared)]
-        close(stack[rows].sum(0), coarse[f"L{l}.shared"])
+        if has_shared_expert(model, l):
+            rows = [index[f"L{l}.shared.N{i}"] for i in range(model.cfg.d_shared)]
+            close(stack[rows].sum(0), coarse[f"L{l}.shared"])
 
 
 @pytest.mark.parametrize("key", [("qwen2_moe", "dense_block"), ("hunyuan_v1_moe", "untied_biased")])

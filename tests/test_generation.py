@@ -143,9 +143,9 @@ def test_forcing_a_router_steers_every_step(family_models, family):
     tokens, mask = prompt(padded=True)
     name = "blocks.1.mlp.hook_router_logits"
 
-    def force(logits, hook):
-        logits = logits.clone()
-        logits[..., 5] = logits.max() + 30.0
+    def force(logits, hook):  # expert 5 far above the rest: chosen under softmax and sigmoid (+ choice bias) alike
+        logits = torch.full_like(logits, -30.0)
+        logits[..., 5] = 30.0
         return logits
 
     chosen = []

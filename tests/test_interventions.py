@@ -2,11 +2,15 @@
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, has_shared_expert
 
 from moelens import HookedTransformer
+from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
+from moelens.models.components.router_float32_weights import SoftmaxTopKFloat32Weights
 
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
+# the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral)
+FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxTopKFloat32Weights)
 
 
 def moe_layers(model):
@@ -22,12 +26,19 @@ def test_identities(family_models, family, tokens):
             cache["resid_pre", layer] + cache["attn_out", layer] + cache["mlp_out", layer], cache["resid_post", layer],
             rtol=0, atol=1e-6,
         )
-        mlp = f"blocks.{layer}.mlp"
-        torch.testing.assert_close(cache[f"{mlp}.hook_routed_out"] + cache[f"{mlp}.hook_shared_out"], cache["mlp_out", layer], rtol=0, atol=0)
-        if family == "qwen2_moe":
+        mlp, block = f"blocks.{layer}.mlp", model.blocks[layer]
+        if not block.is_moe:
+            continue
+        if not block.mlp.has_shared_expert:
+            assert torch.equal(cache[f"{mlp}.hook_routed_out"], cache["mlp_out", layer])
+        else:
+            torch.testing.assert_close(
+                cache[f"{mlp}.hook_routed_out"] + cache[f"{mlp}.hook_shared_out"], cache["mlp_out", layer], rtol=0, atol=0
+            )
+        if block.mlp.shared_expert_gated:
             gated = torch.sigmoid(cache[f"{mlp}.hook_shared_gate"]) * cache[f"{mlp}.shared_expert.hook_out"]
             torch.testing.assert_close(gated, cache[f"{mlp}.hook_shared_out"], rtol=0, atol=0)
-        else:
+        elif block.mlp.has_shared_expert:
             assert torch.equal(cache[f"{mlp}.hook_shared_out"], cache[f"{mlp}.shared_expert.hook_out"])
         torch.testing.assert_close(cache[f"{mlp}.hook_expert_outputs"].sum(2).to(cache["mlp_out", layer].dtype),
                                    cache[f"{mlp}.hook_routed_out"], rtol=0, atol=1e-6)
@@ -41,7 +52,8 @@ def test_router_rules(family_models, family, tokens):
     for layer in moe_layers(model):
         logits, w, idx = cache["router_logits", layer], cache["expert_weights", layer], cache["expert_indices", layer]
         k = model.cfg.top_k[layer]
-        if family == "solar_open":
+        router = model.blocks[layer].mlp.router
+        if isinstance(router, SigmoidGroupedTopK):
             scores = logits.float().sigmoid()
             bias = model.blocks[layer].mlp.router.e_score_correction_bias
             biased = (scores + bias).unflatten(-1, (model.cfg.n_group, -1))
@@ -55,7 +67,7 @@ def test_router_rules(family_models, family, tokens):
             assert torch.equal(top.indices, idx)
             expected = top.values / top.values.sum(-1, keepdim=True) if model.cfg.norm_topk_prob else top.values
         torch.testing.assert_close(expected.to(w.dtype), w, rtol=0, atol=1e-7)
-        assert w.dtype == (torch.float32 if family != "qwen2_moe" else model.cfg.dtype)
+        assert w.dtype == (torch.float32 if isinstance(router, FLOAT32_WEIGHTS) else model.cfg.dtype)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -78,7 +90,8 @@ def test_expert_ablation_touches_only_routed_tokens(checkpoints, family, dtype, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replacing_router_logits_reroutes_and_reweights(family_models, family, tokens):
-    model, layer, forced = family_models[family], 0, [5, 4, 2]  # within two of Solar's groups
+    model, forced = family_models[family], [5, 4, 2]  # within two of Solar's groups
+    layer = moe_layers(model)[0]
     k = model.cfg.top_k[layer]
 
     def force(logits, hook):
@@ -92,7 +105,7 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     idx, w = cache["expert_indices", layer], cache["expert_weights", layer]
     assert torch.equal(idx.sort(-1).values, torch.tensor(sorted(forced[:k])).expand_as(idx))
     new_logits = torch.tensor([4.0 - r for r in range(k)])
-    if family == "solar_open":  # (the correction bias is small next to the forced gap)
+    if isinstance(model.blocks[layer].mlp.router, SigmoidGroupedTopK):  # (the bias is small next to the forced gap)
         expected = torch.sigmoid(new_logits) * model.cfg.routed_scaling_factor
     else:
         probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (model.cfg.n_experts - k)), -1)[:k]
@@ -112,53 +125,66 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
 def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
     """Writing hook_expert_indices re-routes; the weights are read from the scores of the new experts."""
     model = family_models[family]
-    k = model.cfg.top_k[0]
+    layer = moe_layers(model)[0]
+    k = model.cfg.top_k[layer]
     new = torch.arange(k)
-    with model.hooks([("blocks.0.mlp.hook_expert_indices", lambda idx, hook: new.expand_as(idx).contiguous())]):
+    with model.hooks([(f"blocks.{layer}.mlp.hook_expert_indices", lambda idx, hook: new.expand_as(idx).contiguous())]):
         _, cache = model.run_with_cache(tokens)
-    scores = cache["blocks.0.mlp.hook_router_scores"][..., :k]
+    scores = cache[f"blocks.{layer}.mlp.hook_router_scores"][..., :k]
     if model.cfg.norm_topk_prob:
         scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-    torch.testing.assert_close(cache["expert_weights", 0], (scores * model.cfg.routed_scaling_factor).to(cache["expert_weights", 0].dtype), rtol=0, atol=1e-7)
+    w = cache["expert_weights", layer]
+    torch.testing.assert_close(w, (scores * model.cfg.routed_scaling_factor).to(w.dtype), rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_new_weights_are_not_renormalised(family_models, family, tokens):
     model = family_models[family]
+    layer = moe_layers(model)[0]
     half = lambda w, hook: w * 0.5  # noqa: E731
     _, clean = model.run_with_cache(tokens)
-    with model.hooks([("blocks.0.mlp.hook_expert_weights", half)]):
+    with model.hooks([(f"blocks.{layer}.mlp.hook_expert_weights", half)]):
         _, cache = model.run_with_cache(tokens)
-    torch.testing.assert_close(cache["expert_weights", 0], clean["expert_weights", 0] * 0.5)
-    torch.testing.assert_close(cache["blocks.0.mlp.hook_routed_out"], clean["blocks.0.mlp.hook_routed_out"] * 0.5, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cache["expert_weights", layer], clean["expert_weights", layer] * 0.5)
+    routed = f"blocks.{layer}.mlp.hook_routed_out"
+    torch.testing.assert_close(cache[routed], clean[routed] * 0.5, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replacing_expert_neurons_and_shared_out(family_models, family, tokens):
     model = family_models[family]
-    with model.hooks([("blocks.1.mlp.experts.hook_post", zero)]):
+    first, last = moe_layers(model)[0], moe_layers(model)[-1]
+    with model.hooks([(f"blocks.{last}.mlp.experts.hook_post", zero)]):
         _, cache = model.run_with_cache(tokens)
-    assert torch.count_nonzero(cache["blocks.1.mlp.hook_routed_out"]) == 0
-    torch.testing.assert_close(cache["mlp_out", 1], cache["blocks.1.mlp.hook_shared_out"], rtol=0, atol=0)
-    with model.hooks([("blocks.0.mlp.hook_shared_out", zero)]):
+    assert torch.count_nonzero(cache[f"blocks.{last}.mlp.hook_routed_out"]) == 0
+    if not has_shared_expert(model):
+        assert torch.count_nonzero(cache["mlp_out", last]) == 0
+        return
+    torch.testing.assert_close(cache["mlp_out", last], cache[f"blocks.{last}.mlp.hook_shared_out"], rtol=0, atol=0)
+    with model.hooks([(f"blocks.{first}.mlp.hook_shared_out", zero)]):
         _, cache = model.run_with_cache(tokens)
-    torch.testing.assert_close(cache["mlp_out", 0], cache["blocks.0.mlp.hook_routed_out"], rtol=0, atol=0)
+    torch.testing.assert_close(cache["mlp_out", first], cache[f"blocks.{first}.mlp.hook_routed_out"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hooks_fire_in_family_order(family_models, family, tokens):
     order = []
-    family_models[family].run_with_hooks(tokens, fwd_hooks=[(lambda n: n.startswith("blocks.0.mlp"), lambda t, hook: order.append(hook.name))])
-    pos = {n: i for i, n in enumerate(order)}
-    shared, router = pos["blocks.0.mlp.shared_expert.hook_out"], pos["blocks.0.mlp.hook_router_logits"]
-    routed, shared_out = pos["blocks.0.mlp.hook_routed_out"], pos["blocks.0.mlp.hook_shared_out"]
-    if family == "qwen2_moe":  # shared expert first, gated after the routed experts
+    model = family_models[family]
+    model.run_with_hooks(tokens, fwd_hooks=[(lambda n: ".mlp." in n, lambda t, hook: order.append(hook.name))])
+    mlp = next(b.mlp for b in model.blocks if b.is_moe)
+    layer = mlp.hook_router_logits.name.split(".")[1]
+    order = [n for n in order if n.startswith(f"blocks.{layer}.")]
+    pos = {n.replace(f"blocks.{layer}.", "blocks.0."): i for i, n in enumerate(order)}
+    router, routed = pos["blocks.0.mlp.hook_router_logits"], pos["blocks.0.mlp.hook_routed_out"]
+    assert router < pos["blocks.0.mlp.hook_expert_indices"] < pos["blocks.0.mlp.hook_expert_weights"] < routed
+    if isinstance(mlp, GatedSharedExpertMoe):  # shared expert first, gated after the routed experts
+        shared, shared_out = pos["blocks.0.mlp.shared_expert.hook_out"], pos["blocks.0.mlp.hook_shared_out"]
         assert shared < router and routed < pos["blocks.0.mlp.hook_shared_gate"] < shared_out
-    elif family == "hunyuan_v1_moe":  # shared expert first, added as it is
-        assert shared_out < router
-    else:  # Solar: the shared expert after the routed experts
-        assert routed < shared
-    if family == "solar_open":
+    elif isinstance(mlp, SharedFirstMoe):  # shared expert first, added as it is
+        assert pos["blocks.0.mlp.hook_shared_out"] < router
+    elif mlp.has_shared_expert:  # the shared expert after the routed experts
+        assert routed < pos["blocks.0.mlp.shared_expert.hook_out"]
+    if mlp.router.choice_bias:
         assert pos["blocks.0.mlp.hook_router_scores"] < pos["blocks.0.mlp.hook_choice_scores"] < pos["blocks.0.mlp.hook_expert_indices"]
 
 
@@ -189,21 +215,26 @@ def test_shapes_and_support_table(family_models, family, tokens):
     cfg = model.cfg
     for layer in range(cfg.n_layers):
         k = cfg.top_k[layer]
-        assert cache[f"blocks.{layer}.attn.hook_q"].shape == (b, p, cfg.n_heads, cfg.d_head)
-        assert cache[f"blocks.{layer}.attn.hook_k"].shape == (b, p, cfg.n_kv_heads, cfg.d_head)
         assert cache[f"blocks.{layer}.attn.hook_pattern"].shape == (b, cfg.n_heads, p, p)
+        if not model.blocks[layer].is_moe:
+            assert cache[f"blocks.{layer}.mlp.hook_post"].shape == (b, p, cfg.d_mlp)
+            continue
         assert cache["router_logits", layer].shape == (b, p, cfg.n_experts)
         assert cache["expert_indices", layer].shape == (b, p, k)
         assert cache[f"blocks.{layer}.mlp.experts.hook_post"].shape == (b, p, k, cfg.d_expert)
         assert cache[f"blocks.{layer}.mlp.hook_expert_outputs"].shape == (b, p, k, cfg.d_model)
-        assert cache[f"blocks.{layer}.mlp.shared_expert.hook_post"].shape == (b, p, cfg.d_shared)
+        if has_shared_expert(model, layer):
+            assert cache[f"blocks.{layer}.mlp.shared_expert.hook_post"].shape == (b, p, cfg.d_shared)
     table = model.support(print_table=False)
     names = set(table.names())
     assert names == {n if not n.startswith("blocks.") else "blocks.L." + n.split(".", 2)[2] for n in model.hook_dict}
-    assert ("blocks.L.mlp.hook_shared_gate" in names) == (family == "qwen2_moe")
-    assert ("blocks.L.mlp.hook_choice_scores" in names) == (family == "solar_open")
+    mlps = [b.mlp for b in model.blocks if b.is_moe]
+    assert ("blocks.L.mlp.hook_shared_gate" in names) == any(m.shared_expert_gated for m in mlps)
+    assert ("blocks.L.mlp.hook_choice_scores" in names) == any(m.router.choice_bias for m in mlps)
+    assert ("blocks.L.mlp.shared_expert.hook_out" in names) == any(m.has_shared_expert for m in mlps)
     row = {r.name: r for r in table.rows}["blocks.L.mlp.hook_expert_indices"]
-    assert row.shape == "[batch, pos, " + "|".join(str(k) for k in sorted(set(cfg.top_k))) + "]"
+    top_k = sorted({cfg.top_k[layer] for layer in moe_layers(model)})
+    assert row.shape == "[batch, pos, " + "|".join(str(k) for k in top_k) + "]"
     assert row.standard == "expert_indices"
     text = str(table)
     assert "absent:" in text and "config.json fields read:" in text

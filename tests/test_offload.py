@@ -37,7 +37,8 @@ def test_logits_and_every_hook_equal_the_resident_model(checkpoints, resident, f
     # nothing cached between forwards: every routed expert of every layer was fetched once
     stats = model.expert_cache_stats()
     assert stats.misses == distinct_experts(ref_cache, ref) and stats.hits == 0
-    expert_bytes = ref.blocks[0].mlp.experts.W_gate_up[0].nbytes + ref.blocks[0].mlp.experts.W_down[0].nbytes
+    experts = ref.blocks[ref.cfg.moe_layer_indices[0]].mlp.experts
+    expert_bytes = experts.W_gate_up[0].nbytes + experts.W_down[0].nbytes
     assert stats.bytes_moved == stats.misses * expert_bytes
 
 

@@ -6,7 +6,7 @@ comparing logits (and routing) with the unprocessed model.
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, has_shared_expert
 
 from moelens import HookedTransformer
 from moelens.factored_matrix import FactoredMatrix
@@ -37,22 +37,20 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
     model, logits, cache = runs[family]
     cfg = model.cfg
     L, H, G, D, M = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
+    attn = model.blocks[0].attn
     with torch.no_grad():
-        W_Q, W_K, W_V, W_O = model.W_Q, model.W_K, model.W_V, model.W_O
-        assert W_Q.shape == W_K.shape == W_V.shape == (L, H, M, D) and W_O.shape == (L, H, D, M)
-        assert model.W_K_grouped.shape == model.W_V_grouped.shape == (L, G, M, D)
-        assert model.b_Q.shape == model.b_K.shape == model.b_V.shape == (L, H, D) and model.b_O.shape == (L, M)
+        W_O = model.W_O
+        D_v = cache["z", 0].shape[-1]  # each head's value width (MLA's v_head_dim)
+        assert W_O.shape == (L, H, D_v, M) and model.b_O.shape == (L, M)
         for l in range(L):
-            x = cache["blocks.%d.ln1.hook_normalized" % l]
-            q = torch.einsum("bpm,hmd->bphd", x, W_Q[l]) + model.b_Q[l]
-            close(q, cache["q", l])
-            k = torch.einsum("bpm,gmd->bpgd", x, model.W_K_grouped[l])
-            close(k + model.b_K[l, :: H // G], cache["k", l])
-            # the repeated view: query head h uses kv head h // (H / G)
-            close(torch.einsum("bpm,hmd->bphd", x, W_K[l]) + model.b_K[l], cache["k", l].repeat_interleave(H // G, dim=2))
-            close(torch.einsum("bpm,hmd->bphd", x, W_V[l]) + model.b_V[l], cache["v", l].repeat_interleave(H // G, dim=2))
             out = torch.einsum("bphd,hdm->bpm", cache["z", l], W_O[l]) + model.b_O[l]
             close(out, cache["attn_out", l])
+        if not attn.per_head_projections:  # MLA: keys and values come out of a normed latent
+            for view in ("W_Q", "W_K", "W_V", "b_Q"):
+                with pytest.raises(ValueError, match="latent"):
+                    getattr(model, view)
+        else:
+            check_qkv_views(model, cache, attn)
         close(model.W_E[toks], cache["hook_embed"], 0)
         close(cache["ln_final.hook_normalized"] @ model.W_U, logits)
         # the token direction carries the final norm's weight: x / rms . direction is the logit
@@ -60,16 +58,47 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
         close((normed * model.tokens_to_residual_directions(toks)).sum(-1), logits.gather(-1, toks[..., None])[..., 0])
 
 
+
+def check_qkv_views(model, cache, attn):
+    """x @ W + b of ln1's output gives the hooks that are linear projections (attn.linear_hooks)."""
+    cfg = model.cfg
+    L, H, G, D, M = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
+    W_Q, W_K, W_V = model.W_Q, model.W_K, model.W_V
+    assert W_Q.shape == W_K.shape == W_V.shape == (L, H, M, D)
+    assert model.W_K_grouped.shape == model.W_V_grouped.shape == (L, G, M, D)
+    assert model.b_Q.shape == model.b_K.shape == model.b_V.shape == (L, H, D)
+    for l in range(L):
+        x = cache["blocks.%d.ln1.hook_normalized" % l]
+        if "q" in attn.linear_hooks:
+            close(torch.einsum("bpm,hmd->bphd", x, W_Q[l]) + model.b_Q[l], cache["q", l])
+        if "k" in attn.linear_hooks:
+            k = torch.einsum("bpm,gmd->bpgd", x, model.W_K_grouped[l])
+            close(k + model.b_K[l, :: H // G], cache["k", l])
+            # the repeated view: query head h uses kv head h // (H / G)
+            close(torch.einsum("bpm,hmd->bphd", x, W_K[l]) + model.b_K[l], cache["k", l].repeat_interleave(H // G, dim=2))
+        assert "v" in attn.linear_hooks
+        close(torch.einsum("bpm,hmd->bphd", x, W_V[l]) + model.b_V[l], cache["v", l].repeat_interleave(H // G, dim=2))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_views_reproduce_hooks(runs, family):
     model, _, cache = runs[family]
     cfg = model.cfg
     L, E, M, I, S = cfg.n_layers, cfg.n_experts, cfg.d_model, cfg.d_expert, cfg.d_shared
+    if cfg.dense_layer_indices:  # one stack per layer needs every layer to be a mixture
+        with pytest.raises(ValueError, match="dense MLPs"):
+            model.W_gate
+        return
     with torch.no_grad():
         W_gate, W_in, W_out = model.W_gate, model.W_in, model.W_out
         assert model.W_router.shape == (L, E, M)
         assert W_gate.shape == W_in.shape == (L, E, M, I) and W_out.shape == (L, E, I, M)
-        assert model.W_shared_gate.shape == model.W_shared_in.shape == (L, M, S) and model.W_shared_out.shape == (L, S, M)
+        shared = has_shared_expert(model)
+        if shared:
+            assert model.W_shared_gate.shape == model.W_shared_in.shape == (L, M, S) and model.W_shared_out.shape == (L, S, M)
+        else:
+            with pytest.raises(ValueError, match="no shared expert"):
+                model.W_shared_out
         for l in range(L):
             x = cache["blocks.%d.ln2.hook_normalized" % l]
             close(x.float() @ model.W_router[l].float().T, cache["router_logits", l])
@@ -80,13 +109,15 @@ def test_expert_views_reproduce_hooks(runs, family):
             post = cache["blocks.%d.mlp.experts.hook_post" % l]
             out = torch.einsum("bpki,bpkim->bpkm", post, W_out[l][idx]) * cache["expert_weights", l][..., None]
             close(out, cache["expert_outputs", l])
+            if not shared:
+                continue
             sh = "blocks.%d.mlp.shared_expert." % l
             close(x @ model.W_shared_gate[l], cache[sh + "hook_pre"])
             close(x @ model.W_shared_in[l], cache[sh + "hook_pre_linear"])
             close(cache[sh + "hook_post"] @ model.W_shared_out[l], cache[sh + "hook_out"])
-            if cfg.shared_gate:
+            if model.blocks[l].mlp.shared_expert_gated:
                 close(x @ model.W_shared_sigmoid_gate[l], cache["shared_gate", l][..., 0])
-        if not cfg.shared_gate:
+        if not any(b.mlp.shared_expert_gated for b in model.blocks):
             with pytest.raises(ValueError, match="not gated"):
                 model.W_shared_sigmoid_gate
 
@@ -157,9 +188,9 @@ def test_fold_ln_keeps_logits(checkpoints, toks, key):
     close(folded.W_E, ref.W_E, 0)  # a tied embedding is untied, not scaled
     assert folded.unembed.weight is not folded.embed.weight and not folded.cfg.tie_word_embeddings
     close(folded.W_U, ref.W_U * ref.ln_final.weight[:, None].detach())
-    if folded.cfg.qk_norm:  # Hunyuan's per-head q/k norms come after the rotary: kept as they are
+    if folded.cfg.family == "hunyuan_v1_moe":  # per-head q/k norms come after the rotary: kept as they are
         close(folded.blocks[0].attn.q_norm.weight, ref.blocks[0].attn.q_norm.weight.detach(), 0)
-    if folded.cfg.router_in_float32:
+    if folded.cfg.family in ("hunyuan_v1_moe", "solar_open"):  # float32 routers stay float32
         assert all(b.mlp.router.weight.dtype == torch.float32 for b in folded.blocks)
 
 
@@ -170,7 +201,7 @@ def test_fold_ln_in_bfloat16_keeps_dtypes(checkpoints, toks, family):
     folded = HookedTransformer.from_pretrained(path, progress=False, dtype=torch.bfloat16, fold_ln=True)
     for (name, p), q in zip(ref.named_parameters(), folded.parameters()):
         assert p.dtype == q.dtype, name
-    if folded.cfg.router_in_float32:  # Hunyuan's and Solar's routers stay float32, folded in float32
+    if family in ("hunyuan_v1_moe", "solar_open"):  # their routers stay float32, folded in float32
         assert folded.blocks[0].mlp.router.weight.dtype == torch.float32
     # bfloat16 rounds the folded products: folding must not move the output more than bfloat16 itself does
     with torch.no_grad():

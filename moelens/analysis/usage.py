@@ -65,7 +65,7 @@ def expert_usage(
     with the model's own choice rule (groups included) applied to the scores without the correction bias.
     """
     layers = resolve_layers(model, layers)
-    biased = bool(model.cfg.correction_bias)
+    biased = any(block.is_moe and block.mlp.router.choice_bias for block in model.blocks)
     n, E = len(layers), model.cfg.n_experts
     counts = torch.zeros(n, E, dtype=torch.long)
     entropy_sum = torch.zeros(n, dtype=torch.float64)

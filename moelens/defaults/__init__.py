@@ -14,11 +14,19 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from moelens.families import family_for
+from moelens.loaders.checkpoint import expected_keys
 
 CONFIGS = {
     "tiny-qwen2-moe": "tiny_qwen2_moe.json",
     "tiny-hunyuan-moe": "tiny_hunyuan_v1_moe.json",
     "tiny-solar-open": "tiny_solar_open.json",
+    "tiny-mixtral": "tiny_mixtral.json",
+    "tiny-qwen3-moe": "tiny_qwen3_moe.json",
+    "tiny-olmoe": "tiny_olmoe.json",
+    "tiny-deepseek-v3": "tiny_deepseek_v3.json",
 }
 DEFAULT = "tiny-qwen2-moe"
 SEED = 0
@@ -83,14 +91,11 @@ def _move_into_place(built: Path, folder: Path, config: dict) -> None:
 
 
 def build_checkpoint(config: dict, folder: Path) -> None:
-    from moelens.loaders.checkpoint import expected_keys
-    from moelens.models import family_for
-
     family = family_for(config["model_type"])
     cfg = family.config_from_hf(config)
     gen = torch.Generator().manual_seed(SEED)
-    keys = expected_keys(cfg, family.checkpoint_names, fused_layers=set(), lm_head=not cfg.tie_word_embeddings)
-    model = family(cfg)
+    keys = expected_keys(family.site_map(cfg))
+    model = family.build(cfg)
     tensors = {}
     with torch.no_grad():
         slots = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -112,7 +117,6 @@ def build_checkpoint(config: dict, folder: Path) -> None:
 
 def byte_level_tokenizer(vocab_size: int, eos_id: int, pad_id: int):
     """One token per byte (ids 0-255) plus end-of-text and padding: any text round-trips."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
     vocab = {ch: i for i, ch in enumerate(alphabet)}

@@ -1,9 +1,8 @@
-"""Map checkpoint keys onto moelens parameters and fill them tensor by tensor.
+"""Map checkpoint keys onto moelens parameters, following a family's site map, and fill them tensor by tensor.
 
-Families differ only in a few module names (router, shared expert, q/k norm); CheckpointNames holds them,
-and `expected_keys` builds the whole map from a config. Experts are accepted in the Hub's per-expert
-layout (`experts.E.{gate,up,down}_proj.weight`) and in transformers' fused one
-(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), chosen per layer.
+The site map (moelens.sitemap) lists every parameter with the spellings of its checkpoint tensor; this
+module picks the spelling the files use, layer by layer (the routed experts per-expert or in transformers'
+fused layout), checks names and shapes against the headers, and copies.
 """
 
 from __future__ import annotations
@@ -15,27 +14,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from moelens.config import MoeConfig
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
 from moelens.loaders.safetensors_files import SafetensorsFiles
+from moelens.sitemap import ExpertStack, SiteMap
 
 # Buffers some exporters write that are recomputed from the config.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Stored dtypes cast to the model's without a warning (safetensors' names).
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-
-
-@dataclass(frozen=True)
-class CheckpointNames:
-    """Checkpoint names (under model.layers.L.) of the parts that differ between families."""
-
-    router: str = "mlp.gate.weight"
-    correction_bias: str | None = None
-    experts: str = "mlp.experts"
-    shared_expert: str = "mlp.shared_expert"
-    shared_gate: str | None = None
-    q_norm: str | None = None
-    k_norm: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,46 +32,33 @@ class Target:
     index: tuple = ()
 
 
-def _mlp_keys(src: str, dst: str) -> dict[str, Target]:
-    return {f"{src}.{p}_proj.weight": Target(f"{dst}.{p}_proj.weight") for p in ("gate", "up", "down")}
+def _expert_keys(stack: ExpertStack, present: set[str] | SafetensorsFiles) -> dict[str, Target]:
+    """The layer's expert keys in the spelling the files use (fused, or the first per-expert spelling whose
+    expert 0 is there); the first per-expert spelling when none is, so that they are reported missing."""
+    w_gate_up, w_down = stack.params
+    if stack.fused_gate_up in present:
+        return {stack.fused_gate_up: Target(w_gate_up), stack.fused_down: Target(w_down)}
+    spelling = next((k for k in stack.per_expert if k.gate.format(e=0) in present), stack.per_expert[0])
+    gate, up = slice(0, stack.d_expert), slice(stack.d_expert, 2 * stack.d_expert)
+    keys = {}
+    for e in range(stack.n_experts):
+        keys[spelling.gate.format(e=e)] = Target(w_gate_up, (e, gate))
+        keys[spelling.up.format(e=e)] = Target(w_gate_up, (e, up))
+        keys[spelling.down.format(e=e)] = Target(w_down, (e,))
+    return keys
 
 
-def expected_keys(cfg: MoeConfig, names: CheckpointNames, fused_layers: set[int], lm_head: bool) -> dict[str, Target]:
-    """Every checkpoint key the model needs, with its target."""
-    keys = {"model.embed_tokens.weight": Target("embed.weight"), "model.norm.weight": Target("ln_final.weight")}
-    if lm_head:
-        keys["lm_head.weight"] = Target("unembed.weight")
-    for layer in range(cfg.n_layers):
-        src, dst = f"model.layers.{layer}", f"blocks.{layer}"
-        keys[f"{src}.input_layernorm.weight"] = Target(f"{dst}.ln1.weight")
-        keys[f"{src}.post_attention_layernorm.weight"] = Target(f"{dst}.ln2.weight")
-        for proj in "qkvo":
-            keys[f"{src}.self_attn.{proj}_proj.weight"] = Target(f"{dst}.attn.{proj}_proj.weight")
-            if (cfg.qkv_bias and proj != "o") or (cfg.o_bias and proj == "o"):
-                keys[f"{src}.self_attn.{proj}_proj.bias"] = Target(f"{dst}.attn.{proj}_proj.bias")
-        if cfg.qk_norm:
-            keys[f"{src}.{names.q_norm}.weight"] = Target(f"{dst}.attn.q_norm.weight")
-            keys[f"{src}.{names.k_norm}.weight"] = Target(f"{dst}.attn.k_norm.weight")
-        if not cfg.moe_layers[layer]:
-            keys.update(_mlp_keys(f"{src}.mlp", f"{dst}.mlp"))
+def expected_keys(site_map: SiteMap, present: set[str] | SafetensorsFiles = frozenset()) -> dict[str, Target]:
+    """Every checkpoint key the model reads, with its target, in the spellings found in `present` (the
+    first spelling of each where none is; optional weights only where present)."""
+    keys: dict[str, Target] = {}
+    for entry in site_map.weights:
+        if isinstance(entry, ExpertStack):
+            keys.update(_expert_keys(entry, present))
             continue
-        keys[f"{src}.{names.router}"] = Target(f"{dst}.mlp.router.weight")
-        if cfg.correction_bias:
-            keys[f"{src}.{names.correction_bias}"] = Target(f"{dst}.mlp.router.e_score_correction_bias")
-        experts, w_gate_up, w_down = f"{src}.{names.experts}", f"{dst}.mlp.experts.W_gate_up", f"{dst}.mlp.experts.W_down"
-        if layer in fused_layers:
-            keys[f"{experts}.gate_up_proj"] = Target(w_gate_up)
-            keys[f"{experts}.down_proj"] = Target(w_down)
-        else:
-            gate, up = slice(0, cfg.d_expert), slice(cfg.d_expert, 2 * cfg.d_expert)
-            for e in range(cfg.n_experts):
-                keys[f"{experts}.{e}.gate_proj.weight"] = Target(w_gate_up, (e, gate))
-                keys[f"{experts}.{e}.up_proj.weight"] = Target(w_gate_up, (e, up))
-                keys[f"{experts}.{e}.down_proj.weight"] = Target(w_down, (e,))
-        if cfg.d_shared:
-            keys.update(_mlp_keys(f"{src}.{names.shared_expert}", f"{dst}.mlp.shared_expert"))
-        if cfg.shared_gate:
-            keys[f"{src}.{names.shared_gate}"] = Target(f"{dst}.mlp.shared_gate.weight")
+        found = next((k for k in entry.keys if k in present), None)
+        if found is not None or entry.required:
+            keys[found or entry.keys[0]] = Target(entry.param)
     return keys
 
 
@@ -94,16 +67,12 @@ def _list(keys: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def plan_load(cfg: MoeConfig, names: CheckpointNames, files: SafetensorsFiles) -> tuple[dict[str, Target], bool]:
-    """Check the checkpoint's keys and shapes against the config (headers only); returns (key map, untie)."""
-    fused = {
-        layer
-        for layer in range(cfg.n_layers)
-        if f"model.layers.{layer}.{names.experts}.gate_up_proj" in files
-    }
-    lm_head = not cfg.tie_word_embeddings or "lm_head.weight" in files  # a stored head wins, as in transformers
-    keys = expected_keys(cfg, names, fused, lm_head)
-    present = [k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES)]
+def key_map(site_map: SiteMap, files: SafetensorsFiles) -> dict[str, Target]:
+    """Check the checkpoint's keys against the site map (headers only); returns key -> target."""
+    keys = expected_keys(site_map, files)
+    present = [
+        k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES) and not k.startswith(site_map.ignored_prefixes or ("\0",))
+    ]
     missing = [k for k in keys if k not in files]
     if missing:
         raise CheckpointError(f"checkpoint {files.folder} is missing {len(missing)} tensor(s): {_list(missing)}")
@@ -114,7 +83,7 @@ def plan_load(cfg: MoeConfig, names: CheckpointNames, files: SafetensorsFiles) -
             f"checkpoint {files.folder} has {len(unexpected)} unexpected tensor(s) in {', '.join(where)}: "
             f"{_list(unexpected)} (does config.json describe these weights?)"
         )
-    return keys, cfg.tie_word_embeddings and lm_head
+    return keys
 
 
 def slot_map(model: nn.Module, keys: dict[str, Target]) -> dict[str, torch.Tensor]:

@@ -1,8 +1,11 @@
-"""Find a checkpoint: a local folder is read in place; anything else is a Hub repo id."""
+"""Find a checkpoint: a local folder is read in place; anything else is a Hub repo id (embedded defaults are
+resolved above the loaders, in moelens.pretrained)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from huggingface_hub import snapshot_download
 
 # Only what moelens reads: no pickle weights, no remote code.
 HUB_FILES = [
@@ -17,11 +20,7 @@ HUB_FILES = [
 
 
 def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) -> Path:
-    """Folder of a checkpoint: a local folder, an embedded default ("tiny-qwen2-moe", ...) or a Hub repo."""
-    from moelens.defaults import CONFIGS, default_checkpoint
-
-    if str(name_or_path) in CONFIGS and not Path(name_or_path).exists():
-        return default_checkpoint(str(name_or_path))
+    """Folder of a checkpoint: a local folder or a Hub repo."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -30,7 +29,6 @@ def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) ->
     name = str(name_or_path)
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise FileNotFoundError(f"no checkpoint folder at {path}")
-    from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES))

@@ -1,4 +1,5 @@
-"""HookedTransformer: the model every family shares; families add only their config and checkpoint mapping."""
+"""HookedTransformer: the model every family shares; a family adds its config mapping, its components and its
+site map."""
 
 from __future__ import annotations
 
@@ -11,21 +12,20 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import nn
 
-from moelens import generation
+from moelens import families, generation, pretrained
+from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kernels import BACKENDS
 from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
-from moelens.models.components import Block, Embed, RMSNorm, Rotary
-from moelens.positions import check_attention_mask, positions_from_mask
+from moelens.models.components import Block, Components, Embed, RMSNorm, Rotary, TopKRouter
 from moelens.names import alias_candidates
+from moelens.positions import check_attention_mask, positions_from_mask
+from moelens.sitemap import SiteMap
+from moelens.support import SupportTable, support_table
 from moelens.tokenizer import MoeTokenizer
 from moelens.weights import WeightViews
-
-if TYPE_CHECKING:
-    from moelens.loaders.checkpoint import CheckpointNames
-    from moelens.support import SupportTable
 
 ReturnType = Literal["logits", "loss", "both"] | None
 
@@ -37,8 +37,14 @@ class HookedTransformer(WeightViews, HookedRootModule):
     slot ([batch pos top_k ...]); weights keep the checkpoint's [out, in] layout.
     """
 
-    model_type: ClassVar[str] = ""
-    checkpoint_names: ClassVar[CheckpointNames]
+    model_type: ClassVar[str] = ""  # config.json's model_type; a family class with one registers itself
+    components: ClassVar[Components]
+    cache_class = ActivationCache
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("model_type"):
+            families.register(cls)
 
     def __init__(self, cfg: MoeConfig, tokenizer: MoeTokenizer | None = None) -> None:
         super().__init__()
@@ -47,7 +53,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
         self.embed = Embed(cfg.d_vocab, cfg.d_model)
         self.hook_embed = HookPoint("batch pos d_model", "token embeddings")
         self.rotary = Rotary(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, layer, self.components) for layer in range(cfg.n_layers))
         self.ln_final = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         self.hook_logits = HookPoint("batch pos d_vocab", "logits")
@@ -63,6 +69,23 @@ class HookedTransformer(WeightViews, HookedRootModule):
     @classmethod
     def config_from_hf(cls, hf: dict) -> MoeConfig:  # pragma: no cover - every family overrides
         raise NotImplementedError(f"{cls.__name__} does not define config_from_hf")
+
+    @classmethod
+    def site_map(cls, cfg: MoeConfig) -> SiteMap:  # pragma: no cover - every family overrides
+        """Each parameter's checkpoint key(s) and each hook's transformers module, for this config."""
+        raise NotImplementedError(f"{cls.__name__} does not define site_map")
+
+    @classmethod
+    def build(cls, cfg: MoeConfig) -> HookedTransformer:
+        """The model on the meta device, in cfg.dtype, routers float32 where the family keeps them so:
+        what loading fills and what `moelens plan` counts."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to(cfg.dtype)
+        for module in model.modules():
+            if isinstance(module, TopKRouter) and module.float32_weight:
+                module.float()
+        return model
 
     @classmethod
     def from_pretrained(
@@ -109,12 +132,10 @@ class HookedTransformer(WeightViews, HookedRootModule):
         logits, hooks and caches are bit for bit one process's (see moelens.kernels.expert_parallel). Torch
         experts backend only; not with fold_ln, device_map or expert_offload; no backward through experts.
         """
-        from moelens.loaders import load_pretrained
-
         if expert_parallel and experts_backend == "triton":
             raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
 
-        model = load_pretrained(
+        model = pretrained.load(
             cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress,
             fold_ln=fold_ln, center_unembed=center_unembed, check_finite=check_finite,
             expert_offload=expert_offload, expert_cache_bytes=expert_cache_bytes, device_map=device_map,
@@ -388,8 +409,6 @@ class HookedTransformer(WeightViews, HookedRootModule):
 
     def support(self, print_table: bool = True) -> SupportTable:
         """Every hook point: name, layout, shape for this model, meaning, standard name (and absent sites)."""
-        from moelens.support import support_table
-
         table = support_table(self)
         if print_table:
             print(table)

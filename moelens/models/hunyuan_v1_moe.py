@@ -11,23 +11,22 @@ moe_intermediate_size, num_shared_expert, routed_scaling_factor and norm_topk_pr
 from __future__ import annotations
 
 from moelens.config import HFConfig, MoeConfig, RopeConfig
-from moelens.loaders.checkpoint import CheckpointNames
 from moelens.models.base import HookedTransformer
-from moelens.verify import moe_reference_sites
+from moelens.models.components import Components, Float32SoftmaxTopK, QKNormAfterRotaryAttention, SharedFirstMoe
+from moelens.models.sites import Entry, attention_projections, decoder_site_map, gated_mlp, router_references, routed_experts
+from moelens.sitemap import Reference, SiteMap, Weight
 
 IGNORED_FIELDS = ("moe_intermediate_size", "num_shared_expert", "routed_scaling_factor", "norm_topk_prob", "use_qk_norm")
 
 
 class HookedHunyuanMoe(HookedTransformer):
     model_type = "hunyuan_v1_moe"
-    checkpoint_names = CheckpointNames(
-        router="mlp.gate.wg.weight", shared_expert="mlp.shared_mlp", q_norm="self_attn.query_layernorm",
-        k_norm="self_attn.key_layernorm",
-    )
-    reference_sites = moe_reference_sites("mlp.gate", "mlp.experts", "mlp.shared_mlp") + (
-        ("blocks.L.attn.hook_rot_q", "self_attn.query_layernorm", "out.heads_first"),
-        ("blocks.L.attn.hook_rot_k", "self_attn.key_layernorm", "out.heads_first"),
-    )
+    # transformers builds the q/k norms whatever use_qk_norm says
+    components = Components(attention=QKNormAfterRotaryAttention, moe=SharedFirstMoe, router=Float32SoftmaxTopK)
+
+    @classmethod
+    def site_map(cls, cfg: MoeConfig) -> SiteMap:
+        return decoder_site_map(cfg, _layer_sites)
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
@@ -54,21 +53,33 @@ class HookedHunyuanMoe(HookedTransformer):
             max_position_embeddings=hf.integer("max_position_embeddings", 2048, at_least=1),
             qkv_bias=hf.flag("attention_bias", False),
             o_bias=hf.flag("attention_bias", False),
-            qk_norm=True,  # transformers builds the q/k norms whatever use_qk_norm says
             act_fn=hf.text("hidden_act", "silu"),
             moe_layers=(True,) * n_layers,
             n_experts=n_experts,
             top_k=hf.per_layer("moe_topk", n_layers, at_least=1, at_most=n_experts),
             d_expert=width,
             d_shared=width,
-            shared_first=True,
-            router_scoring="softmax",
-            router_in_float32=True,
             norm_topk_prob=True,
             tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
         )
+
+
+def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    attn = f"{src}.self_attn"
+    return attention_projections(cfg, src, dst) + [
+        Weight(f"{dst}.attn.q_norm.weight", (f"{attn}.query_layernorm.weight",)),
+        Weight(f"{dst}.attn.k_norm.weight", (f"{attn}.key_layernorm.weight",)),
+        Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.wg.weight",)),
+        routed_experts(cfg, (f"{src}.mlp.experts",), dst),
+        *gated_mlp(f"{src}.mlp.shared_mlp", f"{dst}.mlp.shared_expert"),
+        Reference(f"{dst}.attn.hook_rot_q", f"{attn}.query_layernorm", "out.heads_first"),
+        Reference(f"{dst}.attn.hook_rot_k", f"{attn}.key_layernorm", "out.heads_first"),
+        *router_references(dst, f"{src}.mlp.gate"),
+        Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
+        Reference(f"{dst}.mlp.shared_expert.hook_out", f"{src}.mlp.shared_mlp"),
+    ]
 
 
 def _ntk_alpha_rope(hf: HFConfig, d_head: int) -> RopeConfig:

@@ -8,21 +8,19 @@ sigmoid after the routed experts, and dense blocks where mlp_only_layers / decod
 from __future__ import annotations
 
 from moelens.config import HFConfig, MoeConfig
-from moelens.loaders.checkpoint import CheckpointNames
 from moelens.models.base import HookedTransformer
-from moelens.verify import moe_reference_sites
+from moelens.models.components import Attention, Components, GatedSharedExpertMoe, SoftmaxTopK
+from moelens.models.sites import Entry, attention_projections, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts
+from moelens.sitemap import Reference, SiteMap, Weight
 
 
 class HookedQwen2Moe(HookedTransformer):
     model_type = "qwen2_moe"
-    checkpoint_names = CheckpointNames(
-        router="mlp.gate.weight", shared_expert="mlp.shared_expert", shared_gate="mlp.shared_expert_gate.weight"
-    )
-    # moelens hook <- transformers module under the decoder layer (see moelens.verify)
-    reference_sites = moe_reference_sites("mlp.gate", "mlp.experts", "mlp.shared_expert") + (
-        ("blocks.L.mlp.hook_shared_gate", "mlp.shared_expert_gate", "out"),
-        ("blocks.L.mlp.hook_post", "mlp.down_proj", "in"),
-    )
+    components = Components(attention=Attention, moe=GatedSharedExpertMoe, router=SoftmaxTopK)
+
+    @classmethod
+    def site_map(cls, cfg: MoeConfig) -> SiteMap:
+        return decoder_site_map(cfg, _layer_sites)
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
@@ -63,10 +61,23 @@ class HookedQwen2Moe(HookedTransformer):
             top_k=tuple(top_k if m else 0 for m in moe_layers),
             d_expert=hf.integer("moe_intermediate_size", at_least=1) if any_moe else 0,
             d_shared=hf.integer("shared_expert_intermediate_size", at_least=1) if any_moe else 0,
-            shared_gate=True,
-            shared_first=True,
-            router_scoring="softmax",
             norm_topk_prob=hf.flag("norm_topk_prob", False),
             tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
         )
+
+
+def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    entries = attention_projections(cfg, src, dst)
+    if not cfg.moe_layers[layer]:
+        return entries + dense_mlp(src, dst)
+    return entries + [
+        Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
+        routed_experts(cfg, (f"{src}.mlp.experts",), dst),
+        *gated_mlp(f"{src}.mlp.shared_expert", f"{dst}.mlp.shared_expert"),
+        Weight(f"{dst}.mlp.shared_gate.weight", (f"{src}.mlp.shared_expert_gate.weight",)),
+        *router_references(dst, f"{src}.mlp.gate"),
+        Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
+        Reference(f"{dst}.mlp.shared_expert.hook_out", f"{src}.mlp.shared_expert"),
+        Reference(f"{dst}.mlp.hook_shared_gate", f"{src}.mlp.shared_expert_gate"),
+    ]

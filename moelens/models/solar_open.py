@@ -11,17 +11,19 @@ ignored, as transformers builds it).
 from __future__ import annotations
 
 from moelens.config import HFConfig, MoeConfig
-from moelens.loaders.checkpoint import CheckpointNames
 from moelens.models.base import HookedTransformer
-from moelens.verify import moe_reference_sites
+from moelens.models.components import Attention, Components, SharedExpertMoe, SigmoidGroupedTopK
+from moelens.models.sites import Entry, attention_projections, decoder_site_map, gated_mlp, router_references, routed_experts
+from moelens.sitemap import Reference, SiteMap, Weight
 
 
 class HookedSolarOpen(HookedTransformer):
     model_type = "solar_open"
-    checkpoint_names = CheckpointNames(
-        router="mlp.gate.weight", correction_bias="mlp.gate.e_score_correction_bias", shared_expert="mlp.shared_experts"
-    )
-    reference_sites = moe_reference_sites("mlp.gate", "mlp.experts", "mlp.shared_experts")
+    components = Components(attention=Attention, moe=SharedExpertMoe, router=SigmoidGroupedTopK)
+
+    @classmethod
+    def site_map(cls, cfg: MoeConfig) -> SiteMap:
+        return decoder_site_map(cfg, _layer_sites)
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
@@ -50,19 +52,26 @@ class HookedSolarOpen(HookedTransformer):
             top_k=(top_k,) * n_layers,
             d_expert=d_expert,
             d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1),
-            shared_first=False,
-            router_scoring="sigmoid",
-            router_in_float32=True,
-            router_compute_float32=True,
             norm_topk_prob=hf.flag("norm_topk_prob", True),
             routed_scaling_factor=hf.number("routed_scaling_factor", 1.0),
-            correction_bias=True,
             n_group=n_group,
             topk_group=topk_group,
             tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in ("first_k_dense_replace", "intermediate_size") if f in raw),
         )
+
+
+def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    return attention_projections(cfg, src, dst) + [
+        Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
+        Weight(f"{dst}.mlp.router.e_score_correction_bias", (f"{src}.mlp.gate.e_score_correction_bias",)),
+        routed_experts(cfg, (f"{src}.mlp.experts",), dst),
+        *gated_mlp(f"{src}.mlp.shared_experts", f"{dst}.mlp.shared_expert"),
+        *router_references(dst, f"{src}.mlp.gate"),
+        Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
+        Reference(f"{dst}.mlp.shared_expert.hook_out", f"{src}.mlp.shared_experts"),
+    ]
 
 
 def _check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:

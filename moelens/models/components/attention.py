@@ -1,6 +1,12 @@
-"""Causal self-attention with grouped kv heads, optional qkv bias and per-head q/k norm; hooked everywhere."""
+"""Causal self-attention with grouped kv heads and optional biases, hooked everywhere; subclasses for the
+families that norm queries and keys.
+
+A subclass changes one step: `project` (x -> q, k, v per head) or `position` (rotary, and whatever the
+family does around it); the scores, pattern and output are the same for all."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +21,15 @@ from moelens.models.components.rotary import apply_rotary
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with the rotary on q and k (Qwen2-MoE, Solar-Open, Mixtral)."""
+
+    # hook_q / hook_k / hook_v are x @ W + b of the normed stream, so the weight views W_Q, W_K, W_V (and the
+    # QK / OV circuits built on them) describe what the hooks hold; a subclass that norms a projection
+    # before its hook lists only the others
+    linear_hooks: ClassVar[tuple[str, ...]] = ("q", "k", "v")
+    # q_proj, k_proj, v_proj map the normed stream to heads: the W_Q / W_K / W_V views exist
+    per_head_projections: ClassVar[bool] = True
+
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
@@ -26,17 +41,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.o_bias)
-        if cfg.qk_norm:  # Hunyuan: RMSNorm of each rotated head
-            self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
-            self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
-        self.hook_q = HookPoint("batch pos head d_head", "query projection")
-        self.hook_k = HookPoint("batch pos kv_head d_head", "key projection")
-        self.hook_v = HookPoint("batch pos kv_head d_head", "value projection")
-        self.hook_rot_q = HookPoint("batch pos head d_head", "queries entering attention")
-        self.hook_rot_k = HookPoint("batch pos kv_head d_head", "keys entering attention")
-        self.hook_attn_scores = HookPoint("batch head query key", "scaled, masked scores")
+        self.hook_q = HookPoint("batch pos head d_head", "query projection (bias included)")
+        self.hook_k = HookPoint("batch pos kv_head d_head", "key projection (bias included)")
+        self.hook_v = HookPoint("batch pos kv_head d_head", "value projection (bias included)")
+        self.hook_rot_q = HookPoint(
+            "batch pos head d_head", "queries entering attention (after rotary, and q norm where the family has one)"
+        )
+        self.hook_rot_k = HookPoint(
+            "batch pos kv_head d_head", "keys entering attention (after rotary, and k norm where the family has one)"
+        )
+        self.hook_attn_scores = HookPoint("batch head query key", "scaled, masked scores before the softmax")
         self.hook_pattern = HookPoint("batch head query key", "attention probabilities")
-        self.hook_z = HookPoint("batch pos head d_head", "per-head outputs")
+        self.hook_z = HookPoint("batch pos head d_head", "per-head outputs before the output projection")
 
     def forward(
         self,
@@ -49,12 +65,8 @@ class Attention(nn.Module):
         """With `kv`, x holds only the new positions: their keys and values are appended to the cache and the
         queries attend to every cached position too (so scores and pattern are [batch head new all])."""
         b, p, _ = x.shape
-        q = self.hook_q(self.q_proj(x).view(b, p, self.n_heads, self.d_head))
-        k = self.hook_k(self.k_proj(x).view(b, p, self.n_kv_heads, self.d_head))
-        v = self.hook_v(self.v_proj(x).view(b, p, self.n_kv_heads, self.d_head))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)
+        q, k = self.position(q, k, cos, sin)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
         if kv is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds for later tokens
             k, v = kv.append(k, v)
@@ -76,3 +88,34 @@ class Attention(nn.Module):
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
         z = self.hook_z(z.transpose(1, 2))
         return self.o_proj(z.reshape(b, p, self.n_heads * self.d_head))
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The linear maps that read the block's normed input (what fold_ln scales)."""
+        return [self.q_proj, self.k_proj, self.v_proj]
+
+    def project(self, x: Float[torch.Tensor, "batch pos d_model"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [batch pos head d_head], keys and values [batch pos kv_head d_head], each hooked."""
+        b, p, _ = x.shape
+        q = self.hook_q(self.q_proj(x).view(b, p, self.n_heads, self.d_head))
+        k = self.hook_k(self.k_proj(x).view(b, p, self.n_kv_heads, self.d_head))
+        v = self.hook_v(self.v_proj(x).view(b, p, self.n_kv_heads, self.d_head))
+        return q, k, v
+
+    def position(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What enters the scores: the rotated queries and keys."""
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+class QKNormAfterRotaryAttention(Attention):
+    """RMSNorm of each rotated query and key head, one weight [d_head] shared by the heads (Hunyuan)."""
+
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__(cfg)
+        self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+        self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+
+    def position(self, q, k, cos, sin):
+        q, k = super().position(q, k, cos, sin)
+        return self.q_norm(q), self.k_norm(k)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from jaxtyping import Float
 from torch import nn
@@ -13,20 +15,34 @@ from moelens.models.components.attention import Attention
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import RMSNorm
+from moelens.models.components.router import TopKRouter
+
+
+@dataclass(frozen=True)
+class Components:
+    """The classes a family builds its blocks from: each behaviour is a class, not a flag."""
+
+    attention: type[Attention]
+    moe: type[SparseMoe]
+    router: type[TopKRouter]
+    dense_mlp: type[GatedMLP] = GatedMLP
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: MoeConfig, layer: int) -> None:
+    def __init__(self, cfg: MoeConfig, layer: int, components: Components) -> None:
         super().__init__()
         self.is_moe = cfg.moe_layers[layer]
-        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp: nn.Module = SparseMoe(cfg, layer) if self.is_moe else GatedMLP(cfg.d_model, cfg.d_mlp, cfg.act_fn)
+        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps, feeds="attention")
+        self.attn = components.attention(cfg)
+        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps, feeds="the MLP / mixture")
+        self.mlp: nn.Module = (
+            components.moe(cfg, layer, components.router) if self.is_moe
+            else components.dense_mlp(cfg.d_model, cfg.d_mlp, cfg.act_fn)
+        )
         self.hook_resid_pre = HookPoint("batch pos d_model", "residual stream entering the block")
-        self.hook_attn_out = HookPoint("batch pos d_model", "attention output")
-        self.hook_resid_mid = HookPoint("batch pos d_model", "residual after attention")
-        self.hook_mlp_out = HookPoint("batch pos d_model", "MLP / mixture output")
+        self.hook_attn_out = HookPoint("batch pos d_model", "what attention adds to the residual stream")
+        self.hook_resid_mid = HookPoint("batch pos d_model", "residual stream after the attention add")
+        self.hook_mlp_out = HookPoint("batch pos d_model", "what the MLP / mixture adds to the residual stream")
         self.hook_resid_post = HookPoint("batch pos d_model", "residual stream leaving the block")
 
     def forward(

@@ -19,12 +19,13 @@ class GatedMLP(nn.Module):
         self.act = activation(act_fn)
         self.hook_pre = HookPoint(f"batch pos {width_name}", "gate pre-activation")
         self.hook_pre_linear = HookPoint(f"batch pos {width_name}", "up projection")
-        self.hook_post = HookPoint(f"batch pos {width_name}", "act(gate) * up")
+        self.hook_post = HookPoint(f"batch pos {width_name}", "neurons: act(gate) * up")
+        self.has_hook_out = hook_out  # a shared expert's output is a site of its own; a dense MLP's is hook_mlp_out
         if hook_out:
-            self.hook_out = HookPoint("batch pos d_model", "output")
+            self.hook_out = HookPoint("batch pos d_model", "shared expert output, ungated")
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         pre = self.hook_pre(self.gate_proj(x))
         pre_linear = self.hook_pre_linear(self.up_proj(x))
         out = self.down_proj(self.hook_post(self.act(pre) * pre_linear))
-        return self.hook_out(out) if hasattr(self, "hook_out") else out
+        return self.hook_out(out) if self.has_hook_out else out

@@ -1,6 +1,8 @@
-"""Sparse mixture-of-experts block: router, routed experts, optional (gated) shared expert."""
+"""Sparse mixture-of-experts blocks: router and routed experts, and the shared-expert arrangements families use."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from jaxtyping import Float, Int
@@ -14,7 +16,7 @@ from moelens.kernels.experts import check_indices
 from moelens.kernels.offload import OffloadedExperts
 from moelens.models.components.activations import activation
 from moelens.models.components.mlp import GatedMLP
-from moelens.models.components.router import Router
+from moelens.models.components.router import TopKRouter
 
 
 class Experts(nn.Module):
@@ -31,7 +33,7 @@ class Experts(nn.Module):
         self.shard: ExpertShard | None = None  # set when this rank holds only some experts (expert parallel)
         self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
         self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
-        self.hook_post = HookPoint("batch pos top_k d_expert", "expert neurons per slot")
+        self.hook_post = HookPoint("batch pos top_k d_expert", "expert neurons per slot: act(gate) * up")
 
     def offload(self, store: OffloadedExperts, host_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Hand the weights to an expert store: they stop being this module's parameters (model.to() and
@@ -78,45 +80,32 @@ class Experts(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, cfg: MoeConfig, layer: int) -> None:
+    """A router and routed experts, nothing else (Mixtral, OLMoE, Qwen3-MoE). Subclasses add a shared expert;
+    each one's forward runs its parts in the family's order, which is the order its hooks fire in."""
+
+    has_shared_expert: ClassVar[bool] = False
+    shared_expert_gated: ClassVar[bool] = False  # the shared expert scaled by sigmoid(shared_gate(x))
+
+    def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__()
-        self.shared_first = cfg.shared_first
-        self.router = Router(cfg, cfg.top_k[layer])
+        self.router = router(cfg, cfg.top_k[layer])
         self.experts = Experts(cfg)
-        if cfg.d_shared:
-            self.shared_expert = GatedMLP(cfg.d_model, cfg.d_shared, cfg.act_fn, "d_shared", hook_out=True)
-            self.hook_shared_out = HookPoint("batch pos d_model", "shared expert output as added")
-        if cfg.shared_gate:
-            self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
-            self.hook_shared_gate = HookPoint("batch pos 1", "shared expert gate logit, before the sigmoid")
-        self.hook_router_logits = HookPoint("batch pos n_experts", "router logits")
-        self.hook_router_scores = HookPoint("batch pos n_experts", "scores of every expert")
-        if cfg.correction_bias:
-            self.hook_choice_scores = HookPoint("batch pos n_experts", "scores + correction bias, for the choice")
-        self.hook_expert_indices = HookPoint("batch pos top_k", "expert of each slot")
-        self.hook_expert_weights = HookPoint("batch pos top_k", "weight of each slot")
+        self.hook_router_logits = HookPoint("batch pos n_experts", "router logits, before scoring")
+        self.hook_router_scores = HookPoint("batch pos n_experts", "softmax / sigmoid scores of every expert (float32)")
+        if self.router.choice_bias:
+            self.hook_choice_scores = HookPoint(
+                "batch pos n_experts", "scores the top-k is taken on (scores + correction bias)"
+            )
+        self.hook_expert_indices = HookPoint("batch pos top_k", "expert each routing slot sends the token to")
+        self.hook_expert_weights = HookPoint("batch pos top_k", "weight of each slot's expert output")
         self.hook_expert_outputs = HookPoint("batch pos top_k d_model", "weighted output of each slot")
-        self.hook_routed_out = HookPoint("batch pos d_model", "routed experts' sum")
+        self.hook_routed_out = HookPoint("batch pos d_model", "routed experts' combined output")
         self._expert_hooks = ExpertHooks(
             self.experts.hook_pre, self.experts.hook_pre_linear, self.experts.hook_post, self.hook_expert_outputs
         )
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
-        # The order of the hooks is the family's order: Qwen2-MoE runs the shared expert first and gates it
-        # after the routed experts; Hunyuan adds it ungated, first; Solar runs it after the routed experts.
-        shared = ungated = None
-        if hasattr(self, "shared_expert") and self.shared_first:
-            ungated = self.shared_expert(x)
-            if not hasattr(self, "shared_gate"):
-                shared = self.hook_shared_out(ungated)
-        routed = self._routed(x)
-        if hasattr(self, "shared_expert") and shared is None:
-            if ungated is None:
-                ungated = self.shared_expert(x)
-            if hasattr(self, "shared_gate"):
-                ungated = torch.sigmoid(self.hook_shared_gate(self.shared_gate(x))) * ungated
-            shared = self.hook_shared_out(ungated)
-        return routed if shared is None else routed + shared
+        return self._routed(x)
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         b, p, d = x.shape
@@ -124,7 +113,7 @@ class SparseMoe(nn.Module):
         logits = self.hook_router_logits(router.logits(x))
         scores = self.hook_router_scores(router.scores(logits))
         choice = router.choice_scores(scores)
-        if hasattr(self, "hook_choice_scores"):
+        if router.choice_bias:
             choice = self.hook_choice_scores(choice)
         indices = self.hook_expert_indices(router.choose(choice))
         if self.hook_expert_indices.has_hooks:  # a replacement must name existing experts
@@ -149,3 +138,45 @@ class SparseMoe(nn.Module):
             self.experts.backend,
         )
         return self.hook_routed_out(routed.view(b, p, d))
+
+
+class SharedExpertMoe(SparseMoe):
+    """Routed experts, then a shared expert (d_shared wide) that every token goes through, added ungated
+    (Solar-Open, DeepSeek-V3)."""
+
+    has_shared_expert = True
+
+    def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
+        super().__init__(cfg, layer, router)
+        self.shared_expert = GatedMLP(cfg.d_model, cfg.d_shared, cfg.act_fn, "d_shared", hook_out=True)
+        self.hook_shared_out = HookPoint("batch pos d_model", "shared expert output as added to the routed sum")
+
+    def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        routed = self._routed(x)
+        return routed + self.hook_shared_out(self.shared_expert(x))
+
+
+class SharedFirstMoe(SharedExpertMoe):
+    """The shared expert first, ungated, then the routed experts (Hunyuan)."""
+
+    def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        shared = self.hook_shared_out(self.shared_expert(x))
+        return self._routed(x) + shared
+
+
+class GatedSharedExpertMoe(SharedExpertMoe):
+    """The shared expert first; after the routed experts it is scaled by sigmoid(shared_gate(x)), a
+    one-output linear map of the block input (Qwen2-MoE)."""
+
+    shared_expert_gated = True
+
+    def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
+        super().__init__(cfg, layer, router)
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
+        self.hook_shared_gate = HookPoint("batch pos 1", "shared expert gate logit, before the sigmoid")
+
+    def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        ungated = self.shared_expert(x)
+        routed = self._routed(x)
+        gate = torch.sigmoid(self.hook_shared_gate(self.shared_gate(x)))
+        return routed + self.hook_shared_out(gate * ungated)

@@ -17,14 +17,14 @@ class RMSNorm(nn.Module):
     is the reference's x * rsqrt(...) bit for bit (x / scale differs from it in the last bit).
     """
 
-    def __init__(self, d: int, eps: float, hooked: bool = True) -> None:
+    def __init__(self, d: int, eps: float, hooked: bool = True, feeds: str = "the unembedding") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
         self.eps = eps
         self.hooked = hooked
         if hooked:
-            self.hook_scale = HookPoint("batch pos 1", "RMS of the input: the norm divides by it")
-            self.hook_normalized = HookPoint("batch pos d_model", "the norm's output")
+            self.hook_scale = HookPoint("batch pos 1", "RMS of the input (+ eps): the norm divides by it")
+            self.hook_normalized = HookPoint("batch pos d_model", f"normed stream entering {feeds}")
 
     def forward(self, x: Float[torch.Tensor, "... d"]) -> Float[torch.Tensor, "... d"]:
         dtype = x.dtype

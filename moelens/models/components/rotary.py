@@ -99,3 +99,17 @@ def apply_rotary(
         return x * cos + rotate_half(x) * sin
     rot, rest = x[..., :d_rot], x[..., d_rot:]
     return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+def apply_rotary_interleaved(
+    x: Float[torch.Tensor, "batch pos head d_rot"],
+    cos: Float[torch.Tensor, "batch pos d_rot"],
+    sin: Float[torch.Tensor, "batch pos d_rot"],
+) -> Float[torch.Tensor, "batch pos head d_rot"]:
+    """Rotary on dims stored as interleaved pairs (x0, x1), (x2, x3), ..., each pair turned by one frequency;
+    the result is laid out de-interleaved (the pairs' first elements, then their second), as transformers'
+    apply_rotary_pos_emb_interleave returns it (DeepSeek). x holds only the rotated dims."""
+    half = cos.shape[-1] // 2  # cos and sin are cat(freqs, freqs): the first half holds each pair's angle
+    cos, sin = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,9 +1,13 @@
-"""Top-k router: softmax (Qwen2-MoE, Hunyuan) or sigmoid with choice bias and groups (Solar).
+"""Top-k routers, one class per routing rule.
 
-Each step is a method so that the mixture block can put a hook between any two of them.
+Each step is a method so that the mixture block can put a hook between any two of them: logits ->
+scores -> choice scores -> indices -> weights. Class attributes say what the loader and the analyses need
+to know about a rule (float32 weights, a choice bias) without asking which family it is.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -13,37 +17,85 @@ from torch import nn
 from moelens.config import MoeConfig
 
 
-class Router(nn.Module):
+class TopKRouter(nn.Module):
+    """What every router has: a linear map to one logit per expert, and top_k slots per token."""
+
+    float32_weight: ClassVar[bool] = False  # kept float32 whatever the model's dtype (set at load)
+    choice_bias: ClassVar[bool] = False  # a bias added to the scores for the choice only (hook_choice_scores)
+    scoring: ClassVar[str] = ""
+
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, top_k
-        self.scoring = cfg.router_scoring
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.compute_float32 = cfg.router_compute_float32
         self.weight = nn.Parameter(torch.zeros(cfg.n_experts, cfg.d_model))
-        if cfg.correction_bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
+
+    def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+class SoftmaxTopK(TopKRouter):
+    """Softmax over all experts, top-k of the scores; the k weights renormalised when norm_topk_prob, then
+    cast to the logits' dtype (Qwen2-MoE, Qwen3-MoE, OLMoE). The logits are computed in the weight's dtype,
+    float32 where the weight is float32."""
+
+    scoring = "softmax"
 
     def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
-        if self.compute_float32 or self.weight.dtype == torch.float32:
-            return F.linear(x.float(), self.weight.float())
+        if self.weight.dtype == torch.float32:
+            return F.linear(x.float(), self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight)
 
     def scores(self, logits: torch.Tensor) -> Float[torch.Tensor, "... n_experts"]:
-        if self.scoring == "softmax":
-            return F.softmax(logits, dim=-1, dtype=torch.float32)
+        return F.softmax(logits, dim=-1, dtype=torch.float32)
+
+    def choose(self, choice_scores: Float[torch.Tensor, "... n_experts"]) -> Int[torch.Tensor, "... top_k"]:
+        return torch.topk(choice_scores, self.top_k, dim=-1).indices
+
+    def weights(
+        self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype
+    ) -> Float[torch.Tensor, "... top_k"]:
+        w = scores.gather(-1, indices)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w.to(logits_dtype)
+
+
+class Float32SoftmaxTopK(SoftmaxTopK):
+    """SoftmaxTopK with a float32 weight: logits, scores and weights float32 in any model dtype (Hunyuan)."""
+
+    float32_weight = True
+
+
+class SigmoidGroupedTopK(TopKRouter):
+    """Sigmoid scores from float32 logits; the choice is taken on scores + e_score_correction_bias, among
+    the topk_group best of n_group expert groups (a group scores as its two best experts); the weights are
+    the unbiased scores of the chosen experts, renormalised when norm_topk_prob, times
+    routed_scaling_factor, float32 (Solar-Open, DeepSeek-V3)."""
+
+    float32_weight = True
+    choice_bias = True
+    scoring = "sigmoid"
+
+    def __init__(self, cfg: MoeConfig, top_k: int) -> None:
+        super().__init__(cfg, top_k)
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
+
+    def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
+        return F.linear(x.float(), self.weight.float())
+
+    def scores(self, logits: torch.Tensor) -> Float[torch.Tensor, "... n_experts"]:
         return logits.float().sigmoid()
 
     def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "e_score_correction_bias"):
-            return scores + self.e_score_correction_bias
-        return scores
+        return scores + self.e_score_correction_bias
 
     def choose(self, choice_scores: Float[torch.Tensor, "... n_experts"]) -> Int[torch.Tensor, "... top_k"]:
-        if self.scoring == "softmax":
-            return torch.topk(choice_scores, self.top_k, dim=-1).indices
         if self.n_group > 1:
             choice_scores = self._mask_groups(choice_scores)
         # sorted=False as the reference: slot order then follows the kernel, as it does there
@@ -63,12 +115,11 @@ class Router(nn.Module):
         w = scores.gather(-1, indices)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        if self.routed_scaling_factor != 1.0:
-            w = w * self.routed_scaling_factor
-        return w.to(logits_dtype)
+        return (w * self.routed_scaling_factor).to(logits_dtype)
 
     def extra_repr(self) -> str:
         return (
-            f"n_experts={self.n_experts}, top_k={self.top_k}, scoring={self.scoring}, "
-            f"norm_topk_prob={self.norm_topk_prob}"
+            f"{super().extra_repr()}, n_group={self.n_group}, topk_group={self.topk_group}, "
+            f"routed_scaling_factor={self.routed_scaling_factor}"
         )
+

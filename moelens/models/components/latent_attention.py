@@ -1,0 +1,166 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3): queries through an optional low-rank bottleneck, keys and
+values decompressed from one shared latent, the rotary on a part of each head only.
+
+    q latent  = RMSNorm(q_a_proj(x))                        [batch pos q_lora_rank]  (when q_lora_rank is set)
+    q         = q_b_proj(q latent) (or q_proj(x))           [batch pos head nope+rope]
+    kv latent, k_rope = split(kv_a_proj_with_mqa(x))        [batch pos kv_lora_rank], [batch pos rope]
+    k_nope, v = split(kv_b_proj(RMSNorm(kv latent)))        per head: [nope], [v_head_dim]
+    k         = [k_nope | k_rope (shared by every head)]
+    q, k      : the rotary on their last qk_rope_head_dim dims; scores scaled by qk_head_dim**-0.5 (times YaRN's
+                mscale(factor, mscale_all_dim)**2 where the rotary is YaRN with mscale_all_dim)
+
+The config needs (beyond MoeConfig): q_lora_rank (None: a plain q_proj), kv_lora_rank, qk_nope_head_dim,
+qk_rope_head_dim, v_head_dim; cfg.d_head is qk_nope_head_dim + qk_rope_head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float
+from torch import nn
+
+from moelens.config import RopeConfig
+from moelens.hooks import HookPoint
+from moelens.kv_cache import LayerKV
+from moelens.models.components.norm import RMSNorm
+from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
+
+# transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def latent_softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
+    """qk_head_dim**-0.5, times mscale(factor, mscale_all_dim) twice for a scaled rotary with mscale_all_dim
+    (transformers' yarn_apply_mscale, in its order of operations)."""
+    scale = qk_head_dim ** (-0.5)
+    if rope.kind != "default" and rope.mscale_all_dim:
+        mscale = yarn_mscale(rope.factor, rope.mscale_all_dim)
+        scale = scale * mscale * mscale
+    return scale
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA with TransformerLens's sites at their per-head meaning (q, k after decompression and before the
+    rotary; rot_q, rot_k what enters the scores; v and z v_head_dim wide) plus the latents.
+
+    With rope_interleave (cfg.rope.interleaved) the rotated dims are stored as interleaved pairs: hook_q,
+    hook_k and hook_k_rope hold them in the checkpoint's interleaved order, hook_rot_q and hook_rot_k in
+    transformers' de-interleaved order (the same permutation of q and k: the scores do not change).
+    The KV cache holds hook_rot_k and hook_v (every head's decompressed keys and values)."""
+
+    # keys and values come out of a normed latent: no per-head linear map of the stream (no W_K, W_V views)
+    linear_hooks: ClassVar[tuple[str, ...]] = ()
+    per_head_projections: ClassVar[bool] = False
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.d_nope, self.d_rope, self.d_v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.d_head = self.d_nope + self.d_rope
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.scale = latent_softmax_scale(cfg.rope, self.d_head)
+        self.rotate = apply_rotary_interleaved if cfg.rope.interleaved else apply_rotary
+        self.backend = "eager"  # as Attention: "fused" uses SDPA where no hook reads the scores or pattern
+        d_model, n_heads = cfg.d_model, cfg.n_heads
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(d_model, n_heads * self.d_head, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d_model, self.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, hooked=False)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, n_heads * self.d_head, bias=False)
+            self.hook_q_latent = HookPoint(
+                "batch pos q_lora_rank", "compressed query after its RMSNorm (q_a_layernorm)"
+            )
+        self.kv_a_proj_with_mqa = nn.Linear(d_model, self.kv_lora_rank + self.d_rope, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, hooked=False)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, n_heads * (self.d_nope + self.d_v), bias=False)
+        self.o_proj = nn.Linear(n_heads * self.d_v, d_model, bias=cfg.o_bias)
+        self.hook_q = HookPoint("batch pos head d_head", "decompressed query per head [nope | rope], before the rotary")
+        self.hook_kv_latent = HookPoint(
+            "batch pos kv_lora_rank", "compressed keys and values after their RMSNorm (kv_a_layernorm)"
+        )
+        self.hook_k_rope = HookPoint(
+            "batch pos qk_rope_head_dim", "rotary part of the keys, one for all heads, before the rotary"
+        )
+        self.hook_k = HookPoint(
+            "batch pos head d_head", "decompressed key per head [nope | the shared rope part], before the rotary"
+        )
+        self.hook_v = HookPoint("batch pos head v_head_dim", "decompressed value per head")
+        self.hook_rot_q = HookPoint("batch pos head d_head", "queries entering attention (rotary on the rope dims)")
+        self.hook_rot_k = HookPoint("batch pos head d_head", "keys entering attention (rotary on the rope dims)")
+        self.hook_attn_scores = HookPoint("batch head query key", "scaled, masked scores before the softmax")
+        self.hook_pattern = HookPoint("batch head query key", "attention probabilities")
+        self.hook_z = HookPoint("batch pos head v_head_dim", "per-head outputs before the output projection")
+
+    def forward(
+        self,
+        x: Float[torch.Tensor, "batch pos d_model"],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed: Bool[torch.Tensor, "batch 1 query key"],
+        kv: LayerKV | None = None,
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
+        """As Attention.forward: with `kv`, x holds only the new positions and the cached ones are attended to."""
+        b, p, _ = x.shape
+        q, k, v = self.project(x)
+        q, k = self.position(q, k, cos, sin)
+        q, k = self.hook_rot_q(q), self.hook_rot_k(k)
+        if kv is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds for later tokens
+            k, v = kv.append(k, v)
+        # laid out as transformers' (q and k contiguous [batch head pos d], v a view): the same matmuls, bit for bit
+        q, k, v = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2)
+        if self.backend == "eager" or self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
+            scores = torch.matmul(q, k.transpose(2, 3)).mul_(self.scale)
+            scores = self.hook_attn_scores(scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min))
+            pattern = self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
+            z = torch.matmul(pattern, v)
+        else:
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+        z = self.hook_z(z.transpose(1, 2))
+        return self.o_proj(z.reshape(b, p, self.n_heads * self.d_v))
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The linear maps that read the block's normed input (what fold_ln scales)."""
+        first_q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        return [first_q, self.kv_a_proj_with_mqa]
+
+    def project(self, x: Float[torch.Tensor, "batch pos d_model"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries and keys [batch pos head d_head], values [batch pos head v_head_dim], each hooked."""
+        b, p, _ = x.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.hook_q_latent(self.q_a_layernorm(self.q_a_proj(x))))
+        q = self.hook_q(q.view(b, p, self.n_heads, self.d_head))
+        kv_latent, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.d_rope], dim=-1)
+        kv_latent = self.hook_kv_latent(self.kv_a_layernorm(kv_latent))
+        k_rope = self.hook_k_rope(k_rope)
+        kv = self.kv_b_proj(kv_latent).view(b, p, self.n_heads, self.d_nope + self.d_v)
+        k_nope, v = torch.split(kv, [self.d_nope, self.d_v], dim=-1)
+        k = torch.cat((k_nope, k_rope[:, :, None, :].expand(b, p, self.n_heads, self.d_rope)), dim=-1)
+        return q, self.hook_k(k), self.hook_v(v)
+
+    def position(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary on the last qk_rope_head_dim dims of each query and key head; the nope dims pass."""
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        nope, rope = torch.split(x, [self.d_nope, self.d_rope], dim=-1)
+        return torch.cat((nope, self.rotate(rope, cos, sin)), dim=-1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_heads={self.n_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
+            f"qk_nope_head_dim={self.d_nope}, qk_rope_head_dim={self.d_rope}, v_head_dim={self.d_v}, "
+            f"scale={self.scale:.6g}, backend={self.backend}"
+        )

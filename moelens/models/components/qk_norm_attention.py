@@ -1,0 +1,21 @@
+"""Attention with a per-head RMSNorm of the queries and keys before the rotary."""
+
+from __future__ import annotations
+
+from moelens.config import MoeConfig
+from moelens.models.components.attention import Attention
+from moelens.models.components.norm import RMSNorm
+
+
+class QKNormBeforeRotaryAttention(Attention):
+    """RMSNorm of each query and key head (one weight [d_head] shared by the heads), then the rotary
+    (Qwen3-MoE). hook_q / hook_k hold the projections before the norm; hook_rot_q / hook_rot_k what enters
+    the scores, after the norm and the rotary. The normed, not yet rotated heads have no hook."""
+
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__(cfg)
+        self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+        self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+
+    def position(self, q, k, cos, sin):
+        return super().position(self.q_norm(q), self.k_norm(k), cos, sin)

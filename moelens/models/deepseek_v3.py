@@ -1,0 +1,188 @@
+"""HookedDeepseekV3: DeepSeek-V3 / R1 (model_type deepseek_v3).
+
+What is special about the family: multi-head latent attention (MultiHeadLatentAttention: queries through an
+optional q_lora_rank bottleneck, keys and values decompressed from a kv_lora_rank latent, the rotary on
+qk_rope_head_dim dims of each head only, optionally stored interleaved (rope_interleave), YaRN whose
+mscale_all_dim also scales the softmax); the first first_k_dense_replace blocks are dense MLPs
+(intermediate_size wide), the rest mixtures: a float32 sigmoid router whose e_score_correction_bias is added
+only to choose experts, among the topk_group best of n_group groups (SigmoidGroupedTopK, the same rule as
+Solar-Open), weights renormalised when norm_topk_prob and times routed_scaling_factor; a shared expert
+(moe_intermediate_size * n_shared_experts wide) added after the routed experts, ungated.
+
+Like transformers, the model is the num_hidden_layers blocks: the Hub checkpoint's multi-token-prediction
+layer (model.layers.61 of DeepSeek-V3, num_nextn_predict_layers) is not part of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from moelens.config import HFConfig, MoeConfig
+from moelens.models.base import HookedTransformer
+from moelens.models.components import Components, SharedExpertMoe, SigmoidGroupedTopK
+from moelens.models.components.latent_attention import MultiHeadLatentAttention
+from moelens.models.sites import Entry, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts
+from moelens.sitemap import Reference, SiteMap, Weight
+
+# Present in DeepSeek's config.json, unused by transformers' model: the MTP layers it does not build, the routing
+# rule's names (always sigmoid / noaux_tc in transformers), training settings, and head_dim (it sets it itself).
+IGNORED_FIELDS = (
+    "num_mtp_layers", "head_dim", "topk_method", "scoring_func", "moe_layer_freq",
+    "aux_loss_alpha", "seq_aux", "ep_size",
+)
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config(MoeConfig):
+    """MoeConfig plus MLA's sizes. d_head is qk_nope_head_dim + qk_rope_head_dim (queries and keys); the
+    rotary turns the last qk_rope_head_dim of them."""
+
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    first_k_dense_replace: int = 0
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the last block (not run; see site_map)
+
+    @property
+    def d_rot(self) -> int:
+        return self.qk_rope_head_dim
+
+
+class HookedDeepseekV3(HookedTransformer):
+    model_type = "deepseek_v3"
+    components = Components(attention=MultiHeadLatentAttention, moe=SharedExpertMoe, router=SigmoidGroupedTopK)
+
+    @classmethod
+    def site_map(cls, cfg: MoeConfig) -> SiteMap:
+        # the Hub checkpoint's multi-token-prediction layers follow the last block; transformers skips them too
+        mtp = tuple(f"model.layers.{i}." for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_layers))
+        return decoder_site_map(cfg, _layer_sites, mtp)
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> DeepseekV3Config:
+        hf = HFConfig(raw)
+        n_layers = hf.integer("num_hidden_layers", at_least=1)
+        n_heads = hf.integer("num_attention_heads", at_least=1)
+        # transformers' defaults are DeepSeek-V3's own sizes
+        first_dense = hf.integer("first_k_dense_replace", 3, at_least=0)
+        moe_layers = tuple(i >= first_dense for i in range(n_layers))
+        any_moe = any(moe_layers)
+        n_experts = hf.integer("n_routed_experts", 256, at_least=1)
+        top_k = hf.integer("num_experts_per_tok", 8, at_least=1, at_most=n_experts) if any_moe else 0
+        n_group, topk_group = hf.integer("n_group", 8, at_least=1), hf.integer("topk_group", 4, at_least=1)
+        if any_moe:
+            _check_groups(n_experts, top_k, n_group, topk_group)
+        d_expert = hf.integer("moe_intermediate_size", 2048, at_least=1)
+        d_nope = hf.integer("qk_nope_head_dim", 128, at_least=0)
+        d_rope = hf.integer("qk_rope_head_dim", 64, at_least=2)
+        rope = hf.rope()
+        if rope.partial_rotary_factor != 1.0:  # transformers' MLA would fail on the cos / sin width
+            raise ValueError(
+                f"partial_rotary_factor {rope.partial_rotary_factor}: DeepSeek-V3 rotates qk_rope_head_dim dims, "
+                "set by qk_rope_head_dim (partial_rotary_factor must be 1)"
+            )
+        rope = dataclasses.replace(rope, interleaved=hf.flag("rope_interleave", True))
+        n_kv_heads = hf.integer("num_key_value_heads", n_heads, at_least=1)
+        if n_kv_heads != n_heads:  # kv_b_proj decompresses one key and value per query head
+            raise ValueError(
+                f"num_key_value_heads ({n_kv_heads}) must equal num_attention_heads ({n_heads}): latent attention "
+                "decompresses a key and a value for every head"
+            )
+        attention_bias = hf.flag("attention_bias", False)
+        return DeepseekV3Config(
+            family=cls.model_type,
+            d_model=hf.integer("hidden_size", 7168, at_least=1),
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_heads,
+            d_head=d_nope + d_rope,
+            d_vocab=hf.integer("vocab_size", at_least=1),
+            norm_eps=hf.number("rms_norm_eps", 1e-6, at_least=0),
+            rope=rope,
+            max_position_embeddings=hf.integer("max_position_embeddings", 4096, at_least=1),
+            qkv_bias=attention_bias,  # q_a_proj and kv_a_proj_with_mqa (q_proj, q_b_proj, kv_b_proj have none)
+            o_bias=attention_bias,
+            act_fn=hf.text("hidden_act", "silu"),
+            d_mlp=hf.integer("intermediate_size", 18432, at_least=1) if first_dense else 0,
+            moe_layers=moe_layers,
+            n_experts=n_experts if any_moe else 0,
+            top_k=tuple(top_k if m else 0 for m in moe_layers),
+            d_expert=d_expert if any_moe else 0,
+            d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1) if any_moe else 0,
+            norm_topk_prob=hf.flag("norm_topk_prob", True),
+            routed_scaling_factor=hf.number("routed_scaling_factor", 2.5),
+            n_group=n_group if any_moe else 1,
+            topk_group=topk_group if any_moe else 1,
+            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
+            # null: a plain q_proj; absent: transformers' default
+            q_lora_rank=hf.integer("q_lora_rank", None, at_least=1) if "q_lora_rank" in raw else 1536,
+            kv_lora_rank=hf.integer("kv_lora_rank", 512, at_least=1),
+            qk_nope_head_dim=d_nope,
+            qk_rope_head_dim=d_rope,
+            v_head_dim=hf.integer("v_head_dim", 128, at_least=1),
+            first_k_dense_replace=first_dense,
+            mtp_layers=hf.integer("num_nextn_predict_layers", 0, at_least=0),
+            fields_read=tuple(hf.read),
+            fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
+        )
+
+
+def _layer_sites(cfg: DeepseekV3Config, layer: int, src: str, dst: str) -> list[Entry]:
+    mlp = _moe_sites(cfg, src, dst) if cfg.moe_layers[layer] else dense_mlp(src, dst)
+    return _attention_sites(cfg, src, dst) + mlp
+
+
+def _attention_sites(cfg: DeepseekV3Config, src: str, dst: str) -> list[Entry]:
+    attn, ours = f"{src}.self_attn", f"{dst}.attn"
+    if cfg.q_lora_rank is None:
+        modules, biased = ["q_proj"], []
+        entries: list[Entry] = [Reference(f"{ours}.hook_q", f"{attn}.q_proj")]
+    else:
+        modules, biased = ["q_a_proj", "q_a_layernorm", "q_b_proj"], ["q_a_proj"]
+        entries = [
+            Reference(f"{ours}.hook_q_latent", f"{attn}.q_a_layernorm"),
+            Reference(f"{ours}.hook_q", f"{attn}.q_b_proj"),
+        ]
+    modules += ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    biased = (biased + ["kv_a_proj_with_mqa"] if cfg.qkv_bias else []) + (["o_proj"] if cfg.o_bias else [])
+    tensors = [f"{m}.weight" for m in modules] + [f"{m}.bias" for m in biased]
+    entries += [Weight(f"{ours}.{t}", (f"{attn}.{t}",)) for t in tensors]
+    return entries + [
+        Reference(f"{ours}.hook_kv_latent", f"{attn}.kv_a_layernorm"),
+        Reference(f"{ours}.hook_z", f"{attn}.o_proj", "in"),
+    ]
+
+
+def _moe_sites(cfg: DeepseekV3Config, src: str, dst: str) -> list[Entry]:
+    return [
+        Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
+        Weight(f"{dst}.mlp.router.e_score_correction_bias", (f"{src}.mlp.gate.e_score_correction_bias",)),
+        routed_experts(cfg, (f"{src}.mlp.experts",), dst),
+        *gated_mlp(f"{src}.mlp.shared_experts", f"{dst}.mlp.shared_expert"),
+        *router_references(dst, f"{src}.mlp.gate"),
+        Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
+        Reference(f"{dst}.mlp.shared_expert.hook_out", f"{src}.mlp.shared_experts"),
+    ]
+
+
+def _check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Refuse the groupings transformers' DeepseekV3TopkRouter cannot run: it scores each group by its two best
+    experts (n_group 1 included), keeps the topk_group best groups and picks top_k experts among theirs only."""
+    if topk_group > n_group:
+        raise ValueError(f"topk_group ({topk_group}) must be at most n_group ({n_group})")
+    if n_experts % n_group:
+        raise ValueError(f"n_routed_experts ({n_experts}) must be a multiple of n_group ({n_group})")
+    per_group = n_experts // n_group
+    if per_group < 2:
+        raise ValueError(
+            f"n_routed_experts / n_group = {n_experts} / {n_group} = {per_group} expert per group; a group is "
+            "scored by its 2 best experts, so each needs at least 2"
+        )
+    if topk_group * per_group < top_k:
+        raise ValueError(
+            f"num_experts_per_tok ({top_k}) is more than the {topk_group * per_group} experts in the topk_group "
+            f"({topk_group}) groups of {per_group} (n_routed_experts {n_experts} / n_group {n_group}) kept per token"
+        )

@@ -1,0 +1,98 @@
+"""HookedOlmoe: OLMoE-1B-7B (model_type olmoe).
+
+What is special about the family: an RMSNorm over each token's whole query projection and one over its whole
+key projection (all heads together, weights [n_heads * d_head] and [n_kv_heads * d_head]) before the split
+into heads and the rotary; where clip_qkv is set, q, k (after those norms) and v clamped to
+[-clip_qkv, clip_qkv]; a softmax top-k router (64 experts, top 8 in the released model) whose weights are
+renormalised only when norm_topk_prob says so (false by default) and are cast back to the model dtype;
+routed experts only (no shared expert) in every block; biases on q, k, v and o only with attention_bias.
+transformers sizes the q/k norms by hidden_size, so the head dimension is hidden_size / num_attention_heads.
+"""
+
+from __future__ import annotations
+
+from moelens.config import HFConfig
+from moelens.models.base import HookedTransformer
+from moelens.models.components import Components, SoftmaxTopK, SparseMoe
+from moelens.models.components.projection_norm_attention import ClipQKVConfig, ProjectionQKNormAttention
+from moelens.models.sites import Entry, attention_projections, decoder_site_map, router_references, routed_experts
+from moelens.sitemap import Reference, SiteMap, Weight
+
+
+class HookedOlmoe(HookedTransformer):
+    model_type = "olmoe"
+    components = Components(attention=ProjectionQKNormAttention, moe=SparseMoe, router=SoftmaxTopK)
+
+    @classmethod
+    def site_map(cls, cfg: ClipQKVConfig) -> SiteMap:
+        return decoder_site_map(cfg, _layer_sites)
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> ClipQKVConfig:
+        hf = HFConfig(raw)
+        n_layers = hf.integer("num_hidden_layers", at_least=1)
+        n_experts = hf.integer("num_experts", at_least=1)
+        top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts)
+        d_model = hf.integer("hidden_size", at_least=1)
+        n_heads = hf.integer("num_attention_heads", at_least=1, at_most=d_model)
+        if d_model % n_heads:
+            raise ValueError(
+                f"hidden_size ({d_model}) must be a multiple of num_attention_heads ({n_heads}): transformers' "
+                "OLMoE sizes q_norm by hidden_size and the query projection by heads x (hidden_size // heads)"
+            )
+        d_head = d_model // n_heads
+        if hf.integer("head_dim", d_head, at_least=1) != d_head:
+            raise ValueError(
+                f"head_dim = {raw['head_dim']}: OLMoE's q_norm and k_norm are sized by hidden_size / "
+                f"num_attention_heads = {d_head}, so the head dimension must be that"
+            )
+        rope = hf.rope()
+        if rope.kind != "default" or rope.partial_rotary_factor != 1.0:
+            # transformers' OLMoE rotary ignores partial_rotary_factor; no released OLMoE scales its rotary
+            raise ValueError(
+                f"OLMoE rope settings {hf.rope_section().raw} with partial_rotary_factor {rope.partial_rotary_factor} "
+                "are not supported: only the plain rotary over the whole head"
+            )
+        return ClipQKVConfig(
+            family=cls.model_type,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
+            d_head=d_head,
+            d_vocab=hf.integer("vocab_size", at_least=1),
+            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
+            rope=rope,
+            max_position_embeddings=hf.integer("max_position_embeddings", 4096, at_least=1),
+            qkv_bias=hf.flag("attention_bias", False),
+            o_bias=hf.flag("attention_bias", False),
+            act_fn=hf.text("hidden_act", "silu"),
+            moe_layers=(True,) * n_layers,
+            n_experts=n_experts,
+            top_k=(top_k,) * n_layers,
+            d_expert=hf.integer("intermediate_size", at_least=1),
+            norm_topk_prob=hf.flag("norm_topk_prob", False),
+            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
+            clip_qkv=hf.number("clip_qkv", None, above=0),
+            fields_read=tuple(hf.read),
+        )
+
+
+def _layer_sites(cfg: ClipQKVConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    attn = f"{src}.self_attn"
+    # transformers' q_norm / k_norm outputs, and v_proj's, are clamped in place by clip_qkv after the module
+    # returns, so what a forward hook keeps of them is the clamped tensor: hook_q / hook_k / hook_v's value.
+    # q_proj's and k_proj's raw outputs (before the norms) have no moelens hook.
+    entries = [
+        e for e in attention_projections(cfg, src, dst) if not isinstance(e, Reference) or e.hook.endswith("hook_v")
+    ]
+    return entries + [
+        Weight(f"{dst}.attn.q_norm.weight", (f"{attn}.q_norm.weight",)),
+        Weight(f"{dst}.attn.k_norm.weight", (f"{attn}.k_norm.weight",)),
+        Reference(f"{dst}.attn.hook_q", f"{attn}.q_norm"),
+        Reference(f"{dst}.attn.hook_k", f"{attn}.k_norm"),
+        Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
+        routed_experts(cfg, (f"{src}.mlp.experts",), dst),
+        *router_references(dst, f"{src}.mlp.gate"),
+        Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
+    ]

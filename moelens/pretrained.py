@@ -1,0 +1,227 @@
+"""Loading a pretrained model: the one place where config, family, placement and the checkpoint's files meet.
+
+resolve the name (embedded default, folder or Hub) -> config.json -> family (by model_type) -> its config
+-> its site map -> key map checked against the files' headers -> the model built on meta -> placement
+(device map, expert offload, expert parallel) -> each tensor read straight to where it lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moelens import defaults
+from moelens.dtypes import parse_dtype
+from moelens.families import family_for
+from moelens.fold import untie
+from moelens.kernels.expert_parallel import ExpertShard, expert_range, init_process_group
+from moelens.kernels.offload import ExpertCache, OffloadedExperts
+from moelens.loaders import read_config
+from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
+from moelens.loaders.errors import CheckpointError
+from moelens.loaders.expert_reader import EXPERT_PARAMS, ExpertReader
+from moelens.loaders.files import brief
+from moelens.loaders.hub import resolve_checkpoint
+from moelens.loaders.safetensors_files import SafetensorsFiles
+from moelens.placement import auto_device_map, device_of, parse_device_map, parse_max_memory
+from moelens.tokenizer import MoeTokenizer
+
+
+def resolve(name_or_path: str | Path, revision: str | None = None) -> Path:
+    """Folder of a checkpoint: an embedded default ("tiny-qwen2-moe", ...; built on first use), a local
+    folder, or a Hub repo id."""
+    if str(name_or_path) in defaults.CONFIGS and not Path(name_or_path).exists():
+        return defaults.default_checkpoint(str(name_or_path))
+    return resolve_checkpoint(name_or_path, revision)
+
+
+def materialize(model: torch.nn.Module, device_for: Callable[[str], torch.device]) -> None:
+    """Give every meta parameter and buffer uninitialised storage on its device (device_for(full name)).
+
+    Like Module.to_empty, but through torch.empty with plain shapes: to_empty's empty_like on meta tensors
+    runs torch's Python reference implementation, which imports sympy and torch.fx (~300 MB resident).
+    """
+    for prefix, module in model.named_modules():
+        where = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                empty = torch.empty(param.shape, dtype=param.dtype, device=device_for(where + name))
+                module._parameters[name] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device_for(where + name))
+
+
+def load(
+    cls,
+    name_or_path,
+    dtype=torch.float32,
+    device="cpu",
+    revision=None,
+    progress=None,
+    fold_ln=False,
+    center_unembed=False,
+    check_finite=True,
+    expert_offload=None,
+    expert_cache_bytes=None,
+    device_map=None,
+    max_memory=None,
+    expert_parallel=False,
+):
+    dtype, device = parse_dtype(dtype), _parse_device(device)
+    on_meta = device.type == "meta"  # for inspection: the model's structure, no weights read
+    if on_meta and (fold_ln or center_unembed):
+        raise ValueError("fold_ln and center_unembed change weights, which a model on device='meta' does not have")
+    if expert_offload not in OFFLOAD_MODES:
+        raise ValueError(f"expert_offload must be one of {OFFLOAD_MODES}, got {expert_offload!r}")
+    if expert_offload and (fold_ln or on_meta):
+        raise ValueError(
+            "expert_offload cannot go with " + ("device='meta'" if on_meta else "fold_ln (it would rewrite the offloaded experts)")
+        )
+    if (device_map is not None or max_memory is not None) and on_meta:
+        raise ValueError("device_map places weights on devices; device='meta' builds a model without weights")
+    if max_memory is not None and device_map != "auto":
+        raise ValueError("max_memory is what device_map='auto' fills: pass device_map='auto' with it")
+    if expert_cache_bytes is not None and not expert_offload:
+        raise ValueError("expert_cache_bytes is the size of the offloaded experts' cache: it needs expert_offload")
+    if expert_parallel:
+        clash = [name for name, on in [("fold_ln", fold_ln), ("device='meta'", on_meta), ("device_map", device_map is not None),
+                                       ("expert_offload", expert_offload)] if on]
+        if clash:
+            raise ValueError(
+                f"expert_parallel cannot go with {', '.join(clash)} yet: each rank holds its experts whole on `device`"
+            )
+    folder = resolve(name_or_path, revision)
+    hf = read_config(folder)
+    model_type = hf.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(
+            f"{folder / 'config.json'}: model_type = {brief(model_type)}; expected a string naming the family"
+        )
+    if "quantization_config" in hf:  # the weights would be read as stored integers or fp8 codes
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise CheckpointError(
+            f"{folder / 'config.json'} has a quantization_config (quant_method {method!r}): moelens loads float weights "
+            "only; use an unquantised (e.g. bfloat16) copy of the checkpoint"
+        )
+    family = family_for(model_type, folder / "config.json")
+    if not issubclass(family, cls):
+        raise TypeError(f"{folder} holds a {hf.get('model_type')} model; {cls.__name__} cannot load it")
+    try:
+        cfg = family.config_from_hf(hf)
+    except KeyError as err:
+        raise CheckpointError(f"{folder / 'config.json'} lacks the field {err.args[0]!r} that {family.__name__} needs") from err
+    except ValueError as err:
+        raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
+    cfg = dataclasses.replace(cfg, dtype=dtype)
+    tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
+    files = SafetensorsFiles(folder)
+    keys = key_map(family.site_map(cfg), files)
+    if cfg.tie_word_embeddings and any(t.param == "unembed.weight" for t in keys.values()):
+        # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    try:
+        model = family.build(cfg)
+    except ValueError as err:  # what the config asks for that no module can be built for (hidden_act, ...)
+        raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
+    placed = _place(model, device_map, max_memory) if device_map is not None else None
+    device_for = (lambda name: device) if placed is None else (lambda name: device_of(placed, name))  # noqa: E731
+    offloaded = {}  # slots fill() must not treat as parameters: the experts that stay off the model
+    if expert_offload:
+        offloaded = offload_experts(model, files, keys, expert_offload, expert_cache_bytes, device_for)
+    elif expert_parallel:
+        offloaded = shard_experts(model, files, keys, device)
+    materialize(model, device_for)
+    model.tie_weights()
+    if on_meta:
+        check_shapes(slot_map(model, keys), files, keys)
+    else:
+        fill(model, files, keys, progress=progress, check_finite=check_finite, offloaded=offloaded)
+        if placed is not None and placed["unembed"] != placed["embed"] and model.unembed.weight is model.embed.weight:
+            untie(model, placed["unembed"])  # a tied head on another device: a copy of its own there
+        model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default
+    model.tokenizer = tokenizer
+    model.name_or_path = str(name_or_path)
+    return model.eval()
+
+
+OFFLOAD_MODES = (None, "cpu", "disk")
+
+
+def _place(model, device_map, max_memory) -> dict[str, torch.device]:
+    if device_map == "auto":
+        return auto_device_map(model, parse_max_memory(max_memory))
+    return parse_device_map(device_map, model.cfg.n_layers)
+
+
+def offload_experts(model, files, keys, mode, cache_bytes, device_for) -> dict[str, torch.Tensor]:
+    """Move every mixture layer's routed experts off the model into expert stores sharing one cache (each
+    layer's entries on that layer's device); returns their slots for fill(): host tensors ("cpu": filled
+    now, pinned when a layer runs on CUDA) or meta tensors ("disk": shape-checked; read when routed to)."""
+    blocks = [b for b in model.blocks if b.is_moe]
+    per_expert = sum(p[0].numel() * p.element_size() for p in (blocks[0].mlp.experts.W_gate_up, blocks[0].mlp.experts.W_down)) if blocks else 0
+    # default: one layer's experts, enough for a layer's working set to stay while it runs
+    cache = ExpertCache(model.cfg.n_experts * per_expert if cache_bytes is None else cache_bytes)
+    shapes = expert_shapes(model)
+    reader = ExpertReader(files, keys, shapes, model.cfg.dtype)
+    slots: dict[str, torch.Tensor] = {}
+    for layer, block in enumerate(model.blocks):
+        if not block.is_moe:
+            continue
+        experts = block.mlp.experts
+        device = device_for(f"blocks.{layer}.mlp.experts.W_gate_up")
+        stacks = tuple(
+            torch.empty(shapes[layer, name], dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu",
+                        pin_memory=mode == "cpu" and device.type == "cuda")
+            for name in EXPERT_PARAMS
+        )
+        if mode == "cpu":
+            source = lambda e, stacks=stacks: (stacks[0][e], stacks[1][e])  # noqa: E731
+        else:
+            source = lambda e, layer=layer: reader.read(layer, e)  # noqa: E731
+        store = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode)
+        experts.offload(store, None if mode == "disk" else stacks)
+        slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(EXPERT_PARAMS, stacks)})
+    model.expert_cache = cache
+    return slots
+
+
+def shard_experts(model, files, keys, device: torch.device) -> dict[str, torch.Tensor]:
+    """Expert parallelism: give every mixture layer only this rank's experts (kernels.expert_parallel), read
+    expert by expert from the checkpoint's files; returns meta slots for the full stacks, so that fill()
+    checks their shapes and reads nothing of the other ranks' experts."""
+    rank, world = init_process_group(device)
+    lo, hi = expert_range(model.cfg.n_experts, world, rank)
+    shapes = expert_shapes(model)
+    reader = ExpertReader(files, keys, shapes, model.cfg.dtype)
+    slots: dict[str, torch.Tensor] = {}
+    for layer, block in enumerate(model.blocks):
+        if not block.is_moe:
+            continue
+        own = [reader.read(layer, e) for e in range(lo, hi)]  # more ranks than experts leave some with none
+        stacks = [
+            torch.stack([w[i] for w in own]) if own else torch.empty((0, *shapes[layer, name][1:]), dtype=model.cfg.dtype)
+            for i, name in enumerate(EXPERT_PARAMS)
+        ]
+        block.mlp.experts.keep_shard(ExpertShard(layer, model.cfg.n_experts, *(t.to(device) for t in stacks), rank=rank, world=world))
+        for name in EXPERT_PARAMS:
+            slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shapes[layer, name], dtype=model.cfg.dtype, device="meta")
+    return slots
+
+
+def expert_shapes(model) -> dict[tuple[int, str], tuple[int, ...]]:
+    """(layer, "W_gate_up" | "W_down") -> the full stack's shape [E, ...], for every mixture layer."""
+    return {
+        (i, name): tuple(getattr(block.mlp.experts, name).shape)
+        for i, block in enumerate(model.blocks) if block.is_moe for name in EXPERT_PARAMS
+    }
+
+
+def _parse_device(device: torch.device | str) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device {device!r} is not a torch device ({err})") from err

@@ -1,0 +1,1 @@
+"""The pieces of `moelens trace` (moelens.trace): data sources, the manifest, Parquet parts."""

@@ -1,0 +1,375 @@
+"""DeepSeek-V3 (multi-head latent attention, sigmoid grouped router, dense first blocks, shared experts) against
+transformers' own DeepseekV3ForCausalLM on the same tiny checkpoints."""
+
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import moelens.models.deepseek_v3  # noqa: F401  (registers the family)
+import tiny
+import tiny_deepseek_v3 as tiny_ds
+from moelens import HookedTransformer, KVCache
+from moelens.loaders.errors import CheckpointError
+from moelens.models.components.latent_attention import MultiHeadLatentAttention
+from moelens.models.deepseek_v3 import HookedDeepseekV3
+from moelens.plan import plan
+from moelens.utils import get_act_name
+from moelens.verify import compare, load_reference
+from test_plan import hf_component, hf_weights
+
+VARIANTS = [v for (_, v) in tiny_ds.VARIANTS]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_v3")
+    return {v: build(root / v) for (_, v), build in tiny_ds.VARIANTS.items()}
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    return {v: HookedTransformer.from_pretrained(p, progress=False) for v, p in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    return {v: load_reference(p) for v, p in checkpoints.items()}
+
+
+def tokens(seed=3, shape=(2, 40)):
+    return torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def check_report(report, model, tol=1e-5):
+    assert report.max_logit_diff <= tol, report
+    compared = {s.site for s in report.sites}
+    cfg = model.cfg
+    for layer in range(cfg.n_layers):
+        for site in ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post", "ln1.hook_normalized",
+                     "ln2.hook_normalized", "attn.hook_q", "attn.hook_kv_latent", "attn.hook_z"):
+            assert f"blocks.{layer}.{site}" in compared, site
+        assert (f"blocks.{layer}.attn.hook_q_latent" in compared) == (cfg.q_lora_rank is not None)
+        assert (f"blocks.{layer}.mlp.hook_post" in compared) == (not cfg.moe_layers[layer])
+    n_moe = sum(cfg.moe_layers)
+    for site in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices", "hook_routed_out",
+                 "shared_expert.hook_out"):
+        assert sum(s.endswith(site) for s in compared) == n_moe, site
+    for site in report.sites:
+        assert site.max_abs_diff <= tol, site
+    assert report.index_mismatches == 0
+
+
+def test_variants_are_what_they_claim(models, checkpoints):
+    base, plain, msc = models["base"].cfg, models["plain_q"].cfg, models["mscale"].cfg
+    assert base.q_lora_rank and plain.q_lora_rank is None
+    assert base.rope.interleaved and not plain.rope.interleaved and not msc.rope.interleaved
+    assert base.rope.kind == "yarn" and base.rope.original_max_position_embeddings < 40  # the tests' length
+    assert base.rope.mscale == base.rope.mscale_all_dim == 1.0 and msc.rope.mscale != msc.rope.mscale_all_dim
+    assert plain.rope.kind == "default" and plain.qkv_bias and plain.o_bias
+    assert base.n_group > 1 and base.topk_group > 1 and base.routed_scaling_factor != 1 and base.norm_topk_prob
+    assert base.moe_layers == (False, True, True) and msc.moe_layers == (False, False, True, True)
+    assert base.d_shared == 2 * base.d_expert and base.d_mlp == 80
+    assert base.d_head == 20 and base.d_rot == 8 and base.v_head_dim == 10
+    assert type(models["base"].blocks[0].attn) is MultiHeadLatentAttention
+    assert len(list(checkpoints["sharded"].glob("*.safetensors"))) > 1
+    keys = _keys(checkpoints["fused"])
+    assert "model.layers.1.mlp.experts.gate_up_proj" in keys and not any(".experts.0." in k for k in keys)
+    # transformers saves the Hub's per-expert spelling; the base checkpoint is loaded in it
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in _keys(checkpoints["base"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float32(models, references, variant):
+    model = models[variant]
+    assert type(model) is HookedDeepseekV3
+    check_report(compare(model, references[variant], tokens()), model)
+
+
+def test_float32_left_padded_and_fused_attention(models, references):
+    model, ref = models["base"], references["base"]
+    toks, mask = tokens(5, (3, 24)), torch.ones(3, 24, dtype=torch.long)
+    mask[0, :4], mask[1, :9] = 0, 0
+    report = compare(model, ref, toks, mask)
+    assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0, report
+    model.set_attention_backend("fused")
+    try:
+        report = compare(model, ref, toks)
+    finally:
+        model.set_attention_backend("eager")
+    assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0, report
+
+
+@pytest.mark.parametrize("variant", ["base", "plain_q"])
+def test_attention_sites_without_a_module_of_their_own(models, references, variant):
+    """The sites transformers computes inside DeepseekV3Attention.forward: the shared rotary key part (a slice of
+    kv_a_proj_with_mqa), the decompressed keys and values (kv_b_proj, split per head) and the pattern."""
+    model, ref = models[variant], references[variant]
+    cfg, toks, store = model.cfg, tokens(), {}
+    handles = []
+    for layer in range(cfg.n_layers):
+        attn = ref.model.layers[layer].self_attn
+        for name in ("kv_a_proj_with_mqa", "kv_b_proj"):
+            handles.append(getattr(attn, name).register_forward_hook(
+                lambda m, a, out, key=(layer, name): store.__setitem__(key, out)))
+    try:
+        with torch.no_grad():
+            out = ref(toks, output_attentions=True)
+    finally:
+        for h in handles:
+            h.remove()
+    _, cache = model.run_with_cache(toks)
+    b, p = toks.shape
+    for layer in range(cfg.n_layers):
+        site = f"blocks.{layer}.attn."
+        k_rope = store[layer, "kv_a_proj_with_mqa"][..., cfg.kv_lora_rank:]
+        assert torch.equal(cache[site + "hook_k_rope"], k_rope)
+        kv = store[layer, "kv_b_proj"].view(b, p, cfg.n_heads, -1)
+        assert torch.equal(cache[site + "hook_v"], kv[..., cfg.qk_nope_head_dim:])
+        k = cache[site + "hook_k"]
+        assert k.shape == (b, p, cfg.n_heads, cfg.d_head)
+        assert torch.equal(k[..., : cfg.qk_nope_head_dim], kv[..., : cfg.qk_nope_head_dim])
+        assert torch.equal(k[..., cfg.qk_nope_head_dim:], k_rope[:, :, None].expand(b, p, cfg.n_heads, -1))
+        assert (cache[site + "hook_pattern"] - out.attentions[layer]).abs().max() <= 1e-6
+        assert cache[site + "hook_z"].shape == (b, p, cfg.n_heads, cfg.v_head_dim)
+
+
+@pytest.mark.parametrize("variant", ["base", "plain_q"])
+def test_bfloat16_is_bit_exact(checkpoints, variant):
+    """Same ops in the same order and memory layout as transformers' eager MLA: bf16 logits and every
+    reference site identical, the router float32 as transformers keeps it."""
+    path = checkpoints[variant]
+    model = HookedTransformer.from_pretrained(path, dtype=torch.bfloat16, progress=False)
+    ref = load_reference(path, torch.bfloat16)
+    for layer, block in enumerate(model.blocks):
+        if block.is_moe:
+            assert block.mlp.router.weight.dtype == ref.model.layers[layer].mlp.gate.weight.dtype == torch.float32
+    report = compare(model, ref, tokens())
+    assert report.index_mismatches == 0
+    assert report.max_logit_diff == 0.0, report
+    assert all(s.max_abs_diff == 0.0 for s in report.sites), report
+
+
+@pytest.mark.parametrize("variant,padded", [("base", False), ("base", True), ("plain_q", True)])
+def test_greedy_generation_matches_transformers(models, references, variant, padded):
+    model, ref = models[variant], references[variant]
+    toks = tokens(5, (3, 9))
+    mask = None
+    if padded:
+        mask = torch.ones_like(toks)
+        mask[1, :3], mask[2, :1] = 0, 0
+        toks = toks.masked_fill(mask == 0, 0)
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = ref.generate(toks, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = model.generate(toks, attention_mask=mask, max_new_tokens=8, stop_at_eos=False)
+    assert torch.equal(got, expected)
+
+
+def test_cached_steps_match_the_uncached_forward(models):
+    """The cache holds each head's keys (hook_rot_k, qk_head_dim wide) and values (hook_v, v_head_dim)."""
+    model = models["base"]
+    cfg = model.cfg
+    toks, mask = tokens(5, (3, 9)), torch.ones(3, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        full, full_cache = model.run_with_cache(toks, attention_mask=mask, names_filter=["*hook_rot_k", "*hook_v"])
+        cache = KVCache.for_model(model)
+        parts = [model(toks[:, :5], attention_mask=mask[:, :5], past_kv_cache=cache)]
+        parts += [model(toks[:, 5:8], past_kv_cache=cache), model(toks[:, 8:], past_kv_cache=cache)]
+    real = mask.bool()
+    assert (torch.cat(parts, dim=1) - full)[real].abs().max() <= 1e-5
+    for layer, kv in enumerate(cache.layers):
+        assert kv.keys.shape == (3, 9, cfg.n_heads, cfg.d_head)
+        assert kv.values.shape == (3, 9, cfg.n_heads, cfg.v_head_dim)
+        assert (kv.keys - full_cache[f"blocks.{layer}.attn.hook_rot_k"])[real].abs().max() <= 1e-5
+        assert (kv.values - full_cache[f"blocks.{layer}.attn.hook_v"])[real].abs().max() <= 1e-5
+
+
+def test_results_do_not_depend_on_which_hooks_are_on(models):
+    model, toks = models["base"], tokens()
+    with torch.no_grad():
+        plain = model(toks)
+        cached, _ = model.run_with_cache(toks)
+        read = model.run_with_hooks(toks, fwd_hooks=[(lambda name: True, lambda t, hook: None)])
+    assert torch.equal(plain, cached) and torch.equal(plain, read)
+
+
+def test_latent_sites_are_live(models):
+    """An edit at a latent site moves the logits, and one at hook_k_rope only where the rotary key is read."""
+    model, toks = models["base"], tokens()
+    with torch.no_grad():
+        plain = model(toks)
+        for site in ("hook_q_latent", "hook_kv_latent", "hook_k_rope"):
+            edited = model.run_with_hooks(toks, fwd_hooks=[(f"blocks.1.attn.{site}", lambda t, hook: t * 0.5)])
+            assert not torch.allclose(edited, plain), site
+
+
+def test_softmax_scale_is_transformers(models):
+    """qk_head_dim**-0.5 times mscale(factor, mscale_all_dim)**2 (YaRN with mscale_all_dim), exactly transformers'
+    DeepseekV3Attention.scaling; DeepSeek-V3's own: 192**-0.5 * (1 + 0.1 * ln 40)**2, cos / sin unscaled."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    flagship = DeepseekV3Config(**{k: v for k, v in DEEPSEEK_V3.items() if k != "model_type"})
+    for config in (tiny_ds.deepseek_v3_config(), flagship):
+        with torch.device("meta"):
+            ref = DeepseekV3Attention(config, 0)
+        ours = HookedDeepseekV3.config_from_hf(config.to_dict())
+        with torch.device("meta"):
+            attn = MultiHeadLatentAttention(ours)
+        assert attn.scale == ref.scaling
+    assert attn.scale == 192**-0.5 * (1 + 0.1 * math.log(40)) ** 2
+    assert models["mscale"].blocks[0].attn.scale != models["mscale"].cfg.d_head ** -0.5
+    assert models["plain_q"].blocks[0].attn.scale == models["plain_q"].cfg.d_head ** -0.5
+
+
+# ---- checkpoints the loader refuses --------------------------------------------------------------------
+
+
+@pytest.fixture
+def broken(checkpoints, tmp_path):
+    def copy(variant="base"):
+        return shutil.copytree(checkpoints[variant], tmp_path / variant)
+
+    return copy
+
+
+def _rewrite(folder, edit):
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("key", [
+    "model.layers.0.self_attn.kv_b_proj.weight",
+    "model.layers.2.self_attn.q_a_layernorm.weight",
+    "model.layers.1.mlp.gate.e_score_correction_bias",
+    "model.layers.2.mlp.experts.5.gate_proj.weight",
+    "model.layers.1.mlp.shared_experts.down_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+])
+def test_missing_tensor_is_named(broken, key):
+    folder = broken()
+    _rewrite(folder, lambda t: t.pop(key))
+    with pytest.raises(CheckpointError, match="missing") as info:
+        HookedTransformer.from_pretrained(folder, progress=False)
+    assert key in str(info.value)
+
+
+def test_multi_token_prediction_layer_is_skipped_only_when_the_config_has_one(broken, models):
+    """The Hub checkpoint stores num_nextn_predict_layers extra layers after the last block, which neither
+    transformers nor moelens runs: they load past them; any other extra layer is refused."""
+    folder = broken()
+    n_layers = models["base"].cfg.n_layers
+    _rewrite(folder, lambda t: t.update({
+        f"model.layers.{n_layers}.eh_proj.weight": torch.ones(4, 4),
+        f"model.layers.{n_layers}.self_attn.kv_b_proj.weight": torch.ones(4, 4),
+    }))
+    tiny.edit_config(folder, num_nextn_predict_layers=0)
+    with pytest.raises(CheckpointError, match=f"unexpected .*model.layers.{n_layers}.eh_proj.weight"):
+        HookedTransformer.from_pretrained(folder, progress=False)
+    tiny.edit_config(folder, num_nextn_predict_layers=1)
+    model = HookedTransformer.from_pretrained(folder, progress=False)
+    ids = tokens()
+    assert torch.equal(model(ids), models["base"](ids))
+
+
+def test_misshapen_tensor_is_named(broken):
+    folder, key = broken(), "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    _rewrite(folder, lambda t: t.update({key: torch.zeros(20, 64)}))  # kv_lora_rank + qk_rope_head_dim is 24
+    with pytest.raises(CheckpointError) as info:
+        HookedTransformer.from_pretrained(folder, progress=False)
+    assert all(part in str(info.value) for part in (key, "(20, 64)", "(24, 64)", "config.json"))
+
+
+def test_plain_q_checkpoint_with_a_bottleneck_tensor_is_refused(broken):
+    folder = broken("plain_q")
+    _rewrite(folder, lambda t: t.update({"model.layers.0.self_attn.q_a_proj.weight": torch.zeros(24, 64)}))
+    with pytest.raises(CheckpointError, match="unexpected"):
+        HookedTransformer.from_pretrained(folder, progress=False)
+
+
+def test_config_refusals():
+    raw = tiny_ds.deepseek_v3_config().to_dict()
+    for change, message in (
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"n_group": 3}, "multiple of n_group"),
+        ({"topk_group": 5}, "topk_group"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            HookedDeepseekV3.config_from_hf({**raw, **change})
+
+
+# ---- plan, support, embedded default -------------------------------------------------------------------
+
+# deepseek-ai/DeepSeek-V3's config.json (the rotary in transformers 5's spelling). The Hub checkpoint also holds
+# a multi-token-prediction layer (model.layers.61, num_nextn_predict_layers 1) that transformers' model, and so
+# moelens, does not build: its 11.5B parameters are in neither count (671B published = 684.5B stored - MTP).
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+    },
+}
+
+
+def test_plan_counts_match_transformers_at_full_size():
+    hf = hf_weights(DEEPSEEK_V3, torch.bfloat16)
+    p = plan(dict(DEEPSEEK_V3), dtype="bfloat16", cpu_memory="2TB")
+    assert p.parameters == sum(t.numel() for t in hf.values())
+    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values())
+    assert p.parameters / 1e9 == pytest.approx(671.0, abs=0.1)
+    for component, count in p.components.items():
+        mine = [t for n, t in hf.items() if hf_component(n) == component]
+        assert count.parameters == sum(t.numel() for t in mine), component
+        assert count.bytes == sum(t.numel() * t.element_size() for t in mine), component
+    for layer in p.per_layer:
+        mine = [t for n, t in hf.items() if n.startswith(f"model.layers.{layer.layer}.")]
+        assert layer.parameters == sum(t.numel() for t in mine)
+        assert layer.kind == ("dense" if layer.layer < 3 else "moe")
+
+
+def test_support_lists_the_latent_sites(models):
+    table = models["base"].support(print_table=False)
+    rows = {r.name: r for r in table.rows}
+    assert rows["blocks.L.attn.hook_q_latent"].shape == "[batch, pos, 24]"
+    assert rows["blocks.L.attn.hook_kv_latent"].shape == "[batch, pos, 16]"
+    assert rows["blocks.L.attn.hook_k_rope"].shape == "[batch, pos, 8]"
+    assert rows["blocks.L.attn.hook_q"].shape == rows["blocks.L.attn.hook_rot_k"].shape == "[batch, pos, 4, 20]"
+    assert rows["blocks.L.attn.hook_v"].shape == rows["blocks.L.attn.hook_z"].shape == "[batch, pos, 4, 10]"
+    assert rows["blocks.L.attn.hook_q_latent"].reference == "model.layers.L.self_attn.q_a_layernorm"
+    assert rows["blocks.L.mlp.hook_router_logits"].layers == "1,2"
+    assert rows["blocks.L.mlp.hook_post"].layers == "0"
+    assert get_act_name("kv_latent", 1) == "blocks.1.attn.hook_kv_latent"
+    _, cache = models["base"].run_with_cache(tokens(), names_filter="*latent")
+    assert torch.equal(cache["kv_latent", 1], cache["blocks.1.attn.hook_kv_latent"])
+    assert "topk_method" in HookedDeepseekV3.config_from_hf(DEEPSEEK_V3).fields_ignored
+    plain = {r.name for r in models["plain_q"].support(print_table=False).rows}
+    assert "blocks.L.attn.hook_q_latent" not in plain and "blocks.L.attn.hook_kv_latent" in plain
+
+
+def test_embedded_default_loads_and_runs():
+    model = HookedTransformer.from_pretrained("tiny-deepseek-v3", progress=False)
+    assert type(model) is HookedDeepseekV3 and model.cfg.moe_layers == (False, True, True, True)
+    logits, cache = model.run_with_cache("Hello, latent attention", names_filter="*hook_kv_latent")
+    assert logits.shape[-1] == 260 and torch.isfinite(logits).all()
+    assert cache["blocks.3.attn.hook_kv_latent"].shape[-1] == 16
+    assert model.generate("Hi", max_new_tokens=3, stop_at_eos=False)
+
+
+def _keys(folder):
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        return list(f.keys())

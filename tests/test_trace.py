@@ -1,0 +1,439 @@
+"""moelens trace: windows, schema, equality with run_with_cache, resume after a crash, refusal of other inputs."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import moelens.trace as trace_module
+from moelens import HookedTransformer
+from moelens.cli import main
+from moelens.defaults import default_checkpoint
+from moelens.trace import TraceMismatch, trace
+from moelens.traces import manifest as manifest_module
+from moelens.traces.parts import PartWriter, schema
+from moelens.traces.sources import describe_files, windows
+
+pytest.importorskip("duckdb")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny forwards run far faster on one thread where the cores are shared; the SIGKILL test's subprocess
+    uses one too, so that its numbers are bit for bit the in-process run's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return default_checkpoint(root=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return HookedTransformer.from_pretrained(model_path, progress=False)
+
+
+def read(out: Path) -> pa.Table:
+    """The whole trace, as recorded by its manifest, in a canonical order."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    parts = [out / p["file"] for _, p in sorted(manifest["parts"].items(), key=lambda kv: int(kv[0]))]
+    table = pa.concat_tables([pq.read_table(p) for p in parts])
+    return table.sort_by([("doc", "ascending"), ("start", "ascending"), ("layer", "ascending"), ("pos", "ascending")])
+
+
+def token_docs(n_docs: int = 7, seed: int = 0) -> list[list[int]]:
+    gen = np.random.default_rng(seed)
+    return [gen.integers(0, 256, size=int(gen.integers(1, 90))).tolist() for _ in range(n_docs)]
+
+
+# ---- windows and schema ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, s", [(10, 4), (8, 4), (1, 5), (5, 5), (0, 3), (13, 1)])
+def test_a_document_of_n_tokens_gives_ceil_n_over_s_windows(n, s):
+    doc = list(range(n))
+    got = list(windows([doc], None, s, d_vocab=100))
+    assert len(got) == math.ceil(n / s)
+    assert [w.start for w in got] == list(range(0, n, s))
+    assert all(w.doc == 0 for w in got)
+    assert np.concatenate([w.tokens for w in got] or [np.zeros(0, dtype=np.int64)]).tolist() == doc
+    assert all(len(w.tokens) == s for w in got[:-1])
+
+
+def test_max_tokens_cuts_exactly_and_documents_are_numbered_in_order():
+    got = list(windows([[1] * 5, [], [2] * 7], None, 4, d_vocab=10, max_tokens=10))
+    assert [(w.doc, w.start, len(w.tokens)) for w in got] == [(0, 0, 4), (0, 4, 1), (2, 0, 4), (2, 4, 1)]
+
+
+def test_trace_rows_cover_every_window_with_its_start(model, tmp_path):
+    docs = [list(range(10, 10 + n)) for n in (33, 16, 1, 40)]
+    trace(model, docs, tmp_path / "t", seq_len=16, batch_size=3, windows_per_part=2, progress=False)
+    table = read(tmp_path / "t")
+    layers = model.cfg.moe_layer_indices
+    assert table.num_rows == sum(len(d) for d in docs) * len(layers)
+    layer0 = table.filter(pa.compute.equal(table["layer"], layers[0]))
+    for doc, ids in enumerate(docs):
+        rows = layer0.filter(pa.compute.equal(layer0["doc"], doc))
+        starts = sorted(set(rows["start"].to_pylist()))
+        assert starts == list(range(0, len(ids), 16))  # ceil(N / 16) windows
+        assert [s + p for s, p in zip(rows["start"].to_pylist(), rows["pos"].to_pylist())] == list(range(len(ids)))
+        assert rows["token"].to_pylist() == ids
+
+
+@pytest.mark.parametrize("router_logits", [False, True])
+def test_schema_has_exact_columns_and_types(model, tmp_path, router_logits):
+    trace(model, token_docs(2), tmp_path / "t", seq_len=32, router_logits=router_logits, progress=False)
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    got = pq.read_schema(tmp_path / "t" / manifest["parts"]["0"]["file"])
+    expected = [("doc", pa.int64()), ("start", pa.int64()), ("pos", pa.int32()), ("token", pa.int32()), ("layer", pa.int16()),
+                ("experts", pa.list_(pa.int16())), ("weights", pa.list_(pa.float32()))]
+    if router_logits:
+        expected.append(("router_logits", pa.list_(pa.float32())))
+    assert got.names == [name for name, _ in expected]
+    for name, type_ in expected:
+        assert got.field(name).type == type_, name
+    assert got == schema(router_logits)
+    assert manifest["columns"] == {name: str(type_) for name, type_ in expected}
+
+
+# ---- equality with the model's own routing -----------------------------------------------------------
+
+
+def test_trace_equals_run_with_cache_on_sampled_windows(model, tmp_path):
+    docs = token_docs(9, seed=1)
+    trace(model, docs, tmp_path / "t", seq_len=24, batch_size=4, router_logits=True, windows_per_part=3, progress=False)
+    table = read(tmp_path / "t")
+    keys = sorted({(d, s) for d, s in zip(table["doc"].to_pylist(), table["start"].to_pylist())})
+    gen = np.random.default_rng(0)
+    for i in gen.choice(len(keys), size=6, replace=False):
+        doc, start = keys[i]
+        tokens = torch.tensor([docs[doc][start : start + 24]])
+        _, cache = model.run_with_cache(tokens)
+        for layer in model.cfg.moe_layer_indices:
+            rows = table.filter(pa.compute.and_(pa.compute.and_(pa.compute.equal(table["doc"], doc), pa.compute.equal(table["start"], start)),
+                                                pa.compute.equal(table["layer"], layer)))
+            assert rows["pos"].to_pylist() == list(range(tokens.shape[1]))
+            assert rows["token"].to_pylist() == tokens[0].tolist()
+            indices = torch.tensor(rows["experts"].to_pylist())
+            assert torch.equal(indices, cache[f"blocks.{layer}.mlp.hook_expert_indices"][0])
+            weights = torch.tensor(rows["weights"].to_pylist())
+            torch.testing.assert_close(weights, cache[f"blocks.{layer}.mlp.hook_expert_weights"][0].float(), rtol=1e-5, atol=1e-6)
+            logits = torch.tensor(rows["router_logits"].to_pylist())
+            torch.testing.assert_close(logits, cache[f"blocks.{layer}.mlp.hook_router_logits"][0].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_texts_are_tokenized_whole_and_files_folders_and_jsonl_are_read_in_order(model, tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("alpha beta")
+    (corpus / "sub" / "b.jsonl").write_text('{"text": "one"}\n\n{"text": "two", "id": 3}\n')
+    (corpus / ".hidden.txt").write_text("secret")
+    (corpus / "image.png").write_bytes(b"\x89PNG")
+    summary = trace(model, corpus, tmp_path / "t", seq_len=4, progress=False)
+    assert summary.skipped_files == [str((corpus / ".hidden.txt").resolve()), str((corpus / "image.png").resolve())]
+    table = read(tmp_path / "t")
+    layer0 = table.filter(pa.compute.equal(table["layer"], 0))
+    texts = {}
+    for doc in range(3):
+        rows = layer0.filter(pa.compute.equal(layer0["doc"], doc))
+        texts[doc] = model.tokenizer.decode(rows["token"].to_pylist())
+    assert texts == {0: "alpha beta", 1: "one", 2: "two"}
+    files = json.loads((tmp_path / "t" / "manifest.json").read_text())["data"]["files"]
+    assert [(Path(f["path"]).name, f["first_doc"], f["n_docs"], f["size"]) for f in files] == [("a.txt", 0, 1, 10), ("b.jsonl", 1, 2, 42)]
+
+
+def test_a_jsonl_line_without_text_is_an_error_naming_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"content": "no text"}\n')
+    with pytest.raises(ValueError, match=rf"{bad}:2: expected a JSON object with a string field 'text', got keys \['content'\]"):
+        describe_files(bad)
+
+
+def test_max_tokens_traces_exactly_that_many(model, tmp_path):
+    summary = trace(model, token_docs(5), tmp_path / "t", seq_len=16, max_tokens=37, progress=False)
+    assert summary.n_tokens == 37 and read(tmp_path / "t").num_rows == 37 * len(model.cfg.moe_layer_indices)
+
+
+# ---- resume ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Files, and the trace an uninterrupted run makes of them."""
+    folder = tmp_path_factory.mktemp("corpus")
+    gen = np.random.default_rng(5)
+    for i in range(4):
+        words = ["".join(chr(97 + c) for c in gen.integers(0, 26, size=int(gen.integers(1, 8)))) for _ in range(int(gen.integers(20, 60)))]
+        (folder / f"doc{i}.txt").write_text(" ".join(words))
+    return folder
+
+
+RESUME = dict(seq_len=32, batch_size=3, windows_per_part=4, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(model, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "t"
+    summary = trace(model, corpus, out, **RESUME)
+    assert summary.parts_written >= 4, "the corpus must span several parts for the resume tests to mean anything"
+    return read(out)
+
+
+class Crash(Exception):
+    pass
+
+
+def finish_and_compare(model, corpus, out, reference):
+    summary = trace(model, corpus, out, **RESUME)
+    assert not summary.already_complete and summary.parts_reused >= 1
+    assert read(out).equals(reference)
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and sorted(p.name for p in out.glob("*.parquet")) == sorted(p["file"] for p in manifest["parts"].values())
+    return summary
+
+
+@pytest.mark.parametrize("part", [1, 3])
+def test_resume_after_a_crash_mid_part(model, corpus, reference, tmp_path, monkeypatch, part):
+    """A crash while a part's rows are being written leaves its temporary file; the rerun redoes that part."""
+    real_add = PartWriter.add
+
+    def add(self, table):
+        real_add(self, table)
+        if self.final.name == f"part-{part:06d}.parquet":
+            self._flush()  # some rows are on disk under the temporary name
+            raise Crash
+
+    monkeypatch.setattr(PartWriter, "add", add)
+    out = tmp_path / "t"
+    with pytest.raises(Crash):
+        trace(model, corpus, out, **RESUME)
+    assert (out / f"part-{part:06d}.parquet.tmp").exists()
+    monkeypatch.undo()
+    summary = finish_and_compare(model, corpus, out, reference)
+    assert summary.parts_reused == part
+
+
+def test_resume_after_a_crash_between_part_and_manifest(model, corpus, reference, tmp_path, monkeypatch):
+    """Part 2 is in place but the manifest does not record it: the rerun deletes and redoes it."""
+    real = manifest_module.write_json_atomic
+    calls = []
+
+    def write(path, obj):
+        calls.append(1)
+        if len(calls) == 4:  # the manifest's creation, parts 0 and 1, then part 2's record
+            raise Crash
+        real(path, obj)
+
+    monkeypatch.setattr(trace_module, "write_json_atomic", write)
+    out = tmp_path / "t"
+    with pytest.raises(Crash):
+        trace(model, corpus, out, **RESUME)
+    assert (out / "part-000002.parquet").exists() and "2" not in json.loads((out / "manifest.json").read_text())["parts"]
+    monkeypatch.undo()
+    assert finish_and_compare(model, corpus, out, reference).parts_reused == 2
+
+
+def test_resume_after_a_crash_inside_the_manifest_write(model, corpus, reference, tmp_path, monkeypatch):
+    """Killed after the manifest's temporary file is written but before it replaces the manifest."""
+    real_replace = os.replace
+    count = []
+
+    def replace(src, dst):
+        if str(dst).endswith("manifest.json"):
+            count.append(1)
+            if len(count) == 3:
+                raise Crash
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manifest_module.os, "replace", replace)
+    out = tmp_path / "t"
+    with pytest.raises(Crash):
+        trace(model, corpus, out, **RESUME)
+    assert (out / "manifest.json.tmp").exists()
+    monkeypatch.undo()
+    assert finish_and_compare(model, corpus, out, reference).parts_reused == 1
+
+
+def test_resume_after_sigkill(model_path, corpus, reference, tmp_path):
+    """A real SIGKILL of a tracing process once a part is recorded, then again early in its next run."""
+    out = tmp_path / "t"
+    script = textwrap.dedent(f"""
+        import time
+        from moelens.traces import parts
+        real = parts.PartWriter.commit
+        def slow(self):  # slow the run down so the kill lands mid-trace
+            time.sleep(0.3)
+            return real(self)
+        parts.PartWriter.commit = slow
+        from moelens.trace import trace
+        trace({str(model_path)!r}, {str(corpus)!r}, {str(out)!r}, seq_len=32, batch_size=3, windows_per_part=4, progress=False)
+    """)
+    for wanted in (1, 2):
+        proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline and proc.poll() is None:
+                try:
+                    if len(json.loads((out / "manifest.json").read_text())["parts"]) >= wanted:
+                        break
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.02)
+            assert proc.poll() is None, "the tracing process ended before it could be killed"
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait()
+    recorded = json.loads((out / "manifest.json").read_text())
+    assert not recorded["complete"] and len(recorded["parts"]) >= 2
+    summary = trace(model_path, corpus, out, **RESUME)
+    assert summary.parts_reused >= 2 and read(out).equals(reference)
+
+
+def test_a_completed_trace_reports_already_complete(model, tmp_path, capsys):
+    trace(model, token_docs(3), tmp_path / "t", seq_len=16, progress=False)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "t").iterdir())
+    summary = trace(model, token_docs(3), tmp_path / "t", seq_len=16, progress=True)
+    assert summary.already_complete and summary.parts_written == 0
+    assert "already complete" in capsys.readouterr().out
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "t").iterdir()) == before
+
+
+# ---- refusals ----------------------------------------------------------------------------------------
+
+
+def started(model, data, out, **kwargs):
+    """A trace stopped after its first part (as a kill would leave it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        real_commit = PartWriter.commit
+
+        def commit(self):
+            rows = real_commit(self)
+            if self.final.name == "part-000001.parquet":
+                raise Crash
+            return rows
+
+        mp.setattr(PartWriter, "commit", commit)
+        with pytest.raises(Crash):
+            trace(model, data, out, **{**RESUME, **kwargs})
+
+
+def test_another_model_is_refused(model, model_path, corpus, tmp_path):
+    out = tmp_path / "t"
+    started(model, corpus, out)
+    other = HookedTransformer.from_pretrained(model_path, progress=False)
+    with torch.no_grad():
+        other.blocks[0].mlp.router.weight.view(-1)[0] += 1.0
+    with pytest.raises(TraceMismatch, match="model weights differ"):
+        trace(other, corpus, out, **RESUME)
+    with pytest.raises(TraceMismatch, match=r"model dtype: 'float32' -> 'bfloat16'"):
+        trace(HookedTransformer.from_pretrained(model_path, dtype=torch.bfloat16, progress=False), corpus, out, **RESUME)
+    assert len(json.loads((out / "manifest.json").read_text())["parts"]) == 1  # nothing was mixed in
+
+
+def test_changed_data_and_settings_are_refused_naming_what_changed(model, corpus, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in corpus.iterdir():
+        (data / f.name).write_text(f.read_text())
+    out = tmp_path / "t"
+    started(model, data, out)
+    with pytest.raises(TraceMismatch, match=r"seq_len: 32 -> 16"):
+        trace(model, data, out, **{**RESUME, "seq_len": 16})
+    with pytest.raises(TraceMismatch, match=r"router_logits: False -> True"):
+        trace(model, data, out, **RESUME, router_logits=True)
+    with pytest.raises(TraceMismatch, match=r"max_tokens: None -> 100"):
+        trace(model, data, out, **RESUME, max_tokens=100)
+    (data / "doc2.txt").write_text("changed")
+    with pytest.raises(TraceMismatch, match=rf"data file changed: {data.resolve() / 'doc2.txt'}"):
+        trace(model, data, out, **RESUME)
+    (data / "doc4.txt").write_text("new")
+    with pytest.raises(TraceMismatch, match=rf"data file added: {data.resolve() / 'doc4.txt'}"):
+        trace(model, data, out, **RESUME)
+
+
+def test_changed_iterable_data_is_refused_at_the_first_recorded_part(model, tmp_path):
+    docs = token_docs(12, seed=3)
+    out = tmp_path / "t"
+    started(model, docs, out, seq_len=16, windows_per_part=2)
+    changed = [list(d) for d in docs]
+    changed[0][0] = (changed[0][0] + 1) % 256
+    with pytest.raises(TraceMismatch, match="part 0 was traced from other token windows"):
+        trace(model, changed, out, **{**RESUME, "seq_len": 16, "windows_per_part": 2})
+
+
+def test_a_folder_with_foreign_files_is_refused(model, tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds files but no manifest.json"):
+        trace(model, token_docs(1), tmp_path / "t", progress=False)
+
+
+# ---- CLI and placement -------------------------------------------------------------------------------
+
+
+def test_cli_traces_and_resumes(model_path, corpus, tmp_path, capsys):
+    argv = ["trace", str(model_path), "--data", str(corpus), "--out", str(tmp_path / "t"), "--seq-len", "32",
+            "--batch-size", "3", "--windows-per-part", "4", "--no-progress"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert "traced" in first and "parts" in first
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert manifest["command"][:2] == ["moelens", "trace"] and manifest["complete"]
+    assert main(argv) == 0 and "already complete" in capsys.readouterr().out
+    assert main([*argv[:-2], "16", "--no-progress"]) == 2
+    assert "windows_per_part: 4 -> 16" in capsys.readouterr().err
+
+
+def test_two_ranks_run_the_forward_and_rank_0_alone_writes(model_path, corpus, reference, tmp_path):
+    """Two gloo processes trace into one folder (rank 1 after a partial run by rank 0 alone, so the resume
+    decision must reach it): the result is the single-process trace."""
+    out = tmp_path / "t"
+    script = textwrap.dedent(f"""
+        import sys, torch, torch.distributed as dist
+        from moelens.trace import trace
+        import moelens.trace as module
+        rank = int(sys.argv[1])
+        if rank == 1:  # rank 1 must neither read nor write the folder
+            def refuse(*args, **kwargs):
+                raise AssertionError("rank 1 touched the trace folder")
+            module.PartWriter = module.write_json_atomic = module.read_manifest = module._prepare = refuse
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=rank, world_size=2)
+        summary = trace({str(model_path)!r}, {str(corpus)!r}, {str(out)!r}, seq_len=32, batch_size=3, windows_per_part=4, progress=False)
+        print("reused", summary.parts_reused)
+        dist.destroy_process_group()
+    """)
+    started(str(model_path), corpus, out)  # by path, as the ranks give it: the model's name is part of its identity
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in (0, 1)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all("reused 1" in o for o in outputs), outputs  # both ranks skipped the part rank 0 had recorded
+    assert read(out).equals(reference)
+
+
+def test_under_torch_distributed_rank_0_writes(model, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        summary = trace(model, token_docs(3), tmp_path / "t", seq_len=16, progress=False)
+    finally:
+        dist.destroy_process_group()
+    assert summary.n_tokens == sum(len(d) for d in token_docs(3)) and read(tmp_path / "t").num_rows > 0
