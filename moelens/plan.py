@@ -265,10 +265,13 @@ def activation_terms(cfg, batch: int, seq: int, float32_router: bool = False) ->
     return out
 
 
-def kv_cache_bytes(cfg, batch: int, seq: int) -> int:
-    """Keys and values of every layer for batch x seq positions, in the model dtype."""
+def kv_cache_bytes(cfg, batch: int, seq: int, per_token: int | None = None) -> int:
+    """Keys and values of every layer for batch x seq positions, in the model dtype. per_token: values cached
+    per token and layer (the family's attention says: MLA caches decompressed keys and values of every head);
+    default 2 x kv heads x d_head."""
     b = torch.tensor([], dtype=cfg.dtype).element_size()
-    return 2 * cfg.n_layers * batch * seq * cfg.n_kv_heads * cfg.d_head * b
+    per_token = 2 * cfg.n_kv_heads * cfg.d_head if per_token is None else per_token
+    return cfg.n_layers * batch * seq * per_token * b
 
 
 # ---- placement -------------------------------------------------------------------------------------------
@@ -607,7 +610,8 @@ def plan(
     components, layers = count_model(build_meta_model(cfg, family))
     float32_router = family.components.router.float32_weight
     acts = activation_terms(cfg, batch, seq, float32_router)
-    kv = kv_cache_bytes(cfg, batch, seq)
+    kv_per_token = family.components.attention.cached_per_token(cfg)
+    kv = kv_cache_bytes(cfg, batch, seq, kv_per_token)
     embed_bytes = components["embeddings"].bytes
     final_norm = cfg.d_model * torch.tensor([], dtype=dtype).element_size()
     needs = Needs(
@@ -633,8 +637,8 @@ def plan(
         activations={"batch": batch, "seq": seq, "terms": acts, "peak": acts["peak"]["bytes"]},
         kv_cache={
             "bytes": kv,
-            "counts": f"2 x {cfg.n_layers} layers x batch {batch} x seq {seq} x {cfg.n_kv_heads} kv heads x "
-            f"{cfg.d_head} d_head x {torch.tensor([], dtype=dtype).element_size()} bytes",
+            "counts": f"{cfg.n_layers} layers x batch {batch} x seq {seq} x {kv_per_token} cached values per token "
+            f"and layer x {torch.tensor([], dtype=dtype).element_size()} bytes",
         },
         placement=place(needs, gpu_list, cpu),
         on_disk=on_disk,

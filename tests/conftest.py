@@ -36,7 +36,7 @@ VARIANTS = {
 # A family's own test module tests/tiny_<family>.py adds its variants here (a dict VARIANTS like this one).
 for _path in sorted(Path(__file__).parent.glob("tiny_*.py")):
     VARIANTS.update(importlib.import_module(_path.stem).VARIANTS)
-FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open"]
+FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]
 
 
 @pytest.fixture(scope="session")

@@ -188,12 +188,16 @@ def test_stack_activation(runs, family):
     model, _, cache = runs[family]
     n = model.cfg.n_layers
     close(cache.stack_activation("resid_pre"), torch.stack([cache["resid_pre", l] for l in range(n)]), 0)
-    logits = cache.stack_activation("blocks.L.mlp.hook_router_logits")
-    assert logits.shape == (n, 2, 12, model.cfg.n_experts)
-    close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
+    if model.cfg.dense_layer_indices:  # a router in every block is needed to stack them
+        with pytest.raises(MissingHooksError, match="dense block"):
+            cache.stack_activation("blocks.L.mlp.hook_router_logits")
+    else:
+        logits = cache.stack_activation("blocks.L.mlp.hook_router_logits")
+        assert logits.shape == (n, 2, 12, model.cfg.n_experts)
+        close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
     assert cache.stack_activation("resid_pre", layer=2).shape[0] == 2
     close(cache.stack_activation("normalized", sublayer_type="ln2")[2], cache["blocks.2.ln2.hook_normalized"], 0)
-    if len(set(model.cfg.top_k)) > 1:  # Hunyuan: top_k differs per layer
+    if len(set(model.cfg.top_k)) > 1 and not model.cfg.dense_layer_indices:  # Hunyuan: top_k differs per layer
         with pytest.raises(ValueError, match="differ in shape"):
             cache.stack_activation("expert_indices")
 
@@ -209,8 +213,9 @@ def test_head_results(runs, family):
     for l in range(cfg.n_layers):
         W = model.blocks[l].attn.o_proj.weight.detach()
         z = cache["z", l]
+        d = z.shape[-1]  # a head's value width (MLA: v_head_dim)
         for h in (0, cfg.n_heads - 1):  # head h reads o_proj's input columns of that head
-            close(per_layer[l, h], z[:, :, h] @ W[:, h * cfg.d_head : (h + 1) * cfg.d_head].T)
+            close(per_layer[l, h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T)
         bias = model.blocks[l].attn.o_proj.bias
         close(per_layer[l].sum(0) + (0 if bias is None else bias.detach()), cache["attn_out", l])
     stack, labels = cache.stack_head_results(layer=2, incl_remainder=True, return_labels=True)
@@ -265,13 +270,15 @@ def test_expert_logit_attribution(runs, toks, family):
     # the same numbers as the decomposition's expert components through logit_attrs
     stack, labels = cache.get_full_resid_decomposition()
     attrs = dict(zip(labels, cache.logit_attrs(stack, toks)))
-    for l in range(cfg.n_layers):
+    for l in cfg.moe_layer_indices:
         close(ela[l], torch.stack([attrs[f"L{l}.E{e}"] for e in range(cfg.n_experts)]))
+    for l in cfg.dense_layer_indices:  # a dense block routes nothing
+        assert (ela[l] == 0).all()
     # an independent loop for one token: slot outputs / final rms . (W_U column * final norm weight)
     b, p, tok = 1, 7, int(toks[1, 7])
     direction = model.unembed.weight[tok].detach() * model.ln_final.weight.detach()
     rms = cache["ln_final.hook_scale"][b, p, 0]
-    for l in range(cfg.n_layers):
+    for l in cfg.moe_layer_indices:
         expected = torch.zeros(cfg.n_experts)
         for s, e in enumerate(cache["expert_indices", l][b, p].tolist()):
             expected[e] += cache["expert_outputs", l][b, p, s] @ direction / rms

@@ -340,6 +340,17 @@ def test_plan_counts_match_transformers_at_full_size():
         mine = [t for n, t in hf.items() if n.startswith(f"model.layers.{layer.layer}.")]
         assert layer.parameters == sum(t.numel() for t in mine)
         assert layer.kind == ("dense" if layer.layer < 3 else "moe")
+    # the cache holds every head's decompressed key (128 nope + 64 rope) and value (128), bf16, seq 2048
+    assert p.kv_cache["bytes"] == 61 * 1 * 2048 * 128 * (128 + 64 + 128) * 2
+
+
+def test_kv_cache_holds_what_plan_counts(models):
+    model = models["base"]
+    cache = KVCache.for_model(model)
+    model(tokens(shape=(1, 6)), past_kv_cache=cache)
+    held = sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values))
+    cfg = model.cfg
+    assert held == cfg.n_layers * 6 * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
 
 
 def test_support_lists_the_latent_sites(models):

@@ -61,7 +61,10 @@ def test_router_rules(family_models, family, tokens):
             keep = torch.zeros(biased.shape[:-1], dtype=torch.bool).scatter_(-1, best_groups, True)
             choice = biased.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
             assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
-            expected = scores.gather(-1, idx) * model.cfg.routed_scaling_factor
+            expected = scores.gather(-1, idx)
+            if model.cfg.norm_topk_prob:
+                expected = expected / (expected.sum(-1, keepdim=True) + 1e-20)
+            expected = expected * model.cfg.routed_scaling_factor
         else:
             top = logits.float().softmax(-1).topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
@@ -106,7 +109,9 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     assert torch.equal(idx.sort(-1).values, torch.tensor(sorted(forced[:k])).expand_as(idx))
     new_logits = torch.tensor([4.0 - r for r in range(k)])
     if isinstance(model.blocks[layer].mlp.router, SigmoidGroupedTopK):  # (the bias is small next to the forced gap)
-        expected = torch.sigmoid(new_logits) * model.cfg.routed_scaling_factor
+        expected = torch.sigmoid(new_logits)
+        expected = expected / expected.sum() if model.cfg.norm_topk_prob else expected
+        expected = expected * model.cfg.routed_scaling_factor
     else:
         probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (model.cfg.n_experts - k)), -1)[:k]
         expected = probs / probs.sum() if model.cfg.norm_topk_prob else probs

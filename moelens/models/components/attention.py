@@ -89,6 +89,11 @@ class Attention(nn.Module):
         z = self.hook_z(z.transpose(1, 2))
         return self.o_proj(z.reshape(b, p, self.n_heads * self.d_head))
 
+    @staticmethod
+    def cached_per_token(cfg: MoeConfig) -> int:
+        """Values the KV cache holds per token and layer: keys and values of every kv head."""
+        return 2 * cfg.n_kv_heads * cfg.d_head
+
     def input_projections(self) -> list[nn.Linear]:
         """The linear maps that read the block's normed input (what fold_ln scales)."""
         return [self.q_proj, self.k_proj, self.v_proj]

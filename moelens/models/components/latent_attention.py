@@ -127,6 +127,11 @@ class MultiHeadLatentAttention(nn.Module):
         z = self.hook_z(z.transpose(1, 2))
         return self.o_proj(z.reshape(b, p, self.n_heads * self.d_v))
 
+    @staticmethod
+    def cached_per_token(cfg) -> int:
+        """Values the KV cache holds per token and layer: every head's decompressed key and value."""
+        return cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+
     def input_projections(self) -> list[nn.Linear]:
         """The linear maps that read the block's normed input (what fold_ln scales)."""
         first_q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
