@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from moelens.cache_analysis import CacheAnalysis
+from moelens.hooks import SliceInput, slice_pos, unwrap_slice
 from moelens.names import alias_candidates
 
 
@@ -18,9 +19,14 @@ class ActivationCache(CacheAnalysis):
     ``cache["layer_output", 0]`` (the family notes' standard names), ``cache["normalized", 2, "ln2"]``,
     and gradients as ``cache["blocks.0.hook_resid_pre_grad"]``. Negative layers count from the end.
 
+    Dict-like as TransformerLens's: keys(), values(), items(), len(), iteration over names, `in` (which
+    also accepts aliases and (name, layer) keys), to(device, move_model), toggle_autodiff,
+    apply_slice_to_batch_dim, remove_batch_dim (in place).
+
     Analyses (moelens.cache_analysis): accumulated_resid, decompose_resid, stack_activation,
-    apply_ln_to_stack, logit_attrs, compute_head_results / stack_head_results,
-    get_full_resid_decomposition (heads, shared expert and each routed expert) and expert_logit_attribution.
+    apply_ln_to_stack, logit_attrs, compute_head_results / stack_head_results, get_neuron_results /
+    stack_neuron_results, get_full_resid_decomposition (heads, dense neurons, shared and routed experts)
+    and expert_logit_attribution.
     """
 
     def __init__(self, cache_dict: dict[str, torch.Tensor], model, has_batch_dim: bool = True) -> None:
@@ -83,8 +89,41 @@ class ActivationCache(CacheAnalysis):
     def items(self):
         return self.cache_dict.items()
 
-    def to(self, device: torch.device | str) -> ActivationCache:
-        return ActivationCache({k: v.to(device) for k, v in self.cache_dict.items()}, self.model, self.has_batch_dim)
+    def to(self, device: torch.device | str, move_model: bool = False) -> ActivationCache:
+        """Move every tensor to `device`, in place, and return the cache (TransformerLens's semantics);
+        move_model=True moves the model too (methods such as compute_head_results read its weights)."""
+        self.cache_dict = {k: v.to(device) for k, v in self.cache_dict.items()}
+        if move_model:
+            self.model.to(device)
+        return self
+
+    def toggle_autodiff(self, mode: bool = False) -> None:
+        """TransformerLens's toggle_autodiff: torch.set_grad_enabled(mode) for the whole process (global
+        state, not only this cache's); a logged warning says so. torch.inference_mode() is the local way."""
+        logging.warning("Changed the global state, set autodiff to %s", mode)
+        torch.set_grad_enabled(mode)
+
+    def _batch_size(self) -> int | None:
+        sizes = [v.shape[0] for v in self.cache_dict.values() if v.ndim > 0]
+        return max(set(sizes), key=sizes.count) if sizes else None
+
+    def apply_slice_to_batch_dim(self, batch_slice: SliceInput) -> ActivationCache:
+        """A new cache with `batch_slice` (TransformerLens's Slice: int, tuple, slice, list / tensor of
+        indices) applied to every tensor's batch axis; an int drops it (has_batch_dim becomes False).
+        The tensors are views where torch gives them; this cache is unchanged."""
+        batch_slice = unwrap_slice(batch_slice)
+        if not self.has_batch_dim:
+            if batch_slice is None:
+                return ActivationCache(dict(self.cache_dict), self.model, has_batch_dim=False)
+            raise ValueError("apply_slice_to_batch_dim: this cache has no batch axis (remove_batch_dim was applied)")
+        batch = self._batch_size()
+        # entries whose leading axis is not the batch (none in moelens today) are left as they are
+        sliced = {
+            k: slice_pos(v, batch_slice, 0) if v.ndim > 0 and v.shape[0] == batch else v
+            for k, v in self.cache_dict.items()
+        }
+        keeps_batch = not (isinstance(batch_slice, int) and not isinstance(batch_slice, bool))
+        return ActivationCache(sliced, self.model, has_batch_dim=keeps_batch)
 
     def remove_batch_dim(self) -> ActivationCache:
         """Drop the batch axis of a batch-of-one cache, in place, and return the cache (TransformerLens's

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from jaxtyping import Float, Int
 
+from moelens.hooks import slice_pos, unwrap_slice
+
 if TYPE_CHECKING:
     from moelens.models.base import HookedTransformer
 
@@ -36,20 +38,6 @@ class MissingHooksError(KeyError):
 
     def __str__(self) -> str:  # KeyError would show the message quoted
         return str(self.args[0])
-
-
-def slice_pos(t: torch.Tensor, pos_slice: PosSlice, dim: int) -> torch.Tensor:
-    """TransformerLens's Slice: None keeps all, an int selects (and drops the axis), a tuple is slice(*t),
-    a slice slices, a list / tensor of indices gathers."""
-    if pos_slice is None:
-        return t
-    if isinstance(pos_slice, int):
-        return t.select(dim, pos_slice)
-    if isinstance(pos_slice, tuple):
-        pos_slice = slice(*pos_slice)
-    if isinstance(pos_slice, slice):
-        return t[(slice(None),) * dim + (pos_slice,)]
-    return t.index_select(dim, torch.as_tensor(pos_slice, device=t.device).long())
 
 
 class CacheAnalysis:
@@ -268,77 +256,197 @@ class CacheAnalysis:
             stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
         return (stack, labels) if return_labels else stack
 
-    # ---- the full decomposition --------------------------------------------------------------------
-    def _attn_parts(self, l: int, pos_slice: PosSlice) -> tuple[list[torch.Tensor], list[str]]:
-        heads = slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0)
-        parts, labels = [heads], [f"L{l}H{h}" for h in range(heads.shape[0])]
-        bias = self.model.blocks[l].attn.o_proj.bias
-        if bias is not None:  # added once per position, whatever the heads do
-            parts.append(bias.to(heads.device, heads.dtype).expand_as(heads[:1]))
-            labels.append(f"L{l}.attn_bias")
-        return parts, labels
+    # ---- neurons ----------------------------------------------------------------------------------
+    @staticmethod
+    def _neuron_index(neuron_slice, n: int, device) -> torch.Tensor | None:
+        """Neuron indices selected by a TransformerLens Slice input (an int keeps the axis: [n]); None = all."""
+        neuron_slice = unwrap_slice(neuron_slice)
+        if neuron_slice is None:
+            return None
+        if isinstance(neuron_slice, int) and not isinstance(neuron_slice, bool):
+            neuron_slice = [neuron_slice]
+        return slice_pos(torch.arange(n, device=device), neuron_slice, 0)
 
-    def _mlp_parts(self, l: int, expand: bool, pos_slice: PosSlice) -> tuple[list[torch.Tensor], list[str]]:
-        block, what = self.model.blocks[l], "get_full_resid_decomposition"
+    def _dense_neurons(self, l: int, pos_slice: PosSlice, neuron_slice) -> tuple[torch.Tensor, list[int]]:
+        """[*batch_and_pos, n, d_model]: each dense-MLP neuron's write (post[i] * W_down[:, i])."""
+        self._require(f"the neurons of block {l}", [f"blocks.{l}.mlp.hook_post"])
+        post, W = self._get(f"blocks.{l}.mlp.hook_post", pos_slice), self.model.blocks[l].mlp.down_proj.weight
+        idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
+        if idx is not None:
+            post, W = post.index_select(-1, idx), W.index_select(1, idx.to(W.device))
+        return post[..., None] * W.T.to(post.device, post.dtype), _ids(idx, post.shape[-1])
+
+    def _shared_neurons(self, l: int, pos_slice: PosSlice, neuron_slice) -> tuple[torch.Tensor, list[int]]:
+        """[*batch_and_pos, n, d_model]: each shared-expert neuron's write as added (Qwen2-MoE's gate in)."""
+        pre, mlp = f"blocks.{l}.mlp", self.model.blocks[l].mlp
+        gated = mlp.shared_expert_gated
+        self._require(f"the shared-expert neurons of block {l}", [f"{pre}.shared_expert.hook_post"] + ([f"{pre}.hook_shared_gate"] if gated else []))
+        post = self._get(f"{pre}.shared_expert.hook_post", pos_slice)
+        if gated:  # Qwen2-MoE: sigmoid(gate) scales the whole shared expert, so each neuron
+            post = post * torch.sigmoid(self._get(f"{pre}.hook_shared_gate", pos_slice))
+        W = mlp.shared_expert.down_proj.weight
+        idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
+        if idx is not None:
+            post, W = post.index_select(-1, idx), W.index_select(1, idx.to(W.device))
+        return post[..., None] * W.T.to(post.device, post.dtype), _ids(idx, post.shape[-1])
+
+    def _slot_neurons(self, l: int, pos_slice: PosSlice, neuron_slice) -> tuple[torch.Tensor, list[int]]:
+        """[*batch_and_pos, top_k, n, d_model]: each routing slot's expert neurons, weighted as the
+        mixture weighs that slot (weight * post[i] * W_down[expert][:, i])."""
         pre = f"blocks.{l}.mlp"
+        self._require(f"the expert neurons of block {l}", [f"{pre}.experts.hook_post", f"{pre}.hook_expert_weights", f"{pre}.hook_expert_indices"])
+        post = self._get(f"{pre}.experts.hook_post", pos_slice)
+        weights = self._get(f"{pre}.hook_expert_weights", pos_slice)
+        indices = self._get(f"{pre}.hook_expert_indices", pos_slice)
+        dtype = torch.promote_types(post.dtype, weights.dtype)
+        W_down = self.model.blocks[l].mlp.experts.W_down  # [E, d_model, d_expert]
+        idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
+        if idx is not None:
+            post, W_down = post.index_select(-1, idx), W_down.index_select(2, idx.to(W_down.device))
+        W_slot = W_down.to(post.device, dtype)[indices]  # [*rest, k, d_model, n]
+        coef = weights.to(dtype)[..., None] * post.to(dtype)  # [*rest, k, n]
+        return coef[..., None] * W_slot.transpose(-1, -2), _ids(idx, post.shape[-1])
+
+    def get_neuron_results(
+        self, layer: int, neuron_slice=None, pos_slice: PosSlice = None, shared: bool = False
+    ) -> Float[torch.Tensor, "*batch_and_pos neuron d_model"]:
+        """TransformerLens's get_neuron_results: what each neuron of block `layer` writes into the stream,
+        [*batch_and_pos, n, d_model], not cached. A dense block: its MLP's neurons (post[i] * W_down[:, i]).
+        A mixture block: the routed experts' neurons per routing slot, [*batch_and_pos, top_k, n, d_model]
+        (slot s of a token is the expert hook_expert_indices[..., s] chose; its routing weight is included,
+        so summing over slots and neurons gives hook_routed_out); shared=True gives the shared expert's
+        neurons instead, [*batch_and_pos, n, d_model] (Qwen2-MoE's sigmoid gate included).
+        neuron_slice selects neurons within each MLP / expert (an int keeps the axis, as [n])."""
+        n = self.model.cfg.n_layers
+        if not -n <= layer < n:
+            raise ValueError(f"get_neuron_results: layer must be in [0, {n}), got {layer}")
+        layer %= n
+        block = self.model.blocks[layer]
+        if shared:
+            if not (block.is_moe and block.mlp.has_shared_expert):
+                raise ValueError(f"get_neuron_results(shared=True): block {layer} has no shared expert")
+            return self._shared_neurons(layer, pos_slice, neuron_slice)[0]
+        if block.is_moe:
+            return self._slot_neurons(layer, pos_slice, neuron_slice)[0]
+        return self._dense_neurons(layer, pos_slice, neuron_slice)[0]
+
+    def _mlp_neuron_parts(self, l: int, pos_slice: PosSlice, neuron_slice) -> tuple[list[torch.Tensor], list[str]]:
+        """Block l's neurons as components [n, *batch_and_pos, d_model]: a dense block's "L{l}N{i}" (as
+        TransformerLens); a mixture's shared expert "L{l}.shared.N{i}", then each routed expert's
+        "L{l}.E{e}.N{i}" (zero where a token did not route to e; sums over a token's slots routed to e)."""
+        block = self.model.blocks[l]
         if not block.is_moe:
-            if not expand:
-                self._require(what, [f"blocks.{l}.hook_mlp_out"])
-                return [self._get(f"blocks.{l}.hook_mlp_out", pos_slice)[None]], [f"L{l}.mlp"]
-            self._require(what, [f"{pre}.hook_post"])
-            post, W = self._get(f"{pre}.hook_post", pos_slice), block.mlp.down_proj.weight
-            return [_neurons(post, W)], [f"L{l}.mlp.N{i}" for i in range(post.shape[-1])]
+            stack, ids = self._dense_neurons(l, pos_slice, neuron_slice)
+            return [stack.movedim(-2, 0)], [f"L{l}N{i}" for i in ids]
         parts, labels = [], []
         if block.mlp.has_shared_expert:
-            if not expand:
-                self._require(what, [f"{pre}.hook_shared_out"])
-                parts.append(self._get(f"{pre}.hook_shared_out", pos_slice)[None])
-                labels.append(f"L{l}.shared")
-            else:
-                gated = block.mlp.shared_expert_gated
-                self._require(what, [f"{pre}.shared_expert.hook_post"] + ([f"{pre}.hook_shared_gate"] if gated else []))
-                post = self._get(f"{pre}.shared_expert.hook_post", pos_slice)
-                if gated:  # Qwen2-MoE: sigmoid(gate) scales the whole shared expert, so each neuron
-                    post = post * torch.sigmoid(self._get(f"{pre}.hook_shared_gate", pos_slice))
-                parts.append(_neurons(post, block.mlp.shared_expert.down_proj.weight))
-                labels += [f"L{l}.shared.N{i}" for i in range(post.shape[-1])]
-        n_experts = self.model.cfg.n_experts
-        self._require(what, [f"{pre}.hook_expert_indices"])
-        onehot = torch.nn.functional.one_hot(self._get(f"{pre}.hook_expert_indices", pos_slice), n_experts)
-        if not expand:
-            self._require(what, [f"{pre}.hook_expert_outputs"])
-            outputs = self._get(f"{pre}.hook_expert_outputs", pos_slice)
-            # expert e's share of a token = the sum of that token's slots routed to e (zero if none)
-            parts.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
-            labels += [f"L{l}.E{e}" for e in range(n_experts)]
-        else:
-            self._require(what, [f"{pre}.experts.hook_post", f"{pre}.hook_expert_weights"])
-            post = self._get(f"{pre}.experts.hook_post", pos_slice)
-            weights = self._get(f"{pre}.hook_expert_weights", pos_slice)
-            dtype = torch.promote_types(post.dtype, weights.dtype)
-            coef = torch.einsum("...k,...ki,...ke->e...i", weights.to(dtype), post.to(dtype), onehot.to(dtype))
-            W_down = block.mlp.experts.W_down.to(post.device, dtype)  # [E, d_model, d_expert]
-            parts.append(torch.einsum("e...i,edi->ei...d", coef, W_down).flatten(0, 1))
-            labels += [f"L{l}.E{e}.N{i}" for e in range(n_experts) for i in range(post.shape[-1])]
+            stack, ids = self._shared_neurons(l, pos_slice, neuron_slice)
+            parts.append(stack.movedim(-2, 0))
+            labels += [f"L{l}.shared.N{i}" for i in ids]
+        slots, ids = self._slot_neurons(l, pos_slice, neuron_slice)  # [*rest, k, n, d]
+        indices = self._get(f"blocks.{l}.mlp.hook_expert_indices", pos_slice)
+        onehot = torch.nn.functional.one_hot(indices, self.model.cfg.n_experts).to(slots.dtype)  # [*rest, k, E]
+        per_expert = torch.einsum("...knd,...ke->en...d", slots, onehot).flatten(0, 1)
+        parts.append(per_expert)
+        labels += [f"L{l}.E{e}.N{i}" for e in range(self.model.cfg.n_experts) for i in ids]
         return parts, labels
+
+    def stack_neuron_results(
+        self,
+        layer: int,
+        pos_slice: PosSlice = None,
+        neuron_slice=None,
+        return_labels: bool = False,
+        incl_remainder: bool = False,
+        apply_ln: bool = False,
+    ) -> Stack | tuple[Stack, list[str]]:
+        """TransformerLens's stack_neuron_results: every neuron's write into the stream for the blocks
+        before `layer` (-1 / None: all), [component, *batch_and_pos, d_model]. Dense blocks give
+        TransformerLens's "L{l}N{i}"; a mixture block gives its shared expert's neurons "L{l}.shared.N{i}"
+        and every routed expert's neurons "L{l}.E{e}.N{i}" (from the per-slot sites experts.hook_post,
+        hook_expert_weights and hook_expert_indices: zero where the token did not choose e). So the stack
+        has n_experts * d_expert rows per mixture layer: memory grows fast (use neuron_slice, pos_slice).
+        neuron_slice selects neuron indices within each MLP / expert (an int keeps the axis).
+        incl_remainder adds "remainder" (the stream entering `layer` minus the neurons); apply_ln divides
+        by the cached scale of block `layer`'s ln1 (ln_final for the last), as the other stacks."""
+        layer = self._layer_bound(layer)
+        parts, labels = [], []
+        for l in range(layer):
+            p, lab = self._mlp_neuron_parts(l, pos_slice, neuron_slice)
+            parts, labels = parts + p, labels + lab
+        if parts:
+            stack = _cat_promoted(parts)
+        else:
+            self._require("stack_neuron_results", [self._resid_name(layer)])
+            stack = self._get(self._resid_name(layer), pos_slice)[None][:0]
+        if incl_remainder:
+            self._require("stack_neuron_results(incl_remainder=True)", [self._resid_name(layer)])
+            remainder = self._get(self._resid_name(layer), pos_slice) - stack.sum(0)
+            stack, labels = torch.cat([stack, remainder[None].to(stack.dtype)]), labels + ["remainder"]
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    # ---- the full decomposition --------------------------------------------------------------------
+    def _mlp_out_parts(self, l: int, pos_slice: PosSlice) -> tuple[list[torch.Tensor], list[str]]:
+        """Block l's MLP output as components: a dense block's "{l}_mlp_out" (TransformerLens's label); a
+        mixture's shared expert as added "L{l}.shared" and each routed expert "L{l}.E{e}" (a token's share
+        from e is the sum of its slots routed to e; zero where it did not choose e)."""
+        block, what, pre = self.model.blocks[l], "get_full_resid_decomposition", f"blocks.{l}.mlp"
+        if not block.is_moe:
+            self._require(what, [f"blocks.{l}.hook_mlp_out"])
+            return [self._get(f"blocks.{l}.hook_mlp_out", pos_slice)[None]], [f"{l}_mlp_out"]
+        parts, labels = [], []
+        if block.mlp.has_shared_expert:
+            self._require(what, [f"{pre}.hook_shared_out"])
+            parts.append(self._get(f"{pre}.hook_shared_out", pos_slice)[None])
+            labels.append(f"L{l}.shared")
+        self._require(what, [f"{pre}.hook_expert_indices", f"{pre}.hook_expert_outputs"])
+        n_experts = self.model.cfg.n_experts
+        onehot = torch.nn.functional.one_hot(self._get(f"{pre}.hook_expert_indices", pos_slice), n_experts)
+        outputs = self._get(f"{pre}.hook_expert_outputs", pos_slice)
+        parts.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
+        labels += [f"L{l}.E{e}" for e in range(n_experts)]
+        return parts, labels
+
+    def _accumulated_bias(self, n_attn: int, like: torch.Tensor) -> torch.Tensor:
+        """The o_proj biases of the first n_attn blocks, summed, as one component [1, *batch_and_pos, d]
+        (zeros where no block has one; moelens's MLPs, experts and routers have no bias)."""
+        bias = like.new_zeros(like.shape[-1])
+        for l in range(n_attn):
+            b = self.model.blocks[l].attn.o_proj.bias
+            if b is not None:
+                bias = bias + b.detach().to(like.device, like.dtype)
+        return bias.expand_as(like[:1])
 
     def get_full_resid_decomposition(
         self,
         layer: int | None = None,
         mlp_input: bool = False,
-        expand_neurons: bool = False,
+        expand_neurons: bool = True,
         apply_ln: bool = False,
         pos_slice: PosSlice = None,
-        return_labels: bool = True,
+        return_labels: bool = False,
     ) -> Stack | tuple[Stack, list[str]]:
-        """The stream entering `layer` (None / -1: the final stream, resid_post of the last block) as a sum
-        of: "embed"; each head "L{l}H{h}" (+ "L{l}.attn_bias" where o_proj has a bias); each mixture
-        block's shared expert as added ("L{l}.shared", Qwen2-MoE's sigmoid gate included) and each of its
-        routed experts "L{l}.E{e}" (a token's share from expert e is the sum of its slots routed to e; an
-        expert that a token did not choose contributes zero there); each dense block "L{l}.mlp".
-        expand_neurons splits every MLP part into neurons: "L{l}.E{e}.N{i}", "L{l}.shared.N{i}",
-        "L{l}.mlp.N{i}" (memory grows with n_experts * d_expert per layer). mlp_input adds block `layer`'s
-        heads. Components are in the promoted dtype of the cached tensors."""
+        """TransformerLens's get_full_resid_decomposition: the stream entering `layer` (None / -1: the final
+        stream, resid_post of the last block) as a sum of components, in TransformerLens's order and with its
+        defaults (expand_neurons=True, return_labels=False):
+
+        1. each head "L{l}H{h}", block by block (block `layer`'s too with mlp_input), o_proj bias excluded;
+        2. block by block, the MLP part. expand_neurons=True: a dense block's neurons "L{l}N{i}"
+           (TransformerLens's), a mixture's shared-expert neurons "L{l}.shared.N{i}" then every routed
+           expert's neurons "L{l}.E{e}.N{i}" (as stack_neuron_results). expand_neurons=False: a dense block's
+           "{l}_mlp_out" (TransformerLens's), a mixture's "L{l}.shared" (as added, Qwen2-MoE's gate in) and
+           each routed expert "L{l}.E{e}" where TransformerLens has one "{l}_mlp_out";
+        3. "embed" (there is no "pos_embed": the position is in the rotary, inside attention);
+        4. "bias": the sum of the o_proj biases of the blocks whose heads are in (zeros where none; the MLPs
+           and experts have no bias).
+
+        MoE differences: a token's share from routed expert e is zero where it did not choose e, and the
+        sum of its slots routed to e otherwise. expand_neurons=True (the default, as TransformerLens) has
+        n_experts * d_expert rows per mixture layer, dense over all experts: for a real model pass
+        expand_neurons=False or a pos_slice. Components are in the promoted dtype of the cached tensors;
+        apply_ln: as the other stacks (the cached scale, no weight)."""
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
         if mlp_input and layer == n:
             raise ValueError("mlp_input=True needs a block to input into: layer must be < n_layers")
@@ -346,17 +454,20 @@ class CacheAnalysis:
         n_attn = layer + 1 if mlp_input else layer  # blocks whose heads are in
         self._require(what, ["hook_embed"] + [f"blocks.{l}.attn.hook_z" for l in range(n_attn)
                                                if f"blocks.{l}.attn.hook_result" not in self.cache_dict])
-        parts, labels = [self._get("hook_embed", pos_slice)[None]], ["embed"]
+        embed = self._get("hook_embed", pos_slice)[None]
+        parts, labels = [], []
         for l in range(n_attn):
-            attn_parts, attn_labels = self._attn_parts(l, pos_slice)
-            parts, labels = parts + attn_parts, labels + attn_labels
-            if l < layer:
-                mlp_parts, mlp_labels = self._mlp_parts(l, expand_neurons, pos_slice)
-                parts, labels = parts + mlp_parts, labels + mlp_labels
-        dtype = parts[0].dtype
-        for p in parts:
-            dtype = torch.promote_types(dtype, p.dtype)
-        stack = torch.cat([p.to(dtype) for p in parts])
+            heads = slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0)
+            parts.append(heads)
+            labels += [f"L{l}H{h}" for h in range(heads.shape[0])]
+        for l in range(layer):
+            mlp_parts, mlp_labels = (
+                self._mlp_neuron_parts(l, pos_slice, None) if expand_neurons else self._mlp_out_parts(l, pos_slice)
+            )
+            parts, labels = parts + mlp_parts, labels + mlp_labels
+        parts += [embed, self._accumulated_bias(n_attn, embed)]
+        labels += ["embed", "bias"]
+        stack = _cat_promoted(parts)
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
         return (stack, labels) if return_labels else stack
@@ -502,6 +613,14 @@ class CacheAnalysis:
         return out
 
 
-def _neurons(post: Float[torch.Tensor, "... n"], W_down: Float[torch.Tensor, "d_model n"]) -> torch.Tensor:
-    """Each neuron's write into the stream: post[..., i] * W_down[:, i] -> [n, ..., d_model]."""
-    return torch.einsum("...i,mi->i...m", post, W_down.to(post.device, post.dtype))
+def _ids(index: torch.Tensor | None, n: int) -> list[int]:
+    return list(range(n)) if index is None else index.tolist()
+
+
+def _cat_promoted(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate components along axis 0 in their promoted dtype (cached tensors may mix float32 routing
+    weights with a bfloat16 stream)."""
+    dtype = parts[0].dtype
+    for p in parts[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return torch.cat([p.to(dtype) for p in parts])

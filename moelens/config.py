@@ -35,6 +35,21 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
+    """A model's sizes, under moelens's names and, where TransformerLens code reads them, TransformerLens's
+    (HookedTransformerConfig): d_model, n_layers, n_heads, d_head, d_vocab, d_vocab_out, n_ctx,
+    n_key_value_heads, act_fn, eps, normalization_type ("RMS"), positional_embedding_type ("rotary"),
+    rotary_dim, rotary_base, num_experts, experts_per_token, gated_mlp, n_params, device, dtype,
+    default_prepend_bos, original_architecture, model_name, tokenizer_name.
+
+    d_mlp is the width of the *dense* MLPs (the blocks that are not mixtures; 0 when every block is one).
+    TransformerLens's Mixtral and OLMoE configs put each expert's width in d_mlp; here that is d_expert, and a
+    shared expert's width is d_shared. Code that sizes per-neuron buffers from cfg.d_mlp on an MoE layer wants
+    d_expert.
+
+    Frozen: the model replaces its cfg where it changes (device and dtype on .to(), the tokenizer's fields on
+    set_tokenizer); TransformerLens code that assigns to cfg fields fails with FrozenInstanceError.
+    """
+
     family: str  # model_type in config.json
     d_model: int
     n_layers: int
@@ -67,6 +82,20 @@ class MoeConfig:
     fields_read: tuple[str, ...] = field(default=(), compare=False)
     fields_ignored: tuple[str, ...] = field(default=(), compare=False)  # present, but unused (as in transformers)
     dtype: torch.dtype = torch.float32
+    # ---- TransformerLens's bookkeeping (HookedTransformerConfig's names); not the model's identity ----------
+    # where the model is: kept in step with it by HookedTransformer (its .to / .half / ... replace cfg), the
+    # first device of a device map, as TransformerLens's cfg.device is with n_devices
+    device: str = field(default="cpu", compare=False)
+    # what to_tokens and friends do when prepend_bos is None (from_pretrained: whether the checkpoint's tokenizer
+    # adds a BOS itself, unless given)
+    default_prepend_bos: bool = field(default=False, compare=False)
+    tokenizer_prepends_bos: bool | None = field(default=None, compare=False)  # None: no tokenizer
+    original_architecture: str | None = field(default=None, compare=False)  # config.json's architectures[0]
+    model_name: str = field(default="custom", compare=False)  # the name loaded, without its organisation
+    tokenizer_name: str | None = field(default=None, compare=False)
+    # the weight-matrix parameters outside the embedding and unembedding (TransformerLens's n_params, which
+    # leaves out biases and norms; exact here, where TL's formula assumes n_kv_heads == n_heads); set by the model
+    n_params: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         sizes = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_vocab", "max_position_embeddings")
@@ -127,6 +156,64 @@ class MoeConfig:
     def d_rot(self) -> int:
         """Rotated dimensions per head (the rest pass through)."""
         return int(self.d_head * self.rope.partial_rotary_factor)
+
+    @property
+    def eps(self) -> float:
+        """The norms' epsilon."""
+        return self.norm_eps
+
+    @property
+    def d_vocab_out(self) -> int:
+        """Logits per position (the unembedding's width): d_vocab."""
+        return self.d_vocab
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dimensions per head: d_rot."""
+        return self.d_rot
+
+    @property
+    def rotary_base(self) -> float:
+        """The rotary's theta (YaRN and alpha-NTK settings are in rope)."""
+        return self.rope.theta
+
+    @property
+    def rotary_adjacent_pairs(self) -> bool:
+        """True where the rotated dims are interleaved pairs (DeepSeek's rope_interleave)."""
+        return self.rope.interleaved
+
+    @property
+    def num_experts(self) -> int | None:
+        """Routed experts per mixture layer; None for a model without any (TransformerLens's convention)."""
+        return self.n_experts or None
+
+    @property
+    def experts_per_token(self) -> int | None:
+        """Experts each token is routed to, in the first mixture layer (top_k holds every layer's; the
+        families here use one value for all); None without mixture layers."""
+        moe = self.moe_layer_indices
+        return self.top_k[moe[0]] if moe else None
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Every MLP and expert here is gated: act(x W_gate) * (x W_in), then W_out."""
+        return True
+
+    @property
+    def final_rms(self) -> bool:
+        return True
+
+    @property
+    def attn_only(self) -> bool:
+        return False
+
+    @property
+    def parallel_attn_mlp(self) -> bool:
+        return False
+
+    @property
+    def attention_dir(self) -> str:
+        return "causal"
 
 
 _REQUIRED = object()  # default of the typed reads: the field must be present

@@ -3,6 +3,16 @@
 A HookPoint is an identity module placed at a named site. Forward hooks are called as
 ``fn(tensor, hook=hook_point)`` and may return a replacement tensor, which must keep the shape and
 dtype (anything else raises, naming the hook). Backward hooks see the gradient of the site's output.
+
+The API is TransformerLens's (hook_points.py): add_hook(name_or_filter, hook, dir, is_permanent, level,
+prepend), reset_hooks(clear_contexts, direction, including_permanent, level), remove_all_hook_fns,
+hook_points(), HookPoint.ctx / layer() / add_perma_hook, run_with_hooks and hooks() with clear_contexts,
+run_with_cache with pos_slice and return_cache_object. Hooks run in TransformerLens's order: the order they
+were added (model's and one call's alike), prepended ones first (the last prepended first). Differences, all
+on purpose: the hooks of one call (run_with_hooks, run_with_cache, hooks()) belong to the calling thread and
+are not on the module, so reset_hooks() inside such a call does not remove them; leaving a hooks() block
+removes only that block's hooks (TransformerLens also removes any module hook added at the same context
+level, e.g. by an earlier reset_hooks_end=False call); run_with_cache(incl_bwd=True) writes no parameter .grad.
 """
 
 from __future__ import annotations
@@ -10,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import fnmatch
+import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import torch
 from torch import nn
@@ -21,6 +32,10 @@ from torch import nn
 HookFn = Callable[..., Union[torch.Tensor, None]]
 NameFilter = Union[str, Sequence[str], Callable[[str], bool], None]
 Direction = Literal["fwd", "bwd"]
+Directions = Literal["fwd", "bwd", "both"]
+# TransformerLens's SliceInput: None (all), an int (selects, dropping the axis), a (start, stop[, step]) tuple,
+# a slice, or a list / tensor of indices; a transformer_lens.utils.Slice is unwrapped to its .slice
+SliceInput = Union[int, slice, tuple, list, torch.Tensor, None]
 
 
 class HookShapeError(ValueError):
@@ -40,6 +55,18 @@ class Hook:
     is_permanent: bool = False
     reads_only: bool = False
     active: bool = True
+    level: int | None = None  # the hooks() context level it was added at (TransformerLens's context_level)
+    order: int = 0  # position in the run order: appended hooks count up, prepended ones count down
+
+    def __post_init__(self) -> None:
+        if self.order == 0:
+            self.order = next(_APPEND_ORDER)
+
+
+# One run order for all hooks of a HookPoint, the module's and the calls', as TransformerLens's single list of
+# torch hooks: added order, and prepend=True puts a hook before every hook there is (the last prepended first).
+_APPEND_ORDER = itertools.count(1)
+_PREPEND_ORDER = itertools.count(-1, -1)
 
 
 # Hooks added for one call (run_with_hooks, run_with_cache, model.hooks()) live in the calling thread's
@@ -48,6 +75,43 @@ _CALL_HOOKS: contextvars.ContextVar[dict[HookPoint, tuple[Hook, ...]]] = context
 # While run_with_cache(incl_bwd=True) runs its forward: the tensors that received backward hooks, whose
 # gradients (and only theirs) its backward pass computes.
 _GRAD_TARGETS: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar("moelens_grad_targets", default=None)
+# How many hooks() blocks the calling thread is inside (TransformerLens's model.context_level).
+_CONTEXT_LEVEL: contextvars.ContextVar[int] = contextvars.ContextVar("moelens_context_level", default=0)
+
+
+def _check_direction(dir: str, allowed: tuple[str, ...], where: str) -> None:
+    if dir not in allowed:
+        raise ValueError(f"{where}: direction must be one of {allowed}, got {dir!r}")
+
+
+def unwrap_slice(pos_slice: Any) -> SliceInput:
+    """A TransformerLens Slice object -> what it wraps; anything else as it is."""
+    if hasattr(pos_slice, "slice") and hasattr(pos_slice, "apply"):
+        return pos_slice.slice
+    return pos_slice
+
+
+def slice_pos(t: torch.Tensor, pos_slice: SliceInput, dim: int) -> torch.Tensor:
+    """TransformerLens's Slice.apply on axis `dim`: None keeps all, an int selects (and drops the axis), a
+    tuple is slice(*t), a slice slices, a list / tensor / array of indices gathers."""
+    pos_slice = unwrap_slice(pos_slice)
+    if pos_slice is None:
+        return t
+    if isinstance(pos_slice, bool):
+        raise TypeError(f"a position slice must be an int, slice, tuple, list or tensor, got {pos_slice!r}")
+    if isinstance(pos_slice, int):
+        return t.select(dim, pos_slice)
+    if isinstance(pos_slice, tuple):
+        pos_slice = slice(*pos_slice)
+    if isinstance(pos_slice, slice):
+        return t[(slice(None),) * (dim % t.dim()) + (pos_slice,)]
+    try:
+        index = torch.as_tensor(pos_slice, device=t.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"a position slice must be None, an int, slice, tuple, list or tensor of indices, got {type(pos_slice).__name__}"
+        ) from None
+    return t.index_select(dim, index.long().flatten())
 
 
 class HookPoint(nn.Module):
@@ -65,10 +129,23 @@ class HookPoint(nn.Module):
         self.layout = layout
         self.meaning = meaning
         self._hooks: list[Hook] = []  # added with add_hook / add_perma_hook, until removed
+        # free storage for hook functions (TransformerLens's hook.ctx), cleared by clear_context(),
+        # reset_hooks() and hooks(clear_contexts=True); shared by every thread
+        self.ctx: dict = {}
+
+    @property
+    def fwd_hooks(self) -> list[Hook]:
+        """The module's forward hooks (one call's hooks are not here: they belong to its thread)."""
+        return [h for h in self._hooks if h.dir == "fwd"]
+
+    @property
+    def bwd_hooks(self) -> list[Hook]:
+        return [h for h in self._hooks if h.dir == "bwd"]
 
     def hooks_in_effect(self, dir: Direction) -> list[Hook]:
-        """This point's hooks of one direction: the module's, then the current call's, in the order added."""
-        return [h for h in (*self._hooks, *_CALL_HOOKS.get().get(self, ())) if h.dir == dir]
+        """This point's hooks of one direction, the module's and the current call's, in run order."""
+        found = [h for h in (*self._hooks, *_CALL_HOOKS.get().get(self, ())) if h.dir == dir]
+        return sorted(found, key=lambda h: h.order) if len(found) > 1 else found
 
     @property
     def has_hooks(self) -> bool:
@@ -79,22 +156,49 @@ class HookPoint(nn.Module):
         return bool(self.hooks_in_effect("bwd"))
 
     def add_hook(
-        self, fn: HookFn, dir: Direction = "fwd", is_permanent: bool = False, prepend: bool = False, reads_only: bool = False
+        self,
+        hook: HookFn,
+        dir: Direction = "fwd",
+        is_permanent: bool = False,
+        level: int | None = None,
+        prepend: bool = False,
+        reads_only: bool = False,
     ) -> Hook:
-        if dir not in ("fwd", "bwd"):
-            raise ValueError(f"hook direction must be 'fwd' or 'bwd', got {dir!r} for {self.name}")
-        hook = Hook(fn, dir, is_permanent, reads_only)
-        self._hooks.insert(0, hook) if prepend else self._hooks.append(hook)
-        return hook
+        """Add `hook(tensor, hook=self)` here, for every thread, until removed (TransformerLens's signature).
+        prepend=True runs it before every hook already there. Returns the Hook record."""
+        _check_direction(dir, ("fwd", "bwd"), f"add_hook on {self.name}")
+        if not callable(hook):
+            raise TypeError(f"add_hook on {self.name}: hook must be a function fn(tensor, hook), got {type(hook).__name__}")
+        order = next(_PREPEND_ORDER) if prepend else next(_APPEND_ORDER)
+        record = Hook(hook, dir, is_permanent, reads_only, level=level, order=order)
+        self._hooks.append(record)
+        return record
 
-    def remove_hooks(self, dir: Direction | Literal["both"] = "both", including_permanent: bool = False) -> None:
+    def add_perma_hook(self, hook: HookFn, dir: Direction = "fwd") -> Hook:
+        return self.add_hook(hook, dir=dir, is_permanent=True)
+
+    def remove_hooks(self, dir: Directions = "fwd", including_permanent: bool = False, level: int | None = None) -> None:
+        """Remove this point's hooks of direction `dir` ("fwd" by default, as TransformerLens): the
+        non-permanent ones (of context level `level` only, when given), or all with including_permanent."""
+        _check_direction(dir, ("fwd", "bwd", "both"), f"remove_hooks on {self.name}")
         keep = []
         for hook in self._hooks:
-            if (dir in ("both", hook.dir)) and (including_permanent or not hook.is_permanent):
+            gone = including_permanent or (not hook.is_permanent and (level is None or hook.level == level))
+            if dir in ("both", hook.dir) and gone:
                 hook.active = False
             else:
                 keep.append(hook)
         self._hooks = keep
+
+    def clear_context(self) -> None:
+        self.ctx = {}
+
+    def layer(self) -> int:
+        """The block index in this point's name, 'blocks.{layer}.…' (TransformerLens's HookPoint.layer())."""
+        parts = self.name.split(".")
+        if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
+            raise ValueError(f"hook point {self.name!r} is not inside a block ('blocks.<layer>.…'): it has no layer")
+        return int(parts[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x)[0]
@@ -167,6 +271,12 @@ class HookedRootModule(nn.Module):
     # what run_with_cache returns, built as cache_class(store, model, has_batch_dim=True): set by the model
     # class (moelens.cache.ActivationCache), so that hooks know nothing of the cache built on them
     cache_class: ClassVar[type]
+    is_caching: bool = False  # TransformerLens's flag: True while caching hooks are on (run_with_cache)
+
+    @property
+    def context_level(self) -> int:
+        """How many hooks() blocks the calling thread is inside (TransformerLens's model.context_level)."""
+        return _CONTEXT_LEVEL.get()
 
     def setup(self) -> None:
         """Name every HookPoint after its module path; call at the end of the subclass __init__."""
@@ -179,6 +289,10 @@ class HookedRootModule(nn.Module):
             if isinstance(module, HookPoint):
                 module.name = name
                 self.hook_dict[name] = module
+
+    def hook_points(self):
+        """Every HookPoint (TransformerLens's hook_points())."""
+        return self.hook_dict.values()
 
     # ---- adding and removing -------------------------------------------------------------------
     def resolve_hook_names(self, name_or_filter: NameFilter) -> list[str]:
@@ -228,18 +342,47 @@ class HookedRootModule(nn.Module):
         hook: HookFn,
         dir: Direction = "fwd",
         is_permanent: bool = False,
+        level: int | None = None,
         prepend: bool = False,
     ) -> None:
-        """Add a hook that stays, for every thread, until reset_hooks() (or for good with is_permanent)."""
+        """Add a hook that stays, for every thread, until reset_hooks() (or for good with is_permanent).
+        name_or_filter: a hook name, alias, glob, list of these, or a predicate on names (TransformerLens's
+        name or filter). prepend=True runs it before every hook already at the site."""
+        _check_direction(dir, ("fwd", "bwd"), "add_hook")
         for name in self.resolve_hook_names(name_or_filter):
-            self.hook_dict[name].add_hook(hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
+            self.hook_dict[name].add_hook(hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
 
     def add_perma_hook(self, name_or_filter: NameFilter, hook: HookFn, dir: Direction = "fwd") -> None:
         self.add_hook(name_or_filter, hook, dir=dir, is_permanent=True)
 
-    def reset_hooks(self, including_permanent: bool = False) -> None:
+    def remove_all_hook_fns(
+        self, direction: Directions = "both", including_permanent: bool = False, level: int | None = None
+    ) -> None:
+        _check_direction(direction, ("fwd", "bwd", "both"), "remove_all_hook_fns")
         for hp in self.hook_dict.values():
-            hp.remove_hooks("both", including_permanent=including_permanent)
+            hp.remove_hooks(direction, including_permanent=including_permanent, level=level)
+
+    def clear_contexts(self) -> None:
+        for hp in self.hook_dict.values():
+            hp.clear_context()
+
+    def reset_hooks(
+        self,
+        clear_contexts: bool = True,
+        direction: Directions = "both",
+        including_permanent: bool = False,
+        level: int | None = None,
+    ) -> None:
+        """TransformerLens's reset_hooks: clear every HookPoint's ctx (clear_contexts) and remove the model's
+        hooks of `direction` (non-permanent ones unless including_permanent; only those of context level
+        `level` when given). The hooks of a run_with_hooks / run_with_cache / hooks() call in progress belong
+        to that call and stay until it ends."""
+        if not isinstance(clear_contexts, bool):  # moelens's old reset_hooks(including_permanent) positional
+            raise TypeError(f"reset_hooks: clear_contexts must be a bool, got {clear_contexts!r}")
+        if clear_contexts:
+            self.clear_contexts()
+        self.remove_all_hook_fns(direction, including_permanent, level=level)
+        self.is_caching = False
 
     @contextlib.contextmanager
     def hooks(
@@ -247,34 +390,46 @@ class HookedRootModule(nn.Module):
         fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
         bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
         reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
     ) -> Iterator[HookedRootModule]:
         """Context manager: the hooks are active inside the block and removed at its end, even on error.
 
         They belong to the calling thread (and its context): another thread running this model meanwhile
         does not see them. Backward hooks fire only for a backward run inside the block. With
-        reset_hooks_end=False they are added to the modules instead, for every thread, until reset_hooks().
-        """
+        reset_hooks_end=False they are added to the modules instead, for every thread, at this block's
+        context level, until reset_hooks(). clear_contexts=True (with reset_hooks_end) clears every
+        HookPoint's ctx at the end, as TransformerLens."""
         pairs = [(d, self.resolve_hook_names(f), fn) for d, hooks in (("fwd", fwd_hooks), ("bwd", bwd_hooks)) for f, fn in hooks]
-        if not reset_hooks_end:
+        for _, _, fn in pairs:
+            if not callable(fn):
+                raise TypeError(f"hooks are (name_or_filter, fn(tensor, hook)) pairs, got a {type(fn).__name__} as fn")
+        level = _CONTEXT_LEVEL.get() + 1
+        level_token = _CONTEXT_LEVEL.set(level)
+        try:
+            if not reset_hooks_end:
+                for direction, names, fn in pairs:
+                    for name in names:
+                        self.hook_dict[name].add_hook(fn, dir=direction, level=level)
+                yield self
+                return
+            added: list[Hook] = []
+            call_hooks = dict(_CALL_HOOKS.get())
             for direction, names, fn in pairs:
                 for name in names:
-                    self.hook_dict[name].add_hook(fn, dir=direction)
-            yield self
-            return
-        added: list[Hook] = []
-        call_hooks = dict(_CALL_HOOKS.get())
-        for direction, names, fn in pairs:
-            for name in names:
-                hp = self.hook_dict[name]
-                added.append(Hook(fn, direction, reads_only=getattr(fn, "reads_only", False)))
-                call_hooks[hp] = (*call_hooks.get(hp, ()), added[-1])
-        token = _CALL_HOOKS.set(call_hooks)
-        try:
-            yield self
+                    hp = self.hook_dict[name]
+                    added.append(Hook(fn, direction, reads_only=getattr(fn, "reads_only", False), level=level))
+                    call_hooks[hp] = (*call_hooks.get(hp, ()), added[-1])
+            token = _CALL_HOOKS.set(call_hooks)
+            try:
+                yield self
+            finally:
+                _CALL_HOOKS.reset(token)
+                for hook in added:
+                    hook.active = False
+                if clear_contexts:
+                    self.clear_contexts()
         finally:
-            _CALL_HOOKS.reset(token)
-            for hook in added:
-                hook.active = False
+            _CONTEXT_LEVEL.reset(level_token)
 
     def run_with_hooks(
         self,
@@ -282,6 +437,7 @@ class HookedRootModule(nn.Module):
         fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
         bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
         reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
         **model_kwargs,
     ):
         """Run the forward with these hooks; they are removed afterwards (also when the forward raises).
@@ -290,6 +446,7 @@ class HookedRootModule(nn.Module):
         gone when the forward returns, so a later .backward() does not call them (a warning says so). To
         use them, pass reset_hooks_end=False, call .backward(), then reset_hooks(); or use
         run_with_cache(incl_bwd=True), or `with model.hooks(bwd_hooks=...):` around forward and backward.
+        clear_contexts=True clears every HookPoint's ctx at the end (with reset_hooks_end, as TransformerLens).
         """
         bwd_hooks = list(bwd_hooks)
         if bwd_hooks and reset_hooks_end:
@@ -299,30 +456,67 @@ class HookedRootModule(nn.Module):
                 "after the backward",
                 stacklevel=2,
             )
-        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end):
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts):
             return self(*model_args, **model_kwargs)
+
+    def _pos_axis(self, hp: HookPoint, ndim: int) -> int | None:
+        """The position axis of a tensor at `hp` (with its batch axis): the first of "pos" / "query" in
+        its layout (an attention pattern's query axis, as TransformerLens slices the destination), else
+        TransformerLens's rule (-3 for q, k, v, z, result; -2 otherwise); None when it has too few axes."""
+        axes = hp.layout.split()
+        for name in ("pos", "query", "query_pos", "dest_pos"):
+            if name in axes and len(axes) == ndim:
+                return axes.index(name)
+        dim = -3 if hp.name.rsplit(".", 1)[-1] in ("hook_q", "hook_k", "hook_v", "hook_z", "hook_result") else -2
+        return dim % ndim if ndim >= -dim else None
 
     def run_with_cache(
         self,
         *model_args,
         names_filter: NameFilter = None,
-        remove_batch_dim: bool = False,
         device: torch.device | str | None = None,
+        remove_batch_dim: bool = False,
         incl_bwd: bool = False,
+        reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
+        pos_slice: SliceInput = None,
+        return_cache_object: bool = True,
         **model_kwargs,
     ):
-        """Run the forward and return (output, ActivationCache) of the selected hook sites.
+        """Run the forward and return (output, ActivationCache) of the selected hook sites (TransformerLens's
+        HookedTransformer.run_with_cache; return_cache_object=False returns (output, dict of tensors)).
 
+        names_filter: None (every site), a name / alias / glob, a list of them, or a predicate on names.
+        device: where the cached tensors go (default: where each was computed). remove_batch_dim: drop the
+        batch axis (batch of one only). pos_slice (TransformerLens's Slice: int, (start, stop[, step]),
+        slice, list / tensor of indices): applied to each cached tensor's position axis, the one its layout
+        names "pos" (the query axis of hook_attn_scores / hook_pattern, as TransformerLens; per-slot sites
+        [batch pos top_k ...] are sliced on pos, not top_k). An int drops the axis, so the analyses that need
+        whole positions (accumulated_resid, ...) then see sliced tensors.
         With incl_bwd=True the output must be a scalar (e.g. return_type="loss"); its gradient with respect
-        to each selected site is computed and cached under "<name>_grad". Only those gradients are
-        computed: no parameter's .grad is written.
+        to each selected site is computed and cached under "<name>_grad" (pos_slice applied too). Only those
+        gradients are computed: no parameter's .grad is written (TransformerLens calls .backward()).
+        reset_hooks_end=False leaves the caching hooks on the model (every later forward overwrites the
+        cache's tensors) until reset_hooks(); clear_contexts: as run_with_hooks.
         """
         store: dict[str, torch.Tensor] = {}
         names = self.resolve_hook_names(names_filter)
+        pos_slice = unwrap_slice(pos_slice)
 
         def saver(suffix: str) -> HookFn:
             def save(tensor: torch.Tensor, hook: HookPoint) -> None:
                 t = tensor.detach()
+                if pos_slice is not None:
+                    dim = self._pos_axis(hook, t.dim())
+                    if dim is not None:
+                        t = slice_pos(t, pos_slice, dim)
+                if remove_batch_dim:
+                    if t.shape[0] != 1:
+                        raise ValueError(
+                            f"run_with_cache(remove_batch_dim=True) needs a batch of one, {hook.name} has batch "
+                            f"size {t.shape[0]}"
+                        )
+                    t = t[0]
                 store[hook.name + suffix] = t.to(device) if device is not None else t
 
             save.reads_only = True
@@ -332,8 +526,9 @@ class HookedRootModule(nn.Module):
         bwd = [(n, saver("_grad")) for n in names] if incl_bwd else []
         targets: list[torch.Tensor] = []
         collecting = _GRAD_TARGETS.set(targets) if incl_bwd else None
+        self.is_caching = True
         try:
-            with self.hooks(fwd, bwd):
+            with self.hooks(fwd, bwd, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts):
                 out = self(*model_args, **model_kwargs)
                 if incl_bwd:
                     _GRAD_TARGETS.reset(collecting)
@@ -345,7 +540,8 @@ class HookedRootModule(nn.Module):
         finally:
             if collecting is not None:
                 _GRAD_TARGETS.reset(collecting)
-        cache = self.cache_class(store, self, has_batch_dim=True)
-        if remove_batch_dim:
-            cache = cache.remove_batch_dim()
-        return out, cache
+            if reset_hooks_end:
+                self.is_caching = False
+        if not return_cache_object:
+            return out, store
+        return out, self.cache_class(store, self, has_batch_dim=not remove_batch_dim)

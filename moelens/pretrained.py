@@ -70,7 +70,23 @@ def load(
     device_map=None,
     max_memory=None,
     expert_parallel=False,
+    center_writing_weights=False,
+    fold_value_biases=False,
+    refactor_factored_attn_matrices=False,
+    first_n_layers=None,
+    checkpoint_index=None,
+    checkpoint_value=None,
+    hf_model=None,
+    n_devices=1,
+    move_to_device=True,
 ):
+    # TransformerLens's arguments: refuse what moelens cannot do, map its placement onto device / device_map
+    refuse_unsupported(
+        center_writing_weights=center_writing_weights, fold_value_biases=fold_value_biases,
+        refactor_factored_attn_matrices=refactor_factored_attn_matrices, first_n_layers=first_n_layers,
+        checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value, hf_model=hf_model,
+    )
+    device, device_map = tl_placement(name_or_path, revision, device, device_map, n_devices, move_to_device)
     dtype, device = parse_dtype(dtype), _parse_device(device)
     on_meta = device.type == "meta"  # for inspection: the model's structure, no weights read
     if on_meta and (fold_ln or center_unembed):
@@ -149,6 +165,87 @@ def load(
 
 
 OFFLOAD_MODES = (None, "cpu", "disk")
+
+
+# TransformerLens's from_pretrained arguments moelens does not honour, each with why and the value that is fine;
+# refused by name rather than ignored
+_UNSUPPORTED = {
+    "center_writing_weights": (
+        False,
+        "every norm here is an RMSNorm, which subtracts no mean, so centering the weights that write to the "
+        "residual stream would change the model (TransformerLens skips it on RMSNorm models)",
+    ),
+    "fold_value_biases": (False, "moelens does not fold value biases into b_O: b_V stays where the checkpoint has it"),
+    "refactor_factored_attn_matrices": (
+        False,
+        "with rotary embeddings the QK circuit depends on the positions, so it cannot be refactored "
+        "(TransformerLens refuses rotary models too)",
+    ),
+    "first_n_layers": (None, "moelens loads every layer; run the first n with forward(..., stop_at_layer=n)"),
+    "checkpoint_index": (None, "training checkpoints are TransformerLens's own list; load their folder or Hub revision"),
+    "checkpoint_value": (None, "training checkpoints are TransformerLens's own list; load their folder or Hub revision"),
+    "hf_model": (None, "moelens reads the checkpoint's safetensors itself: pass its folder or Hub id"),
+}
+
+
+def refuse_unsupported(**given) -> None:
+    for name, value in given.items():
+        fine, why = _UNSUPPORTED[name]
+        if value is not fine and value != fine:
+            raise ValueError(f"{name}={value!r} is not supported: {why} (leave {name}={fine!r})")
+
+
+def tl_placement(name_or_path, revision, device, device_map, n_devices: int, move_to_device: bool):
+    """TransformerLens's device / n_devices / move_to_device as moelens's (device, device_map)."""
+    if device is None:  # TransformerLens's default: the GPU if there is one
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+        raise ValueError(f"n_devices must be an integer >= 1, got {n_devices!r}")
+    if not move_to_device:
+        if n_devices > 1 or device_map is not None:
+            raise ValueError(
+                "move_to_device=False leaves the model on the CPU: it cannot go with n_devices > 1 or a device_map "
+                "(TransformerLens needs move_to_device=True for n_devices > 1 too)"
+            )
+        return "cpu", None
+    if n_devices == 1:
+        return device, device_map
+    if device_map is not None:
+        raise ValueError(f"n_devices={n_devices} places the blocks itself: pass n_devices or device_map, not both")
+    first = _parse_device(device)
+    if first.type != "cuda":
+        raise ValueError(
+            f"n_devices={n_devices} splits the model over CUDA devices: device must be 'cuda' or 'cuda:N', got {device!r}"
+        )
+    available, start = torch.cuda.device_count(), first.index or 0
+    if start + n_devices > available:
+        raise ValueError(
+            f"n_devices={n_devices} from {first} needs CUDA devices cuda:{start} to cuda:{start + n_devices - 1}; "
+            f"this machine has {available} CUDA device(s)"
+        )
+    # the block count, read ahead of the load (the map needs it before the model is built)
+    n_layers = read_config(resolve(name_or_path, revision)).get("num_hidden_layers")
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise CheckpointError(f"{name_or_path}: config.json's num_hidden_layers = {n_layers!r}; expected an integer >= 1")
+    return first, n_devices_map(n_layers, n_devices, first)
+
+
+def n_devices_map(n_layers: int, n_devices: int, device: torch.device | str) -> dict[str, str]:
+    """TransformerLens's n_devices split as a device map: block i on device + i // (n_layers // n_devices) (the
+    remainder on the last device, where TransformerLens would run past it), the embedding with block 0, the
+    final norm and unembedding with the last block."""
+    first = torch.device(device)
+    per = n_layers // n_devices
+    if per == 0:
+        raise ValueError(f"n_devices={n_devices} is more devices than the model has blocks ({n_layers})")
+    on = [f"{first.type}:{(first.index or 0) + min(i // per, n_devices - 1)}" for i in range(n_layers)]
+    placed = {"embed": on[0]}
+    start = 0
+    for i in range(1, n_layers + 1):
+        if i == n_layers or on[i] != on[start]:
+            placed[f"blocks.{start}-{i - 1}"] = on[start]
+            start = i
+    return placed | {"ln_final": on[-1], "unembed": on[-1]}
 
 
 def _place(model, device_map, max_memory) -> dict[str, torch.device]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from moelens.names import SITES, alias_candidates, site_pattern
 
 # TransformerLens's shorthands, applied before anything else (so TL code gets TL's names).
@@ -105,3 +107,70 @@ def get_act_name(name: str, layer: int | str | None = None, layer_type: str | No
         f"get_act_name({given_name!r}, {layer!r}, {given_layer_type!r}) -> {full!r} names no hook site"
         + (f" (unknown layer type {layer_type!r})" if layer_type and layer_type not in ("attn", "mlp", "ln1", "ln2") else "")
     )
+
+
+def test_prompt(
+    prompt: str,
+    answer: str | list[str],
+    model,
+    prepend_space_to_answer: bool = True,
+    print_details: bool = True,
+    prepend_bos: bool | None = None,
+    top_k: int = 10,
+) -> None:
+    """Print how well the model predicts `answer` after `prompt` (TransformerLens's utils.test_prompt).
+
+    For every answer token: its rank among all tokens, logit and probability, then (print_details) the top_k
+    tokens at that position; last, the ranks of the answer tokens, always printed. A list of answers is
+    compared on their first token only. prepend_space_to_answer adds a space to an answer not starting with
+    one; prepend_bos applies to the prompt (None: model.cfg.default_prepend_bos), never to the answer.
+    TransformerLens prints through rich (bold lines); this prints the same text plainly. Returns None.
+    """
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    n_answers = len(answers)
+    multiple = n_answers > 1
+    if prepend_space_to_answer:
+        answers = [a if a.startswith(" ") else " " + a for a in answers]
+    prompt_tokens = model.to_tokens(prompt, prepend_bos=prepend_bos)
+    answer_tokens = model.to_tokens(answers, prepend_bos=False).to(prompt_tokens.device)
+    if multiple:  # several answers: only their first tokens are compared
+        answer_tokens = answer_tokens[:, :1]
+    tokens = torch.cat((prompt_tokens.repeat(answer_tokens.shape[0], 1), answer_tokens), dim=1)
+    prompt_str_tokens = model.to_str_tokens(prompt, prepend_bos=prepend_bos)
+    answer_str_tokens_list = [model.to_str_tokens(a, prepend_bos=False) for a in answers]
+    prompt_length = len(prompt_str_tokens)
+    answer_length = 1 if multiple else len(answer_str_tokens_list[0])
+    if print_details:
+        print("Tokenized prompt:", prompt_str_tokens)
+        if multiple:
+            print("Tokenized answers:", answer_str_tokens_list)
+        else:
+            print("Tokenized answer:", answer_str_tokens_list[0])
+    with torch.no_grad():
+        logits = model(tokens)
+    probs = logits.softmax(dim=-1)
+    answer_ranks = []
+    for index in range(prompt_length, prompt_length + answer_length):
+        targets = tokens[:, index]
+        target_strs = [a[index - prompt_length] for a in answer_str_tokens_list]
+        token_probs = probs[:, index - 1]  # position index - 1 predicts token index
+        sorted_probs, sorted_ids = token_probs.sort(descending=True)
+        ranks = sorted_ids.argsort(-1)[torch.arange(n_answers, device=targets.device), targets].tolist()
+        answer_ranks.append(list(zip(target_strs, ranks)))
+        if print_details:
+            lines = [
+                f"Rank: {ranks[i]: <8} Logit: {logits[i, index - 1, targets[i]].item():5.2f} "
+                f"Prob: {token_probs[i, targets[i]].item():6.2%} Token: |{target_strs[i]}|"
+                for i in range(n_answers)
+            ]
+            print(f"Performance on answer token{'s' if multiple else ''}:\n" + "\n".join(lines))
+            for i in range(top_k):
+                print(
+                    f"Top {i}th token. Logit: {logits[0, index - 1, sorted_ids[0, i]].item():5.2f} "
+                    f"Prob: {sorted_probs[0, i].item():6.2%} Token: |{model.to_string(sorted_ids[0, i])}|"
+                )
+    shown = [r[0] for r in answer_ranks] if not multiple else answer_ranks
+    print(f"Ranks of the answer tokens: {shown}")
+
+
+test_prompt.__test__ = False  # its name starts with test_: pytest must not collect it where it is imported

@@ -6,7 +6,7 @@ stale after an edit or a fold, but writing into a returned stack does not change
 `blocks[L]...` parameters for that).
 
 Layouts are TransformerLens's: input dimension first, `x @ W`:
-  W_E [d_vocab, d_model]                 W_U [d_model, d_vocab]
+  W_E [d_vocab, d_model]                 W_U [d_model, d_vocab]        b_U [d_vocab] (zeros)
   W_Q [n_layers, n_heads, d_model, d_head]       b_Q [n_layers, n_heads, d_head]
   W_K, W_V: the same shape as W_Q; kv heads are repeated for the query heads that share them (query head h
       reads kv head h // (n_heads // n_kv_heads), as the attention computes), so W_K[l, h] is the key map
@@ -56,6 +56,28 @@ class WeightViews:
     @property
     def W_U(self) -> Float[torch.Tensor, "d_model d_vocab"]:
         return self.unembed.weight.T
+
+    @property
+    def b_U(self) -> Float[torch.Tensor, "d_vocab"]:
+        """TransformerLens's unembedding bias: zeros (no family's head has a bias), so TL code computing
+        `resid @ W_U + b_U` runs unchanged."""
+        return self.unembed.weight.new_zeros(self.cfg.d_vocab)
+
+    def accumulated_bias(
+        self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True
+    ) -> Float[torch.Tensor, "d_model"]:
+        """TransformerLens's accumulated_bias: the biases written into the stream before block `layer`
+        (its attention too with mlp_input): here the o_proj biases, the only ones any family has (MLPs,
+        experts and routers have none, so include_mlp_biases changes nothing)."""
+        n = self.cfg.n_layers
+        if not 0 <= layer <= n:
+            raise ValueError(f"accumulated_bias: layer must be in [0, {n}], got {layer}")
+        total = self.unembed.weight.new_zeros(self.cfg.d_model)
+        for l in range(min(n, layer + 1 if mlp_input else layer)):
+            bias = self.blocks[l].attn.o_proj.bias
+            if bias is not None:
+                total = total + bias.to(total.device, total.dtype)
+        return total
 
     def tokens_to_residual_directions(
         self, tokens: int | str | Int[torch.Tensor, "..."]

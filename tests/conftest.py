@@ -37,6 +37,12 @@ VARIANTS = {
 for _path in sorted(Path(__file__).parent.glob("tiny_*.py")):
     VARIANTS.update(importlib.import_module(_path.stem).VARIANTS)
 FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]
+# The Triton kernels see a family only through its routing weights' dtype: model dtype (Qwen2-MoE; also
+# Qwen3-MoE, OLMoE) or float32 (Hunyuan, softmax; Solar, sigmoid; also Mixtral, DeepSeek-V3). Every family
+# runs the Triton backend end to end against the torch one (every hook tensor); the interpreter-heavy
+# intervention tests on that backend run on these three, which span what the kernels receive.
+KERNEL_FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open"]
+BACKEND_CASES = [(f, b) for f in FAMILIES for b in ("torch", "triton") if b == "torch" or f in KERNEL_FAMILIES]
 
 
 @pytest.fixture(scope="session")

@@ -48,14 +48,12 @@ def close(a, b, atol=ATOL):
 
 
 def expected_labels(model, expand=False):
+    """TransformerLens's order: every head, then each block's MLP part, then embed, then the summed bias."""
     cfg = model.cfg
-    labels = ["embed"]
+    labels = [f"L{l}H{h}" for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
     for l, block in enumerate(model.blocks):
-        labels += [f"L{l}H{h}" for h in range(cfg.n_heads)]
-        if block.attn.o_proj.bias is not None:
-            labels.append(f"L{l}.attn_bias")
         if not block.is_moe:
-            labels += [f"L{l}.mlp.N{i}" for i in range(cfg.d_mlp)] if expand else [f"L{l}.mlp"]
+            labels += [f"L{l}N{i}" for i in range(cfg.d_mlp)] if expand else [f"{l}_mlp_out"]
             continue
         if block.mlp.has_shared_expert:
             labels += [f"L{l}.shared.N{i}" for i in range(cfg.d_shared)] if expand else [f"L{l}.shared"]
@@ -63,14 +61,14 @@ def expected_labels(model, expand=False):
             labels += [f"L{l}.E{e}.N{i}" for e in range(cfg.n_experts) for i in range(cfg.d_expert)]
         else:
             labels += [f"L{l}.E{e}" for e in range(cfg.n_experts)]
-    return labels
+    return labels + ["embed", "bias"]
 
 
 # ---- the full decomposition --------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_decomposition_sums_to_final_stream(runs, family):
     model, _, cache = runs[family]
-    stack, labels = cache.get_full_resid_decomposition()
+    stack, labels = cache.get_full_resid_decomposition(expand_neurons=False, return_labels=True)
     assert labels == expected_labels(model)
     assert stack.shape == (len(labels), *cache["resid_post", -1].shape)
     close(stack.sum(0), cache["resid_post", -1])
@@ -95,11 +93,11 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_decomposition_expanded_into_neurons(runs, family):
     model, _, cache = runs[family]
-    stack, labels = cache.get_full_resid_decomposition(expand_neurons=True)
+    stack, labels = cache.get_full_resid_decomposition(return_labels=True)  # expand_neurons=True: TL's default
     assert labels == expected_labels(model, expand=True)
     close(stack.sum(0), cache["resid_post", -1])
     # each expert's neurons add up to that expert's part of the unexpanded decomposition
-    coarse = dict(zip(*cache.get_full_resid_decomposition()[::-1]))
+    coarse = dict(zip(*cache.get_full_resid_decomposition(expand_neurons=False, return_labels=True)[::-1]))
     index = {lab: i for i, lab in enumerate(labels)}
     for l in model.cfg.moe_layer_indices:
         for e in (0, model.cfg.n_experts - 1):
@@ -114,24 +112,25 @@ def test_full_decomposition_expanded_into_neurons(runs, family):
 @pytest.mark.parametrize("expand", [False, True])
 def test_full_decomposition_dense_block_and_o_bias(variant_runs, key, expand):
     model, _, cache = variant_runs[key]
-    stack, labels = cache.get_full_resid_decomposition(expand_neurons=expand)
+    stack, labels = cache.get_full_resid_decomposition(expand_neurons=expand, return_labels=True)
     assert labels == expected_labels(model, expand)
     if key[1] == "dense_block":
-        assert ("L1.mlp.N0" if expand else "L1.mlp") in labels and "L1.E0" not in labels
-    else:
-        assert "L0.attn_bias" in labels
-        close(stack[labels.index("L2.attn_bias")][0, 0], model.blocks[2].attn.o_proj.bias.detach(), 0)
+        assert ("L1N0" if expand else "1_mlp_out") in labels and "L1.E0" not in labels
+        assert (stack[labels.index("bias")] == 0).all()  # no block has an o_proj bias
+    else:  # TransformerLens's one "bias" row: every block's o_proj bias, summed
+        summed = sum(b.attn.o_proj.bias.detach() for b in model.blocks)
+        close(stack[labels.index("bias")][0, 0], summed)
     close(stack.sum(0), cache["resid_post", -1])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     model, _, cache = runs[family]
-    stack, labels = cache.get_full_resid_decomposition(layer=2)
-    assert labels[-1] == f"L1.E{model.cfg.n_experts - 1}" and "L2H0" not in labels
+    stack, labels = cache.get_full_resid_decomposition(layer=2, expand_neurons=False, return_labels=True)
+    assert labels[-3:] == [f"L1.E{model.cfg.n_experts - 1}", "embed", "bias"] and "L2H0" not in labels
     close(stack.sum(0), cache["resid_pre", 2])
-    stack, labels = cache.get_full_resid_decomposition(layer=2, mlp_input=True)
-    assert labels[-1] == f"L2H{model.cfg.n_heads - 1}"
+    stack, labels = cache.get_full_resid_decomposition(layer=2, mlp_input=True, expand_neurons=False, return_labels=True)
+    assert labels[3 * model.cfg.n_heads - 1] == f"L2H{model.cfg.n_heads - 1}" and "L2.E0" not in labels
     close(stack.sum(0), cache["resid_mid", 2])
     # an int pos_slice drops the pos axis; apply_ln divides by ln2's cached scale
     stack = cache.get_full_resid_decomposition(layer=1, mlp_input=True, pos_slice=-1, apply_ln=True, return_labels=False)
@@ -268,7 +267,7 @@ def test_expert_logit_attribution(runs, toks, family):
     ela = cache.expert_logit_attribution(toks)
     assert ela.shape == (cfg.n_layers, cfg.n_experts, 2, 12)
     # the same numbers as the decomposition's expert components through logit_attrs
-    stack, labels = cache.get_full_resid_decomposition()
+    stack, labels = cache.get_full_resid_decomposition(expand_neurons=False, return_labels=True)
     attrs = dict(zip(labels, cache.logit_attrs(stack, toks)))
     for l in cfg.moe_layer_indices:
         close(ela[l], torch.stack([attrs[f"L{l}.E{e}"] for e in range(cfg.n_experts)]))
@@ -305,7 +304,7 @@ def test_missing_hooks_are_named(runs, toks):
     model = runs["qwen2_moe"][0]
     _, cache = model.run_with_cache(toks, names_filter=lambda n: "expert_outputs" not in n and "resid_pre" not in n)
     with pytest.raises(MissingHooksError, match=r"blocks\.0\.mlp\.hook_expert_outputs"):
-        cache.get_full_resid_decomposition()
+        cache.get_full_resid_decomposition(expand_neurons=False)
     with pytest.raises(MissingHooksError, match=r"expert_logit_attribution needs .*blocks\.0\.mlp\.hook_expert_outputs"):
         cache.expert_logit_attribution(toks)
     with pytest.raises(MissingHooksError, match=r"blocks\.0\.hook_resid_pre"):
@@ -323,7 +322,7 @@ def test_missing_hooks_are_named(runs, toks):
 def test_without_batch_dim(runs, toks, family):
     model, _, cache = runs[family]
     _, single = model.run_with_cache(toks[:1], remove_batch_dim=True)
-    stack, labels = single.get_full_resid_decomposition(apply_ln=True)
+    stack, labels = single.get_full_resid_decomposition(apply_ln=True, return_labels=True)
     batched = cache.get_full_resid_decomposition(apply_ln=True, return_labels=False)
     close(stack, batched[:, 0])
     raw = single.get_full_resid_decomposition(return_labels=False)

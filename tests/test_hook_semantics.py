@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import BACKEND_CASES, FAMILIES
 
 from moelens import HookedTransformer
 from moelens.hooks import HookShapeError
@@ -44,16 +44,14 @@ def logits_and_grad(model, tokens, hook, grad: bool):
 @pytest.fixture(scope="module")
 def backend_models(checkpoints):
     models = {}
-    for family in FAMILIES:
-        for backend in ("torch", "triton"):
-            models[family, backend] = HookedTransformer.from_pretrained(
-                checkpoints[family, "base"], progress=False, experts_backend=backend
-            )
+    for family, backend in BACKEND_CASES:
+        models[family, backend] = HookedTransformer.from_pretrained(
+            checkpoints[family, "base"], progress=False, experts_backend=backend
+        )
     return models
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family, backend", BACKEND_CASES)
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_editing_in_place_equals_returning_the_edit_at_every_site(backend_models, family, backend, grad):
     """At every floating hook site: `edit_(x)` returning None gives bit for bit the logits (and the gradient)

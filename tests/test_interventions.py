@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FAMILIES, has_shared_expert
+from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert
 
 from moelens import HookedTransformer
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
@@ -247,8 +247,7 @@ def test_shapes_and_support_table(family_models, family, tokens):
         assert "moe_topk" in text and "q_norm" in repr(model)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family, backend", BACKEND_CASES)
 def test_results_do_not_depend_on_which_hooks_are_on(checkpoints, family, backend, tokens):
     """A clean run compared with a patched one must differ only where the patch acts: the plain forward,
     run_with_cache and a run with a reading hook on every site give bit-identical logits."""
@@ -263,7 +262,7 @@ def test_results_do_not_depend_on_which_hooks_are_on(checkpoints, family, backen
         assert torch.equal(plain, other)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", KERNEL_FAMILIES)
 def test_gradients_through_the_triton_backend(checkpoints, family, tokens):
     pytest.importorskip("triton")
     grads = {}

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from conftest import FAMILIES  # noqa: E402
+from conftest import FAMILIES, KERNEL_FAMILIES  # noqa: E402
 
 from moelens import HookedTransformer  # noqa: E402
 from moelens.hooks import HookPoint  # noqa: E402
@@ -187,7 +187,7 @@ def test_end_to_end_triton_backend_equals_torch(checkpoints, family, tokens):
             assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", KERNEL_FAMILIES)
 def test_ablation_and_replacement_on_triton_backend(checkpoints, family, tokens):
     model = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False, experts_backend="triton")
     _, cache = model.run_with_cache(tokens)

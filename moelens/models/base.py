@@ -4,15 +4,20 @@ site map."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from huggingface_hub import try_to_load_from_cache
 from jaxtyping import Float, Int
 from torch import nn
 
-from moelens import families, generation, pretrained
+from moelens import defaults, families, generation, pretrained
 from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
@@ -22,15 +27,16 @@ from moelens.kv_cache import KVCache
 from moelens.models.components import Block, Components, Embed, RMSNorm, Rotary, TopKRouter
 from moelens.names import alias_candidates
 from moelens.positions import check_attention_mask, positions_from_mask
+from moelens.sae import HookedSAEMixin
 from moelens.sitemap import SiteMap
 from moelens.support import SupportTable, support_table
-from moelens.tokenizer import MoeTokenizer
+from moelens.tokenizer import MoeTokenizer, TokenizationError, check_padding_side
 from moelens.weights import WeightViews
 
 ReturnType = Literal["logits", "loss", "both"] | None
 
 
-class HookedTransformer(WeightViews, HookedRootModule):
+class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     """A decoder-only MoE language model with a HookPoint at every site (see model.support()).
 
     Layout conventions: tensors crossing the API are [batch pos ...]; per-expert data is dense per routing
@@ -60,6 +66,10 @@ class HookedTransformer(WeightViews, HookedRootModule):
         self.tie_weights()
         self.setup()
         self._warned_too_long = False
+        # TransformerLens's cfg.n_params, counted once from the modules as built (offloading or sharding the
+        # experts later does not change the model's size), and cfg.device / cfg.dtype as they are
+        self.cfg = dataclasses.replace(self.cfg, n_params=self._count_weight_matrices())
+        self._sync_cfg()
 
     # ---- construction helpers used by the loader ---------------------------------------------------
     def tie_weights(self) -> None:
@@ -90,33 +100,84 @@ class HookedTransformer(WeightViews, HookedRootModule):
     @classmethod
     def from_pretrained(
         cls,
-        name_or_path: str,
+        model_name: str,
+        fold_ln: bool = False,
+        center_writing_weights: bool = False,
+        center_unembed: bool = False,
+        refactor_factored_attn_matrices: bool = False,
+        checkpoint_index: int | None = None,
+        checkpoint_value: int | None = None,
+        hf_model=None,
+        device: torch.device | str | None = "cpu",
+        n_devices: int = 1,
+        tokenizer=None,
+        move_to_device: bool = True,
+        fold_value_biases: bool = False,
+        default_prepend_bos: bool | None = None,
+        default_padding_side: Literal["left", "right"] = "right",
         dtype: torch.dtype | str = torch.float32,
-        device: torch.device | str = "cpu",
+        first_n_layers: int | None = None,
+        *,
         revision: str | None = None,
         progress: bool | None = None,
         experts_backend: str = "auto",
         device_map: Literal["auto"] | dict[str, str | torch.device] | None = None,
         max_memory: dict[str, int | str] | None = None,
-        fold_ln: bool = False,
-        center_unembed: bool = False,
         check_finite: bool = True,
         expert_offload: Literal["cpu", "disk"] | None = None,
         expert_cache_bytes: int | None = None,
         expert_parallel: bool = False,
+        **from_pretrained_kwargs,
     ) -> HookedTransformer:
-        """Load a checkpoint (local folder or Hub id); the family is chosen from config.json's model_type.
+        """Load a checkpoint (local folder, Hub id or embedded default name); the family is chosen from
+        config.json's model_type. TransformerLens's arguments come first, in its order, with its meaning;
+        moelens's own follow, by keyword only.
 
+        Where moelens's defaults differ from TransformerLens's (from_pretrained_no_processing is the same in both):
+        - fold_ln=False, center_unembed=False (TL: True). Routing is discontinuous, so folding can flip
+          near-tied expert choices (see moelens.fold); TL itself skips fold_ln on MoE models.
+        - center_writing_weights=False (TL: True): True is refused, see below.
+        - fold_value_biases=False (TL: True): True is refused, see below.
+        - device="cpu" (TL: the GPU if there is one; pass device=None for that).
+        - default_prepend_bos=None means: prepend a BOS exactly when the checkpoint's tokenizer adds one itself
+          (so text gives the ids transformers gives; Llama/Mixtral-style tokenizers do, Qwen's do not). TL's
+          default is True for most models; pass default_prepend_bos=True for that. A tokenizer without a BOS
+          token then prepends its eos token, as TransformerLens does (it sets bos_token = eos_token).
+
+        TransformerLens's arguments:
+        fold_ln: fold every RMSNorm weight into the weights that read it and set the norms' weights to 1
+            (logits unchanged; Hunyuan's per-head q/k norms stay, see moelens.fold); counts the probe tokens
+            whose experts changed in model.routing_changes and warns when any did.
+        center_writing_weights: refused when True: every norm here is an RMSNorm, which subtracts no mean,
+            so there is no mean for centered writing weights to leave unchanged (TL skips it on RMS models).
+        center_unembed: subtract the vocabulary mean from W_U (logits move by a per-position constant;
+            probabilities unchanged).
+        refactor_factored_attn_matrices: refused when True: with rotary embeddings the QK circuit depends on
+            positions (TransformerLens refuses rotary models too).
+        checkpoint_index, checkpoint_value, hf_model, first_n_layers: refused unless None (TL's training
+            checkpoints, an already-loaded transformers model, loading part of the layers).
+        device: where the weights go (None: "cuda" if available, else "cpu"). device="meta" builds the model
+            for inspection only (cfg, modules, support(); no forward): headers are checked, weights not read.
+        n_devices: split whole blocks over CUDA devices device, device+1, ... as TransformerLens did: block i on
+            device i // (n_layers // n_devices) (the remainder on the last), the embedding with block 0, the
+            final norm and unembedding with the last block. Needs that many visible CUDA devices; not with
+            device_map (it is one).
+        tokenizer: use this tokenizer (a Hugging Face fast tokenizer, a tokenizers.Tokenizer or a MoeTokenizer)
+            instead of the checkpoint's; see set_tokenizer.
+        move_to_device: False loads the weights onto the CPU whatever `device` says (cfg.device then says "cpu").
+        fold_value_biases: refused when True: moelens keeps b_V where the checkpoint has it.
+        default_prepend_bos: cfg.default_prepend_bos, what to_tokens and friends do when prepend_bos is None.
+        default_padding_side: the tokenizer's padding side, "right" or "left".
         dtype: a torch dtype or its name ("float32"/"fp32"/"float", "bfloat16"/"bf16", "float16"/"fp16"/"half",
-        "float64"). device="meta" builds the model for inspection only (cfg, modules, support(); no forward):
-        the checkpoint's headers are checked, its weights are not read. check_finite: warn about weights that
-        hold NaN or Inf (one pass over each tensor as it loads). Every problem with the checkpoint is a
+            "float64"); the keyword torch_dtype, as in TransformerLens, overrides it.
+        Other keywords (TransformerLens passes them to Hugging Face's from_pretrained) are a TypeError naming them.
+
+        moelens's arguments:
+        revision: the Hub revision. progress: show a progress bar. check_finite: warn about weights that hold
+        NaN or Inf (one pass over each tensor as it loads). Every problem with the checkpoint is a
         CheckpointError raised here, naming the file and the field or tensor at fault.
         experts_backend: "auto" (the torch path, except on CUDA GPU architectures where the Triton kernels'
         tests have passed on real hardware: moelens.kernels.experts.VERIFIED_TRITON_ARCHS), "torch" or "triton".
-        fold_ln: fold every RMSNorm weight into the weights that read it and set the norms' weights to 1
-        (logits unchanged; Hunyuan's per-head q/k norms stay, see moelens.fold). center_unembed: subtract
-        the vocabulary mean from W_U (logits move by a per-position constant; probabilities unchanged).
         expert_offload: keep the routed experts off `device` ("cpu": in host memory, pinned for CUDA;
         "disk": read from the checkpoint's files when routed to) and fetch those a batch routes to through
         a cache of at most expert_cache_bytes on `device` (default: one layer's experts), least recently
@@ -132,70 +193,238 @@ class HookedTransformer(WeightViews, HookedRootModule):
         logits, hooks and caches are bit for bit one process's (see moelens.kernels.expert_parallel). Torch
         experts backend only; not with fold_ln, device_map or expert_offload; no backward through experts.
         """
+        if "torch_dtype" in from_pretrained_kwargs:  # TransformerLens: torch_dtype, when given, wins
+            dtype = from_pretrained_kwargs.pop("torch_dtype")
+        if from_pretrained_kwargs:
+            raise TypeError(
+                f"from_pretrained got keyword(s) moelens does not take: {', '.join(sorted(from_pretrained_kwargs))} "
+                "(TransformerLens hands these to Hugging Face's from_pretrained; moelens reads the checkpoint itself)"
+            )
+        check_padding_side(default_padding_side, "default_padding_side")
+        if default_prepend_bos not in (None, True, False):
+            raise ValueError(f"default_prepend_bos must be True, False or None, got {default_prepend_bos!r}")
         if expert_parallel and experts_backend == "triton":
             raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
 
         model = pretrained.load(
-            cls, name_or_path, dtype=dtype, device=device, revision=revision, progress=progress,
+            cls, model_name, dtype=dtype, device=device, revision=revision, progress=progress,
             fold_ln=fold_ln, center_unembed=center_unembed, check_finite=check_finite,
             expert_offload=expert_offload, expert_cache_bytes=expert_cache_bytes, device_map=device_map,
-            max_memory=max_memory, expert_parallel=expert_parallel,
+            max_memory=max_memory, expert_parallel=expert_parallel, center_writing_weights=center_writing_weights,
+            fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices,
+            first_n_layers=first_n_layers, checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value,
+            hf_model=hf_model, n_devices=n_devices, move_to_device=move_to_device,
         )
         model.set_experts_backend(experts_backend)
+        model._set_pretrained_cfg(model_name, revision, tokenizer, default_prepend_bos, default_padding_side)
         return model
 
-    # ---- tokens -----------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained_no_processing(
+        cls,
+        model_name: str,
+        fold_ln: bool = False,
+        center_writing_weights: bool = False,
+        center_unembed: bool = False,
+        refactor_factored_attn_matrices: bool = False,
+        fold_value_biases: bool = False,
+        dtype: torch.dtype | str = torch.float32,
+        default_prepend_bos: bool | None = None,
+        default_padding_side: Literal["left", "right"] = "right",
+        **from_pretrained_kwargs,
+    ) -> HookedTransformer:
+        """from_pretrained with every weight processing off (TransformerLens's from_pretrained_no_processing):
+        the checkpoint's weights as stored. In moelens that is also from_pretrained's default."""
+        return cls.from_pretrained(
+            model_name, fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+            refactor_factored_attn_matrices=refactor_factored_attn_matrices, fold_value_biases=fold_value_biases,
+            dtype=dtype, default_prepend_bos=default_prepend_bos, default_padding_side=default_padding_side,
+            **from_pretrained_kwargs,
+        )
+
+    def _set_pretrained_cfg(self, model_name, revision, tokenizer, default_prepend_bos, default_padding_side) -> None:
+        """After loading: the tokenizer's settings and TransformerLens's bookkeeping names in cfg."""
+        if tokenizer is not None:
+            self.set_tokenizer(tokenizer, default_padding_side=default_padding_side)
+        elif self.tokenizer is not None:
+            self.tokenizer.padding_side = default_padding_side
+            self.tokenizer.name_or_path = str(model_name)  # as Hugging Face names a tokenizer: what was asked for
+        tok = self.tokenizer
+        prepends = None if tok is None else tok.prepends_bos
+        self.cfg = dataclasses.replace(
+            self.cfg,
+            default_prepend_bos=bool(prepends) if default_prepend_bos is None else default_prepend_bos,
+            tokenizer_prepends_bos=prepends,
+            original_architecture=_original_architecture(model_name, revision),
+            model_name=str(model_name).rstrip("/").split("/")[-1],  # TL drops the organisation
+            tokenizer_name=None if tok is None else tok.name_or_path,
+        )
+        self._sync_cfg()
+
+    # ---- tokens (TransformerLens's signatures and meaning) -----------------------------------------
     def _require_tokenizer(self) -> MoeTokenizer:
         if self.tokenizer is None:
             raise ValueError(
                 "this model has no tokenizer (the checkpoint has no tokenizer.json): pass token ids "
-                "as a LongTensor [batch pos] instead of text"
+                "as a LongTensor [batch pos] instead of text, or give it one with model.set_tokenizer(...)"
             )
         return self.tokenizer
 
+    def _prepend_bos(self, prepend_bos: bool | None) -> bool:
+        """TransformerLens's rule: None means cfg.default_prepend_bos."""
+        return self.cfg.default_prepend_bos if prepend_bos is None else bool(prepend_bos)
+
+    def set_tokenizer(self, tokenizer, default_padding_side: Literal["left", "right"] = "right") -> None:
+        """Use `tokenizer` for text (TransformerLens's set_tokenizer): a Hugging Face *fast* tokenizer (its
+        backend and special tokens are taken over; transformers is not needed by moelens), a
+        tokenizers.Tokenizer (no special tokens known) or a MoeTokenizer. A missing pad token, and a missing
+        BOS token, become the eos token, as in TransformerLens. It pads on default_padding_side."""
+        check_padding_side(default_padding_side, "default_padding_side")
+        tok = MoeTokenizer.coerce(tokenizer)
+        tok.padding_side = default_padding_side
+        self.tokenizer = tok
+        self.cfg = dataclasses.replace(self.cfg, tokenizer_prepends_bos=tok.prepends_bos, tokenizer_name=tok.name_or_path or None)
+
     def to_tokens(
-        self, text: str | list[str], prepend_bos: bool = False, padding_side: str | None = None
+        self,
+        input: str | list[str],
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+        move_to_device: bool = True,
+        truncate: bool = True,
     ) -> Int[torch.Tensor, "batch pos"]:
-        """Token ids [batch pos]. A list of texts is padded on padding_side (default: the tokenizer's,
-        "right", as in TransformerLens: every row's real tokens then keep positions 0.. and their logits
-        in a plain forward). With "left" padding the forward infers the mask from the leading pad tokens
-        only when model.tokenizer.padding_side is "left"; otherwise use tokenize() for the mask."""
-        side = padding_side or self._require_tokenizer().padding_side
-        return self.tokenize(text, prepend_bos, padding_side=side)[0]
+        """Token ids [batch pos] of a text or a list of texts (TransformerLens's to_tokens).
+
+        prepend_bos: one BOS first (None: cfg.default_prepend_bos); a tokenizer that adds its own BOS gets no
+        second one, and False removes it. padding_side: where shorter texts are padded (None: the tokenizer's,
+        "right" unless set, as in TransformerLens: every row's real tokens then keep positions 0.. and their
+        logits in a plain forward; with "left" the forward infers the mask from the leading pad tokens only
+        when model.tokenizer.padding_side is "left", otherwise use tokenize() for the mask). move_to_device:
+        put the tokens on the model's device. truncate: keep at most cfg.n_ctx tokens per text, the first."""
+        tok = self._require_tokenizer()
+        side = check_padding_side(padding_side if padding_side is not None else tok.padding_side)
+        limit = self.cfg.n_ctx if truncate else None
+        tokens = tok.batch(input, self._prepend_bos(prepend_bos), side, max_length=limit)[0]
+        return tokens.to(self.device) if move_to_device else tokens
 
     def tokenize(
-        self, text: str | list[str], prepend_bos: bool = False, padding_side: str = "left"
+        self, text: str | list[str], prepend_bos: bool | None = None, padding_side: str = "left"
     ) -> tuple[Int[torch.Tensor, "batch pos"], Int[torch.Tensor, "batch pos"]]:
-        """(tokens, attention_mask); left-padded by default, as generation needs."""
-        tokens, mask = self._require_tokenizer().batch(text, prepend_bos, padding_side)
+        """(tokens, attention_mask); left-padded by default, as generation needs; prepend_bos None means
+        cfg.default_prepend_bos. Nothing is truncated (the forward warns past max_position_embeddings)."""
+        tokens, mask = self._require_tokenizer().batch(text, self._prepend_bos(prepend_bos), padding_side)
         return tokens.to(self.device), mask.to(self.device)
 
-    def to_str_tokens(self, text: str | torch.Tensor | list[int]) -> list[str]:
-        tok = self._require_tokenizer()
-        if isinstance(text, str):
-            return [tok.id_to_str(i) for i in tok.encode(text)]
-        if isinstance(text, list):
-            if not all(type(i) is int for i in text):
-                found = type(next(i for i in text if type(i) is not int)).__name__
-                raise TypeError(
-                    f"to_str_tokens takes one sequence of token ids, got a list holding {found} (one call per row)"
-                )
-            text = torch.tensor(text, dtype=torch.long)
-        if not isinstance(text, torch.Tensor):
-            raise TypeError(
-                f"to_str_tokens takes a text, a tensor of token ids or a list of ints, got {type(text).__name__}"
-            )
-        if text.dim() > 2 or (text.dim() == 2 and text.shape[0] != 1):
-            raise ValueError(f"to_str_tokens takes one sequence, got tokens of shape {tuple(text.shape)}")
-        if text.numel() == 0:  # nothing to show, not an error
-            return []
-        return [tok.id_to_str(i) for i in self._check_tokens(text.reshape(1, -1))[0].tolist()]
+    def to_str_tokens(
+        self,
+        input: str | list | Int[torch.Tensor, "..."] | np.ndarray,
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+    ) -> list[str] | list[list[str]]:
+        """Each token as its string (TransformerLens's to_str_tokens).
 
-    def to_string(self, tokens: torch.Tensor | list[int]) -> str | list[str]:
+        A text: the tokens to_tokens gives it (with prepend_bos, truncated to n_ctx). A list of texts or of
+        id tensors: one list per element. Ids (tensor or array) of shape [pos] or [1 pos]: one list; moelens
+        also takes [batch pos] (a list per row) and a plain list of ints."""
         tok = self._require_tokenizer()
-        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
-            return [tok.decode(row.tolist()) for row in tokens]
-        return tok.decode(tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens))
+        if isinstance(input, list) and input and all(type(i) is int for i in input):
+            input = torch.tensor(input, dtype=torch.long)  # moelens: a list of ids is one sequence
+        if isinstance(input, list):
+            if not all(isinstance(i, (str, torch.Tensor, np.ndarray)) for i in input):
+                found = type(next(i for i in input if not isinstance(i, (str, torch.Tensor, np.ndarray)))).__name__
+                raise TypeError(
+                    f"to_str_tokens takes a list of texts or of id tensors (or one list of ints), got a list holding "
+                    f"{found} (one call per row)"
+                )
+            return [self.to_str_tokens(i, prepend_bos, padding_side) for i in input]
+        if isinstance(input, str):
+            ids = self.to_tokens(input, prepend_bos, padding_side)[0]
+            return [tok.id_to_str(i) for i in ids.tolist()]
+        if isinstance(input, np.ndarray):
+            input = torch.from_numpy(np.asarray(input))
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(
+                "to_str_tokens takes a text, a list of texts, or token ids (tensor, array or list of ints), "
+                f"got {type(input).__name__}"
+            )
+        if input.dim() > 2:
+            raise ValueError(f"to_str_tokens takes one sequence [pos] or [batch pos], got tokens of shape {tuple(input.shape)}")
+        if input.numel() == 0:  # nothing to show, not an error
+            return []
+        ids = self._check_tokens(input.reshape(-1, input.shape[-1] if input.dim() else 1))  # [rows pos], checked
+        rows = [[tok.id_to_str(i) for i in row] for row in ids.tolist()]
+        return rows if input.dim() == 2 and input.shape[0] > 1 else rows[0]
+
+    def to_string(
+        self, tokens: Int[torch.Tensor, "..."] | np.ndarray | list[int] | list[torch.Tensor]
+    ) -> str | list[str]:
+        """Text of token ids (TransformerLens's to_string): [pos] (tensor, array, list) or a single id -> a str,
+        [batch pos] -> a list of str."""
+        tok = self._require_tokenizer()
+        if isinstance(tokens, list) and tokens and all(isinstance(t, torch.Tensor) for t in tokens):
+            tokens = torch.stack(tokens)
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() == 2:
+            return tok.batch_decode(tokens)
+        if tokens.dim() <= 1:
+            return tok.decode(tokens)
+        raise ValueError(f"to_string takes ids of shape [pos] or [batch pos], got shape {tuple(tokens.shape)}")
+
+    def to_single_token(self, string: str) -> int:
+        """The id of a string that is exactly one token, encoded without a BOS (TransformerLens's
+        to_single_token); otherwise a TokenizationError (a ValueError and an AssertionError)."""
+        ids = self._require_tokenizer().rows([string], prepend_bos=False)[0]
+        if len(ids) != 1:
+            raise TokenizationError(f"{string!r} is not a single token: it encodes to {len(ids)} tokens {ids}")
+        return ids[0]
+
+    def to_single_str_token(self, int_token: int) -> str:
+        """The string of one token id (TransformerLens's to_single_str_token)."""
+        if isinstance(int_token, bool) or not isinstance(int_token, int):
+            raise TypeError(f"to_single_str_token takes an int token id, got {type(int_token).__name__}")
+        return self.to_str_tokens(torch.tensor([int_token]))[0]
+
+    def get_token_position(
+        self,
+        single_token: str | int | Int[torch.Tensor, ""],
+        input: str | Int[torch.Tensor, "pos"] | Int[torch.Tensor, "1 pos"],
+        mode: Literal["first", "last"] = "first",
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+    ) -> int:
+        """Position of a token in a text or in ids [pos] / [1 pos] (TransformerLens's get_token_position).
+
+        single_token: an id or a string that is one token. A text is tokenized with prepend_bos (None:
+        cfg.default_prepend_bos), which shifts every position by one. mode: the "first" or "last" match.
+        A token that does not occur is a TokenizationError (a ValueError and an AssertionError)."""
+        if mode not in ("first", "last"):
+            raise ValueError(f"mode must be 'first' or 'last', got {mode!r}")
+        tokens = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else torch.as_tensor(input)
+        if tokens.dim() == 2:
+            if tokens.shape[0] != 1:
+                raise ValueError(f"ids of rank two must have shape [1, seq_len], got {tuple(tokens.shape)}")
+            tokens = tokens[0]
+        if isinstance(single_token, str):
+            single_token = self.to_single_token(single_token)
+        elif isinstance(single_token, torch.Tensor):
+            single_token = int(single_token.item())
+        found = (tokens == single_token).nonzero().flatten()
+        if found.numel() == 0:
+            raise TokenizationError(f"the token {single_token} does not occur in the input")
+        return int(found[0] if mode == "first" else found[-1])
+
+    def tokens_to_residual_directions(
+        self, tokens: str | int | Int[torch.Tensor, "..."]
+    ) -> Float[torch.Tensor, "... d_model"]:
+        """TransformerLens's shapes around WeightViews.tokens_to_residual_directions (which says what the
+        direction is here): a str goes through to_single_token (never with a BOS), and one token, as an int,
+        a str or a one-element tensor of any shape, gives [d_model]; a tensor of more ids, shape S, gives
+        [*S, d_model]."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        elif isinstance(tokens, torch.Tensor) and tokens.numel() == 1:
+            tokens = int(tokens.item())
+        return super().tokens_to_residual_directions(tokens)
 
     def set_experts_backend(self, backend: str) -> None:
         """Routed experts: "torch" (reference path), "triton" (kernels; CUDA, or CPU under TRITON_INTERPRET=1)
@@ -227,6 +456,35 @@ class HookedTransformer(WeightViews, HookedRootModule):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    # ---- cfg in step with the model (TransformerLens code reads cfg.device and cfg.dtype) ------------
+    def _count_weight_matrices(self) -> int:
+        """TransformerLens's n_params: the weight-matrix parameters outside the embedding and unembedding."""
+        return sum(
+            p.numel() for name, p in self.named_parameters() if p.dim() >= 2 and name not in ("embed.weight", "unembed.weight")
+        )
+
+    def _sync_cfg(self) -> None:
+        """cfg.device / cfg.dtype: where the model is (its embedding's device: the first of a device map) and
+        in what. MoeConfig is frozen, so a changed one is replaced."""
+        weight = self.embed.weight
+        device, dtype = str(weight.device), weight.dtype
+        if (self.cfg.device, self.cfg.dtype) != (device, dtype):
+            self.cfg = dataclasses.replace(self.cfg, device=device, dtype=dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(), .cuda(), .cpu(), .half(), .bfloat16(), .float(), .double() all come through here
+        out = super()._apply(fn, recurse)
+        self._sync_cfg()
+        return out
+
+    def to(self, *args, print_details: bool = False, **kwargs) -> HookedTransformer:
+        """nn.Module.to, with cfg.device and cfg.dtype following (TransformerLens's model.to(device_or_dtype,
+        print_details)); print_details prints where the model now is (TransformerLens prints by default)."""
+        model = super().to(*args, **kwargs)
+        if print_details:
+            print(f"Moved model to device {self.cfg.device}, dtype {self.cfg.dtype}")
+        return model
+
     # ---- forward ----------------------------------------------------------------------------------
     def forward(
         self,
@@ -238,8 +496,14 @@ class HookedTransformer(WeightViews, HookedRootModule):
         loss_per_token: bool = False,
         position_ids: Int[torch.Tensor, "batch pos"] | None = None,
         past_kv_cache: KVCache | None = None,
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
     ):
         """Logits / loss / both / None, or the residual stream when stop_at_layer is given.
+
+        Text input is tokenized with prepend_bos (None: cfg.default_prepend_bos) and, for a list, padded on
+        padding_side (None: "left"), its attention mask kept, so each row gives the logits it gives alone
+        (TransformerLens's keywords; they do nothing to token ids).
 
         With left padding (zeros on the left of attention_mask) positions count from each row's first real
         token, so each row gives the logits it would give alone. start_at_layer takes the residual stream
@@ -253,7 +517,7 @@ class HookedTransformer(WeightViews, HookedRootModule):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
         tokens = None
         if isinstance(input, (str, list)):
-            input, text_mask = self.tokenize(input)
+            input, text_mask = self.tokenize(input, prepend_bos, padding_side or "left")
             attention_mask = text_mask if attention_mask is None else attention_mask
         if start_at_layer is None:
             tokens = self._check_tokens(input)
@@ -308,6 +572,11 @@ class HookedTransformer(WeightViews, HookedRootModule):
         if tok is None or tok.padding_side != "left" or tok.pad_token_id is None:
             return None
         real = (tokens != tok.pad_token_id).long().cummax(-1).values
+        if self.cfg.default_prepend_bos and tok.bos_token_id == tok.pad_token_id:
+            # the BOS is the pad token: the last leading "pad" of each row is its BOS, a real token
+            leading = (real == 0).sum(-1)
+            rows = (leading > 0).nonzero().flatten()
+            real[rows, leading[rows] - 1] = 1
         return real if not bool(real.all()) else None
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -414,3 +683,20 @@ class HookedTransformer(WeightViews, HookedRootModule):
             print(table)
         return table
 
+
+def _original_architecture(name, revision: str | None) -> str | None:
+    """config.json's architectures[0] (TransformerLens's cfg.original_architecture), read again where the
+    loader found it: a folder, an embedded default, or the Hub cache (never downloading)."""
+    try:
+        if Path(str(name)).expanduser().is_dir() or str(name) in defaults.CONFIGS:
+            config = pretrained.resolve(name, revision) / "config.json"
+        else:
+            found = try_to_load_from_cache(str(name), "config.json", revision=revision)
+            if not isinstance(found, str):
+                return None
+            config = Path(found)
+        architectures = json.loads(config.read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: no architecture to tell
+        return None
+    first = architectures[0] if isinstance(architectures, list) and architectures else None
+    return first if isinstance(first, str) else None
