@@ -541,3 +541,24 @@ def test_forward_takes_prepend_bos_for_text(model):
     torch.testing.assert_close(with_bos, model(torch.tensor([[EOS, H, I]])), rtol=0, atol=0)
     tokens = torch.tensor([[H, I]])
     assert torch.equal(model(tokens, prepend_bos=True), model(tokens))
+
+
+# ---- forward(return_type=None) and loss_fn ---------------------------------------------------------------------
+def test_return_type_none_runs_the_final_norm_hooks_not_the_unembedding(qwen_model, tokens):
+    """TL's forward applies ln_final before it checks return_type: hooks on the final norm fire, hook_logits not."""
+    fired = []
+    out = qwen_model.run_with_hooks(
+        tokens, return_type=None,
+        fwd_hooks=[(n, lambda t, hook: fired.append(hook.name)) for n in ("ln_final.hook_normalized", "hook_logits")],
+    )
+    assert out is None and fired == ["ln_final.hook_normalized"]
+
+
+def test_loss_fn_is_next_token_cross_entropy(qwen_model, tokens):
+    """TL's loss_fn(logits, tokens, per_token): mean (or per position) cross entropy of token t+1 from logits at t."""
+    logits = qwen_model(tokens)
+    expected = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1), reduction="none"
+    ).view(tokens.shape[0], -1)
+    torch.testing.assert_close(qwen_model.loss_fn(logits, tokens, per_token=True), expected)
+    torch.testing.assert_close(qwen_model.loss_fn(logits, tokens), expected.mean())

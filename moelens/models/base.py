@@ -558,9 +558,10 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
                 resid = block(resid, cos, sin, allowed, kv)
         if stop_at_layer is not None:
             return resid
-        if return_type is None:
+        normalized = self.ln_final(resid.to(self.ln_final.weight.device))
+        if return_type is None:  # as TransformerLens: the final norm (and its hooks) still runs, not the unembedding
             return None
-        logits = self.hook_logits(self.unembed(self.ln_final(resid.to(self.ln_final.weight.device))))
+        logits = self.hook_logits(self.unembed(normalized))
         if return_type == "logits":
             return logits
         loss = self.loss(logits, tokens, attention_mask, per_token=loss_per_token)
@@ -662,6 +663,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         keep = torch.ones_like(nll) if attention_mask is None else (attention_mask[:, 1:] * attention_mask[:, :-1]).to(nll)
         nll = nll * keep
         return nll if per_token else nll.sum() / keep.sum()
+
+    loss_fn = loss  # TransformerLens's name: loss_fn(logits, tokens, attention_mask=None, per_token=False)
 
     # ---- names and documentation -----------------------------------------------------------------
     def canonical_hook_name(self, name: str, layer: int | None = None) -> str:
