@@ -11,6 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tiny
+import tiny_deepseek_v3
+import tiny_mixtral
+import tiny_olmoe
+import tiny_qwen3_moe
 from moelens import HookedTransformer
 from moelens.kernels.expert_parallel import expert_range
 from moelens.loaders.expert_reader import ExpertReader
@@ -20,6 +24,10 @@ CHECKPOINTS = {  # family/variant -> builder; "fused" stores each layer's expert
     "qwen2_moe-fused": lambda d: tiny.fused(tiny.build_qwen2_moe(d, seed=8)),
     "hunyuan_v1_moe": lambda d: tiny.build_hunyuan(d, seed=0),
     "solar_open": lambda d: tiny.build_solar(d, seed=0),
+    "qwen3_moe": lambda d: tiny_qwen3_moe.build_qwen3_moe(d, seed=0),
+    "mixtral": lambda d: tiny_mixtral.build_mixtral(d, seed=0),
+    "olmoe": lambda d: tiny_olmoe.build_olmoe(d, seed=0),
+    "deepseek_v3": lambda d: tiny_deepseek_v3.build_deepseek_v3(d, seed=0),  # a dense first block
 }
 # CPU GEMMs round differently with other intra-op thread counts (an environment property, not expert
 # parallelism's: one process differs from itself), so the ranks and the reference all run on one thread
@@ -30,10 +38,11 @@ TOKENS = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(3
 def observe(model) -> dict:
     """What every rank, and the single-process reference, records of one model."""
     last = model.cfg.n_experts - 1
+    first, second = model.cfg.moe_layer_indices[:2]
     logits, cache = model.run_with_cache(TOKENS)
     interventions = [
-        ("blocks.1.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, last)),  # all on the last rank
-        ("blocks.0.mlp.experts.hook_post", lambda t, hook: t * (torch.arange(t.shape[-1]) % 3)),  # edits between GEMMs
+        (f"blocks.{second}.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, last)),  # all on the last rank
+        (f"blocks.{first}.mlp.experts.hook_post", lambda t, hook: t * (torch.arange(t.shape[-1]) % 3)),  # between GEMMs
     ]
     return {
         "logits": logits,
@@ -56,11 +65,12 @@ def worker(rank: int, world: int, port: int, paths: dict[str, str], out_dir: str
         model = HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True)
         held = {i: (b.mlp.experts.shard.lo, b.mlp.experts.shard.hi, b.mlp.experts.shard.W_gate_up.shape[0])
                 for i, b in enumerate(model.blocks) if b.is_moe}
+        experts = model.blocks[model.cfg.moe_layer_indices[0]].mlp.experts
         try:
-            model.W_out
+            experts.W_down  # the full stack, which this rank does not hold
         except ValueError as err:
             held["W_out"] = str(err)
-        held["repr"] = repr(model.blocks[0].mlp.experts)
+        held["repr"] = repr(experts)
         results[name] = observe(model) | {"reads": list(reads), "held": held, "backward": backward_error(model)}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
