@@ -8,7 +8,7 @@ import dataclasses
 import json
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch

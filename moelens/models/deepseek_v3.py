@@ -74,7 +74,7 @@ class HookedDeepseekV3(HookedTransformer):
         top_k = hf.integer("num_experts_per_tok", 8, at_least=1, at_most=n_experts) if any_moe else 0
         n_group, topk_group = hf.integer("n_group", 8, at_least=1), hf.integer("topk_group", 4, at_least=1)
         if any_moe:
-            _check_groups(n_experts, top_k, n_group, topk_group)
+            SigmoidGroupedTopK.check_groups(n_experts, top_k, n_group, topk_group)
         d_expert = hf.integer("moe_intermediate_size", 2048, at_least=1)
         d_nope = hf.integer("qk_nope_head_dim", 128, at_least=0)
         d_rope = hf.integer("qk_rope_head_dim", 64, at_least=2)
@@ -166,23 +166,3 @@ def _moe_sites(cfg: DeepseekV3Config, src: str, dst: str) -> list[Entry]:
         Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
         Reference(f"{dst}.mlp.shared_expert.hook_out", f"{src}.mlp.shared_experts"),
     ]
-
-
-def _check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
-    """Refuse the groupings transformers' DeepseekV3TopkRouter cannot run: it scores each group by its two best
-    experts (n_group 1 included), keeps the topk_group best groups and picks top_k experts among theirs only."""
-    if topk_group > n_group:
-        raise ValueError(f"topk_group ({topk_group}) must be at most n_group ({n_group})")
-    if n_experts % n_group:
-        raise ValueError(f"n_routed_experts ({n_experts}) must be a multiple of n_group ({n_group})")
-    per_group = n_experts // n_group
-    if per_group < 2:
-        raise ValueError(
-            f"n_routed_experts / n_group = {n_experts} / {n_group} = {per_group} expert per group; a group is "
-            "scored by its 2 best experts, so each needs at least 2"
-        )
-    if topk_group * per_group < top_k:
-        raise ValueError(
-            f"num_experts_per_tok ({top_k}) is more than the {topk_group * per_group} experts in the topk_group "
-            f"({topk_group}) groups of {per_group} (n_routed_experts {n_experts} / n_group {n_group}) kept per token"
-        )

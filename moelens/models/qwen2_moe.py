@@ -29,12 +29,7 @@ class HookedQwen2Moe(HookedTransformer):
         n_experts = hf.integer("num_experts", at_least=0)
         if hf.flag("use_sliding_window", False):
             raise ValueError("use_sliding_window=true is not supported (no released Qwen2-MoE checkpoint sets it)")
-        sparse_step = hf.integer("decoder_sparse_step", 1, at_least=1)
-        mlp_only = set(hf.integers("mlp_only_layers", [], at_least=0, at_most=n_layers - 1))
-        # transformers' rule, num_experts > 0 included
-        moe_layers = tuple(
-            i not in mlp_only and n_experts > 0 and (i + 1) % sparse_step == 0 for i in range(n_layers)
-        )
+        moe_layers = mixture_layers(hf, n_layers, n_experts)
         any_moe = any(moe_layers)
         top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts) if any_moe else 0
         n_heads = hf.integer("num_attention_heads", at_least=1)
@@ -65,6 +60,14 @@ class HookedQwen2Moe(HookedTransformer):
             tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
         )
+
+
+def mixture_layers(hf: HFConfig, n_layers: int, n_experts: int) -> tuple[bool, ...]:
+    """Which blocks are mixtures, by transformers' Qwen rule (Qwen2-MoE and Qwen3-MoE): not listed in
+    mlp_only_layers, every decoder_sparse_step-th block, and only if num_experts > 0."""
+    sparse_step = hf.integer("decoder_sparse_step", 1, at_least=1)
+    mlp_only = set(hf.integers("mlp_only_layers", [], at_least=0, at_most=n_layers - 1))
+    return tuple(i not in mlp_only and n_experts > 0 and (i + 1) % sparse_step == 0 for i in range(n_layers))
 
 
 def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from moelens.config import HFConfig, MoeConfig
 from moelens.models.base import HookedTransformer
+from moelens.models.qwen2_moe import mixture_layers
 from moelens.models.components import Components, SoftmaxTopK, SparseMoe
 from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, dense_mlp, router_references, routed_experts
@@ -33,12 +34,7 @@ class HookedQwen3Moe(HookedTransformer):
         n_experts = _n_experts(hf)
         if hf.flag("use_sliding_window", False):
             raise ValueError("use_sliding_window=true is not supported (no released Qwen3-MoE checkpoint sets it)")
-        sparse_step = hf.integer("decoder_sparse_step", 1, at_least=1)
-        mlp_only = set(hf.integers("mlp_only_layers", [], at_least=0, at_most=n_layers - 1))
-        # transformers' rule, num_experts > 0 included
-        moe_layers = tuple(
-            i not in mlp_only and n_experts > 0 and (i + 1) % sparse_step == 0 for i in range(n_layers)
-        )
+        moe_layers = mixture_layers(hf, n_layers, n_experts)
         any_moe = any(moe_layers)
         top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts) if any_moe else 0
         n_heads = hf.integer("num_attention_heads", at_least=1)

@@ -33,7 +33,7 @@ class HookedSolarOpen(HookedTransformer):
         n_experts = hf.integer("n_routed_experts", at_least=1)
         top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts)
         n_group, topk_group = hf.integer("n_group", 1, at_least=1), hf.integer("topk_group", 1, at_least=1)
-        _check_groups(n_experts, top_k, n_group, topk_group)
+        SigmoidGroupedTopK.check_groups(n_experts, top_k, n_group, topk_group)
         return MoeConfig(
             family=cls.model_type,
             d_model=hf.integer("hidden_size", at_least=1),
@@ -72,23 +72,3 @@ def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
         Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
         Reference(f"{dst}.mlp.shared_expert.hook_out", f"{src}.mlp.shared_experts"),
     ]
-
-
-def _check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
-    """Refuse the groupings transformers' SolarOpenTopkRouter cannot run: it scores each group by its two best
-    experts (n_group 1 included), keeps the topk_group best groups and picks top_k experts among theirs only."""
-    if topk_group > n_group:
-        raise ValueError(f"topk_group ({topk_group}) must be at most n_group ({n_group})")
-    if n_experts % n_group:
-        raise ValueError(f"n_routed_experts ({n_experts}) must be a multiple of n_group ({n_group})")
-    per_group = n_experts // n_group
-    if per_group < 2:
-        raise ValueError(
-            f"n_routed_experts / n_group = {n_experts} / {n_group} = {per_group} expert per group; a group is "
-            "scored by its 2 best experts, so each needs at least 2"
-        )
-    if topk_group * per_group < top_k:
-        raise ValueError(
-            f"num_experts_per_tok ({top_k}) is more than the {topk_group * per_group} experts in the topk_group "
-            f"({topk_group}) groups of {per_group} (n_routed_experts {n_experts} / n_group {n_group}) kept per token"
-        )

@@ -86,6 +86,27 @@ class SigmoidGroupedTopK(TopKRouter):
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
 
+    @staticmethod
+    def check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+        """Refuse the groupings this rule cannot run (config.json's field names in the messages): each group is
+        scored by its two best experts (n_group 1 included), the topk_group best groups are kept and top_k
+        experts are picked among theirs only."""
+        if topk_group > n_group:
+            raise ValueError(f"topk_group ({topk_group}) must be at most n_group ({n_group})")
+        if n_experts % n_group:
+            raise ValueError(f"n_routed_experts ({n_experts}) must be a multiple of n_group ({n_group})")
+        per_group = n_experts // n_group
+        if per_group < 2:
+            raise ValueError(
+                f"n_routed_experts / n_group = {n_experts} / {n_group} = {per_group} expert per group; a group is "
+                "scored by its 2 best experts, so each needs at least 2"
+            )
+        if topk_group * per_group < top_k:
+            raise ValueError(
+                f"num_experts_per_tok ({top_k}) is more than the {topk_group * per_group} experts in the topk_group "
+                f"({topk_group}) groups of {per_group} (n_routed_experts {n_experts} / n_group {n_group}) kept per token"
+            )
+
     def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
         return F.linear(x.float(), self.weight.float())
 
