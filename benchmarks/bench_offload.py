@@ -68,7 +68,7 @@ with torch.no_grad():
     model(prompt)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False)
+    out = model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False, do_sample=False)
     generate = time.perf_counter() - start
 stats = model.expert_cache_stats().__dict__ if kwargs.get("expert_offload") else None
 print(json.dumps(dict(peak=hwm() - base, prefill=prefill, generate=generate, stats=stats, tokens=out[0, -8:].tolist())))
@@ -111,7 +111,7 @@ def decode_trace(path: Path) -> list[list[tuple[int, int]]]:
             seen[-1].extend((layer, int(e)) for e in idx[0, 0].tolist())
 
     with torch.no_grad(), model.hooks(fwd_hooks=[("blocks.*.mlp.hook_expert_indices", record)]):
-        model.generate(prompt, max_new_tokens=256, stop_at_eos=False)
+        model.generate(prompt, max_new_tokens=256, stop_at_eos=False, do_sample=False)
     return seen
 
 

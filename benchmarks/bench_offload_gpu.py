@@ -80,7 +80,7 @@ def main() -> None:
             before = model.expert_cache_stats().bytes_moved if kwargs else 0
             prefill = timed(lambda: model(prompt))
             moved = (model.expert_cache_stats().bytes_moved - before) if kwargs else 0
-            decode = timed(lambda: model.generate(prompt[:, :64], max_new_tokens=DECODE, stop_at_eos=False)) / DECODE
+            decode = timed(lambda: model.generate(prompt[:, :64], max_new_tokens=DECODE, stop_at_eos=False, do_sample=False)) / DECODE
         if reference is None:
             reference, resident = logits, model
         implied = moved / prefill if moved else 0.0

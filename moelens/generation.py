@@ -52,10 +52,13 @@ def generate(
     model: HookedTransformer,
     input: str | list[str] | Int[torch.Tensor, "batch pos"],
     max_new_tokens: int = 10,
-    do_sample: bool = False,
+    do_sample: bool = True,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    freq_penalty: float = 0.0,
+    prepend_bos: bool | None = None,
+    padding_side: Literal["left", "right"] | None = None,
     stop_at_eos: bool = True,
     eos_token_id: int | Sequence[int] | None = None,
     use_past_kv_cache: bool = True,
@@ -74,7 +77,21 @@ def generate(
     draws from `generator`, or from a fresh one seeded with `seed`.
     return_type: "tokens", "str" (each row decoded without its padding and what follows its eos), or
     "input" (text in, text out; tokens in, tokens out).
+
+    As TransformerLens's generate: it samples by default (do_sample=True; do_sample=False is greedy,
+    token for token transformers' greedy generate); freq_penalty (sampling only) subtracts
+    freq_penalty x (how often each token occurs in the row so far, padding left out) from the logits after
+    the temperature; prepend_bos and padding_side apply to text input (None: the model's defaults).
+    Padding must be on the left, where every row continues from its last token: padding_side="right" is
+    refused. Unlike TransformerLens, verbose defaults to False (no progress bar).
     """
+    if padding_side not in (None, "left"):
+        raise ValueError(
+            f"padding_side={padding_side!r}: generate continues every row from its last position, so text is "
+            "padded on the left (padding_side='left' or None)"
+        )
+    if not freq_penalty >= 0:
+        raise ValueError(f"freq_penalty must be >= 0, got {freq_penalty!r}")
     if return_type not in ("input", "tokens", "str"):
         raise ValueError(f"return_type must be 'input', 'tokens' or 'str', got {return_type!r}")
     _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
@@ -82,7 +99,7 @@ def generate(
     if text_in:
         if attention_mask is not None:
             raise ValueError("attention_mask goes with token ids; text is padded (and masked) by the tokenizer")
-        tokens, attention_mask = model.tokenize(input)
+        tokens, attention_mask = model.tokenize(input, prepend_bos=prepend_bos, padding_side="left")
     else:
         tokens = model._check_tokens(input)
         if attention_mask is not None:
@@ -107,7 +124,11 @@ def generate(
         else:
             logits = model(step_tokens, attention_mask=step_mask, past_kv_cache=cache)[:, -1]
         logits = logits.to(model.device)  # with a device map the logits come from the last block's device
-        new = sample_next(logits, do_sample, temperature, top_k, top_p, generator)
+        if do_sample and freq_penalty and temperature > 0:
+            logits = logits.float() / temperature - freq_penalty * _token_counts(tokens, attention_mask, logits.shape[-1])
+            new = sample_next(logits, do_sample, 1.0, top_k, top_p, generator)
+        else:
+            new = sample_next(logits, do_sample, temperature, top_k, top_p, generator)
         if stop_at_eos and eos is not None:
             new = torch.where(finished, pad, new)
             finished |= torch.isin(new, eos)
@@ -123,6 +144,14 @@ def generate(
         return tokens
     texts = _decode_rows(model, tokens, prompt_len, prompt_mask, eos if stop_at_eos else None)
     return texts[0] if isinstance(input, str) else texts
+
+
+def _token_counts(
+    tokens: Int[torch.Tensor, "batch pos"], mask: Int[torch.Tensor, "batch pos"] | None, d_vocab: int
+) -> Float[torch.Tensor, "batch d_vocab"]:
+    """How often each vocabulary token occurs in each row's real tokens (for freq_penalty)."""
+    weight = torch.ones_like(tokens, dtype=torch.float32) if mask is None else mask.float()
+    return torch.zeros(tokens.shape[0], d_vocab, device=tokens.device).scatter_add_(1, tokens, weight)
 
 
 def _warn_if_right_padded(model: HookedTransformer, tokens: Int[torch.Tensor, "batch pos"]) -> None:

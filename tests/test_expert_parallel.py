@@ -48,7 +48,7 @@ def observe(model) -> dict:
         "logits": logits,
         "cache": dict(cache.items()),
         "rerouted": model.run_with_hooks(TOKENS, fwd_hooks=interventions),
-        "generated": model.generate(TOKENS[:, :6], max_new_tokens=5),
+        "generated": model.generate(TOKENS[:, :6], max_new_tokens=5, do_sample=False),
     }
 
 

@@ -165,7 +165,7 @@ def test_greedy_generation_matches_transformers(models, references, variant, pad
     ref.generation_config.eos_token_id = None
     with torch.no_grad():
         expected = ref.generate(toks, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    got = model.generate(toks, attention_mask=mask, max_new_tokens=8, stop_at_eos=False)
+    got = model.generate(toks, attention_mask=mask, max_new_tokens=8, stop_at_eos=False, do_sample=False)
     assert torch.equal(got, expected)
 
 
@@ -378,7 +378,7 @@ def test_embedded_default_loads_and_runs():
     logits, cache = model.run_with_cache("Hello, latent attention", names_filter="*hook_kv_latent")
     assert logits.shape[-1] == 260 and torch.isfinite(logits).all()
     assert cache["blocks.3.attn.hook_kv_latent"].shape[-1] == 16
-    assert model.generate("Hi", max_new_tokens=3, stop_at_eos=False)
+    assert model.generate("Hi", max_new_tokens=3, stop_at_eos=False, do_sample=False)
 
 
 def _keys(folder):

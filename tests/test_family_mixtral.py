@@ -199,7 +199,7 @@ def test_greedy_generation_matches_transformers(ckpts, refs, variant):
     prompt = prompt.masked_fill(mask == 0, 0)
     with torch.no_grad():
         expected = ref.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    got = model.generate(prompt, attention_mask=mask, max_new_tokens=8, stop_at_eos=False)
+    got = model.generate(prompt, attention_mask=mask, max_new_tokens=8, stop_at_eos=False, do_sample=False)
     assert torch.equal(got, expected)
 
 

@@ -174,7 +174,7 @@ def test_greedy_generation_matches_transformers(ckpts, refs, variant):
     for prompt, m in runs:
         with torch.no_grad():
             expected = ref.generate(prompt, attention_mask=m, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        got = model.generate(prompt, attention_mask=m, max_new_tokens=8, stop_at_eos=False)
+        got = model.generate(prompt, attention_mask=m, max_new_tokens=8, stop_at_eos=False, do_sample=False)
         assert got.shape == (3, 17) and torch.equal(got, expected)
 
 

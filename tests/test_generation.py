@@ -49,7 +49,7 @@ def test_greedy_matches_transformers(family_models, references, family, padded):
     tokens, mask = prompt(padded)
     with torch.no_grad():
         expected = references[family].generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
-    got = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False)
+    got = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False, do_sample=False)
     assert got.shape == (3, 9 + N_NEW)
     assert torch.equal(got, expected)
 
@@ -114,8 +114,8 @@ def test_a_failing_step_leaves_the_cache_as_it_was(family_models):
 def test_without_cache_the_same_tokens(family_models, family):
     model = family_models[family]
     tokens, mask = prompt(padded=True)
-    cached = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False)
-    uncached = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False, use_past_kv_cache=False)
+    cached = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False, do_sample=False)
+    uncached = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False, use_past_kv_cache=False, do_sample=False)
     assert torch.equal(cached, uncached)
 
 
@@ -125,12 +125,12 @@ def test_hooks_fire_at_every_step(family_models, use_cache):
     tokens, mask = prompt(padded=True)
     shapes = []
     with model.hooks([("hook_embed", lambda x, hook: shapes.append(tuple(x.shape)))]):
-        model.generate(tokens, attention_mask=mask, max_new_tokens=5, stop_at_eos=False, use_past_kv_cache=use_cache)
+        model.generate(tokens, attention_mask=mask, max_new_tokens=5, stop_at_eos=False, use_past_kv_cache=use_cache, do_sample=False)
     new_pos = [1] * 4 if use_cache else [10, 11, 12, 13]
     assert shapes == [(3, 9, 64)] + [(3, p, 64) for p in new_pos]
     model.add_hook("hook_embed", lambda x, hook: shapes.append(x.shape))  # add_hook too, until reset_hooks
     try:
-        model.generate(tokens, max_new_tokens=3, stop_at_eos=False, use_past_kv_cache=use_cache)
+        model.generate(tokens, max_new_tokens=3, stop_at_eos=False, use_past_kv_cache=use_cache, do_sample=False)
     finally:
         model.reset_hooks()
     assert len(shapes) == 5 + 3
@@ -151,10 +151,10 @@ def test_forcing_a_router_steers_every_step(family_models, family):
     chosen = []
     record = ("blocks.1.mlp.hook_expert_indices", lambda idx, hook: chosen.append(idx))
     with model.hooks([(name, force), record]):
-        steered = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False)
+        steered = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False, do_sample=False)
     assert len(chosen) == N_NEW and all((idx == 5).any(-1).all() for idx in chosen)
     assert torch.equal(steered, greedy_by_full_forwards(model, tokens, mask, N_NEW, [(name, force)]))
-    assert not torch.equal(steered, model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False))
+    assert not torch.equal(steered, model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False, do_sample=False))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -166,7 +166,7 @@ def test_sampling(family_models, family):
     assert torch.equal(first, model.generate(tokens, do_sample=True, seed=0, **kwargs))
     assert torch.equal(first, model.generate(tokens, do_sample=True, generator=torch.Generator().manual_seed(0), **kwargs))
     assert not torch.equal(first, model.generate(tokens, do_sample=True, seed=1, **kwargs))
-    greedy = model.generate(tokens, **kwargs)
+    greedy = model.generate(tokens, do_sample=False, **kwargs)
     assert torch.equal(greedy, model.generate(tokens, do_sample=True, top_k=1, seed=3, **kwargs))
     assert torch.equal(greedy, model.generate(tokens, do_sample=True, top_p=1e-6, seed=3, **kwargs))
     assert torch.equal(greedy, model.generate(tokens, do_sample=True, temperature=0.0, **kwargs))
@@ -186,9 +186,9 @@ def test_top_k_and_top_p_keep_only_the_head():
 def test_rows_stop_at_eos(family_models, family):
     model = family_models[family]
     tokens, mask = prompt(padded=True)
-    free = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False)[:, 9:]
+    free = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, stop_at_eos=False, do_sample=False)[:, 9:]
     eos = int(free[0, 2])  # row 0 emits it at its third step
-    stopped = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, eos_token_id=eos)[:, 9:]
+    stopped = model.generate(tokens, attention_mask=mask, max_new_tokens=N_NEW, eos_token_id=eos, do_sample=False)[:, 9:]
     first_eos = [row.tolist().index(eos) if eos in row else None for row in free]
     assert first_eos[0] is not None and first_eos[0] <= 2
     for row, e in enumerate(first_eos):
@@ -212,16 +212,16 @@ def text_model(tmp_path_factory):
 def test_text_in_text_out(text_model):
     model = text_model
     texts = ["Hello", "a longer prompt"]
-    out = model.generate(texts, max_new_tokens=6)
+    out = model.generate(texts, max_new_tokens=6, do_sample=False)
     assert isinstance(out, list) and [o[: len(t)] for o, t in zip(out, texts)] == texts
-    assert model.generate("Hello", max_new_tokens=6) == out[0]
+    assert model.generate("Hello", max_new_tokens=6, do_sample=False) == out[0]
     tokens, mask = model.tokenize(texts)
-    as_tokens = model.generate(texts, max_new_tokens=6, return_type="tokens")
+    as_tokens = model.generate(texts, max_new_tokens=6, return_type="tokens", do_sample=False)
     assert torch.equal(as_tokens[:, : tokens.shape[1]], tokens)
-    assert torch.equal(as_tokens, model.generate(tokens, attention_mask=mask, max_new_tokens=6))
-    assert model.generate(tokens, attention_mask=mask, max_new_tokens=6, return_type="str") == out
+    assert torch.equal(as_tokens, model.generate(tokens, attention_mask=mask, max_new_tokens=6, do_sample=False))
+    assert model.generate(tokens, attention_mask=mask, max_new_tokens=6, return_type="str", do_sample=False) == out
     with pytest.raises(ValueError, match="return_type"):
-        model.generate(texts, return_type="logits")
+        model.generate(texts, return_type="logits", do_sample=False)
 
 
 def test_text_rows_stop_at_the_tokenizer_eos(text_model):
@@ -229,10 +229,10 @@ def test_text_rows_stop_at_the_tokenizer_eos(text_model):
     model = text_model
     tok = model.tokenizer
     tokens, mask = model.tokenize(["Hi", "Hello there"])
-    free = model.generate(tokens, attention_mask=mask, max_new_tokens=8, stop_at_eos=False)
+    free = model.generate(tokens, attention_mask=mask, max_new_tokens=8, stop_at_eos=False, do_sample=False)
     # pretend the first token row 0 produces is the eos, so that row stops at once
     eos = int(free[0, tokens.shape[1]])
-    stopped = model.generate(tokens, attention_mask=mask, max_new_tokens=8, eos_token_id=[eos, tok.eos_token_id])
+    stopped = model.generate(tokens, attention_mask=mask, max_new_tokens=8, eos_token_id=[eos, tok.eos_token_id], do_sample=False)
     assert (stopped[0, tokens.shape[1] + 1 :] == tok.pad_token_id).all()
-    text = model.generate(["Hi", "Hello there"], max_new_tokens=8, eos_token_id=eos)
+    text = model.generate(["Hi", "Hello there"], max_new_tokens=8, eos_token_id=eos, do_sample=False)
     assert text[0] == "Hi" + model.to_string([eos])

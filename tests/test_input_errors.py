@@ -48,7 +48,7 @@ def run_cached(model, tokens, mask):
 
 
 def run_generate(model, tokens, mask):
-    return model.generate(tokens, attention_mask=mask, max_new_tokens=2, stop_at_eos=False)
+    return model.generate(tokens, attention_mask=mask, max_new_tokens=2, stop_at_eos=False, do_sample=False)
 
 
 CALLERS = [run_forward, run_cached, run_generate]
@@ -73,7 +73,7 @@ def test_a_mask_must_be_an_int_or_bool_tensor_of_0_and_1(qwen_model, call):
 @pytest.mark.parametrize("mask", [[[1, 1, 1, 1], [1, 1, 1, 0]], [[1, 1, 1, 1], [1, 0, 1, 1]]], ids=["right", "gap"])
 def test_generate_refuses_right_padding(qwen_model, mask):
     with pytest.raises(ValueError, match=r"attention_mask row 1 has padding \(0\) at position \d.*left padding"):
-        qwen_model.generate(TOKENS, attention_mask=torch.tensor(mask), max_new_tokens=2)
+        qwen_model.generate(TOKENS, attention_mask=torch.tensor(mask), max_new_tokens=2, do_sample=False)
 
 
 def test_generate_refuses_right_padding_from_a_tokenizer(text_model, monkeypatch):
@@ -84,13 +84,13 @@ def test_generate_refuses_right_padding_from_a_tokenizer(text_model, monkeypatch
 
     monkeypatch.setattr(type(text_model.tokenizer), "batch", right_padded)
     with pytest.raises(ValueError, match="left padding"):
-        text_model.generate(["a", "abc"], max_new_tokens=2)
+        text_model.generate(["a", "abc"], max_new_tokens=2, do_sample=False)
 
 
 def test_generate_refuses_a_row_with_no_real_token(qwen_model):
     mask = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]])
     with pytest.raises(ValueError, match="attention_mask row 1 is all 0"):
-        qwen_model.generate(TOKENS, attention_mask=mask, max_new_tokens=2)
+        qwen_model.generate(TOKENS, attention_mask=mask, max_new_tokens=2, do_sample=False)
 
 
 # ---- empty, list and position inputs ---------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_an_input_with_no_tokens_is_an_error(text_model, empty):
     with pytest.raises(ValueError, match="the input has no tokens"):
         text_model(empty)
     with pytest.raises(ValueError, match="the input has no tokens"):
-        text_model.generate(empty, max_new_tokens=2)
+        text_model.generate(empty, max_new_tokens=2, do_sample=False)
 
 
 @pytest.mark.parametrize("ids", [[1, 2, 3], [[1, 2], [3]], [[1, 2], [3, 4]]], ids=["ints", "ragged", "rows"])
@@ -107,7 +107,7 @@ def test_lists_of_token_ids_are_refused_with_the_way_to_pass_them(text_model, id
     with pytest.raises(TypeError, match=r"got a list holding (int|list).*torch\.tensor\(\[\.\.\.\]\)"):
         text_model(ids)
     with pytest.raises(TypeError, match=r"torch\.tensor"):
-        text_model.generate(ids, max_new_tokens=2)
+        text_model.generate(ids, max_new_tokens=2, do_sample=False)
     with pytest.raises(TypeError, match=r"torch\.tensor"):
         text_model.to_tokens(ids)
 

@@ -562,3 +562,33 @@ def test_loss_fn_is_next_token_cross_entropy(qwen_model, tokens):
     ).view(tokens.shape[0], -1)
     torch.testing.assert_close(qwen_model.loss_fn(logits, tokens, per_token=True), expected)
     torch.testing.assert_close(qwen_model.loss_fn(logits, tokens), expected.mean())
+
+
+# ---- generate with TransformerLens's arguments ----------------------------------------------------------------
+def test_generate_samples_by_default_as_transformer_lens(model):
+    prompt = model.to_tokens("The quick brown fox")
+    default = model.generate(prompt, max_new_tokens=12, stop_at_eos=False, seed=0)
+    assert torch.equal(default, model.generate(prompt, max_new_tokens=12, stop_at_eos=False, seed=0, do_sample=True))
+    assert not torch.equal(default, model.generate(prompt, max_new_tokens=12, stop_at_eos=False, do_sample=False))
+
+
+def test_freq_penalty_subtracts_each_token_count_from_the_logits(model):
+    """TL's sample_logits: logits / temperature - freq_penalty * bincount(tokens so far), then top-k; with
+    top_k=1 the draw is that argmax, computed here by hand from one forward."""
+    prompt = model.to_tokens("abcabcabca")
+    logits = model(prompt)[0, -1].float() / 0.7
+    counts = torch.bincount(prompt[0], minlength=logits.shape[-1]).float()
+    for penalty in (0.0, 0.4, 50.0):
+        expected = int((logits - penalty * counts).argmax())
+        got = model.generate(prompt, max_new_tokens=1, top_k=1, temperature=0.7, freq_penalty=penalty, seed=0)
+        assert int(got[0, -1]) == expected, penalty
+    assert int(model.generate(prompt, max_new_tokens=1, top_k=1, freq_penalty=50.0, seed=0)[0, -1]) not in prompt[0]
+
+
+def test_generate_text_takes_prepend_bos_and_refuses_right_padding(model):
+    with_bos = model.generate("Hi", max_new_tokens=1, do_sample=False, prepend_bos=True, return_type="tokens")
+    assert torch.equal(with_bos[:, :-1], model.to_tokens("Hi", prepend_bos=True))
+    with pytest.raises(ValueError, match="padding_side='right'.*left"):
+        model.generate(["Hi", "Hello"], max_new_tokens=1, padding_side="right")
+    with pytest.raises(ValueError, match="freq_penalty"):
+        model.generate("Hi", max_new_tokens=1, freq_penalty=-1.0)

@@ -175,10 +175,10 @@ def test_generate_on_a_right_padded_batch_warns_and_left_padding_is_masked():
     model = HookedTransformer.from_pretrained("tiny-qwen2-moe", progress=False)
     texts = ["The quick brown fox", "Hi"]
     with pytest.warns(UserWarning, match=r"rows \[1\] end with the pad token"):
-        model.generate(model.to_tokens(texts), max_new_tokens=2)
+        model.generate(model.to_tokens(texts), max_new_tokens=2, do_sample=False)
     model.tokenizer.padding_side = "left"
     try:
-        out = model.generate(model.to_tokens(texts), max_new_tokens=3)
+        out = model.generate(model.to_tokens(texts), max_new_tokens=3, do_sample=False)
     finally:
         model.tokenizer.padding_side = "right"
-    assert torch.equal(out, model.generate(*model.tokenize(texts)[:1], attention_mask=model.tokenize(texts)[1], max_new_tokens=3))
+    assert torch.equal(out, model.generate(*model.tokenize(texts)[:1], attention_mask=model.tokenize(texts)[1], max_new_tokens=3, do_sample=False))
