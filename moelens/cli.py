@@ -54,7 +54,14 @@ def _load(model: str | None, dtype: str):
 
 def inspect(args: argparse.Namespace) -> int:
     model, path = _load(args.model, args.dtype)
-    print(f"{type(model).__name__} from {path} ({model.cfg.n_layers} layers, {model.cfg.n_experts} experts)")
+    cfg = model.cfg
+    top_k = "/".join(str(k) for k in sorted({cfg.top_k[i] for i in cfg.moe_layer_indices}))
+    # the embedded defaults are seeded random weights: their routing shows the tools, not a trained model
+    weights = "random weights (embedded default)" if str(path) in defaults.CONFIGS else "checkpoint weights"
+    print(
+        f"{type(model).__name__} from {path}: {weights}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{cfg.n_layers} layers, {cfg.n_experts} experts, top-{top_k}"
+    )
     if model.tokenizer is None:
         try:
             tokens = torch.tensor([[int(t) for t in args.prompt.split()]], dtype=torch.long)

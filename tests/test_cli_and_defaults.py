@@ -1,9 +1,11 @@
 """The moelens command and the embedded default checkpoint."""
 
 import hashlib
+import math
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from moelens import HookedTransformer
 from moelens.cli import main
@@ -89,3 +91,32 @@ def test_verify_says_when_transformers_cannot_load_the_reference(copy_checkpoint
     HookedTransformer.from_pretrained(folder, progress=False)  # moelens loads it
     assert main(["verify", str(folder), "--dtype", "float32"]) == 2
     assert "transformers could not load" in capsys.readouterr().err
+
+
+def test_inspect_header_and_layer_summary(default_path, monkeypatch, capsys):
+    """The header says what the model is (random embedded weights, parameters as stored in the file); each
+    mixture layer's summary line holds the tokens per expert, the mean entropy of the normalised router
+    scores and the mean shared-gate sigmoid, recomputed here by hand from the cache."""
+    monkeypatch.setattr("moelens.defaults.cache_root", lambda: default_path.parent.parent)
+    assert main(["inspect", "--prompt", "Hi you"]) == 0
+    out = capsys.readouterr().out
+    with safe_open(default_path / "model.safetensors", framework="pt") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert out.splitlines()[0].startswith("HookedQwen2Moe from tiny-qwen2-moe: random weights (embedded default), ")
+    assert f"{stored:,} parameters" in out.splitlines()[0]
+    assert "   0  72 'H'" in out and "   5 117 'u'" in out  # each token's id beside its byte
+    model = HookedTransformer.from_pretrained(default_path, progress=False)
+    _, cache = model.run_with_cache("Hi you")
+    for layer in model.cfg.moe_layer_indices:
+        line = next(s for s in out.splitlines() if s.strip().startswith(f"L{layer}:"))
+        counts: dict[int, int] = {}
+        for e in cache["expert_indices", layer][0].flatten().tolist():
+            counts[e] = counts.get(e, 0) + 1
+        assert line.endswith("tokens per expert " + ", ".join(f"E{e}:{counts[e]}" for e in sorted(counts)))
+        entropies = []
+        for row in cache["router_scores", layer][0].tolist():
+            total = sum(row)
+            entropies.append(-sum(p / total * math.log(p / total) for p in row if p > 0))
+        assert f"entropy {sum(entropies) / len(entropies):.3f} nats" in line
+        gates = [1 / (1 + math.exp(-g)) for g in cache["shared_gate", layer][0].flatten().tolist()]
+        assert f"shared gate {sum(gates) / len(gates):.3f}" in line

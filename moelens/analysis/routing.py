@@ -8,23 +8,47 @@ import torch
 
 
 @dataclass(frozen=True)
+class LayerSummary:
+    """One mixture layer over the prompt: how many tokens each expert got, how spread each token's router
+    scores are (mean entropy of the scores normalised to sum to 1, in nats), and the mean sigmoid of the
+    shared-expert gate where the family gates its shared expert (Qwen2-MoE), else None."""
+
+    load: torch.Tensor  # [n_experts] tokens routed to each expert
+    entropy: float
+    shared_gate: float | None
+
+    def __str__(self) -> str:
+        used = ", ".join(f"E{e}:{int(n)}" for e, n in enumerate(self.load.tolist()) if n)
+        gate = "" if self.shared_gate is None else f", shared gate {self.shared_gate:.3f}"
+        return f"entropy {self.entropy:.3f} nats{gate}; tokens per expert {used}"
+
+
+@dataclass(frozen=True)
 class RoutingTable:
     str_tokens: list[str]
     layers: list[int]  # mixture layers, in order
     indices: list[torch.Tensor]  # per mixture layer: [pos, top_k], slots sorted by weight, descending
     weights: list[torch.Tensor]  # per mixture layer: [pos, top_k] (top_k may differ between layers)
     next_tokens: list[tuple[str, float]]  # top predictions after the last token
+    token_ids: list[int] | None = None
+    summaries: list[LayerSummary] | None = None  # per mixture layer
 
     def __str__(self) -> str:
         width = max(len(repr(t)) for t in self.str_tokens)
         lines = []
+        if self.summaries:
+            lines.append("per mixture layer:")
+            lines += [f"  L{layer}: {summary}" for layer, summary in zip(self.layers, self.summaries)]
+        ids = self.token_ids or [None] * len(self.str_tokens)
+        id_width = max(len(str(i)) for i in ids)
         for li, layer in enumerate(self.layers):
             lines.append(f"layer {layer}")
-            for pos, tok in enumerate(self.str_tokens):
+            for pos, (tok, tok_id) in enumerate(zip(self.str_tokens, ids)):
                 slots = "  ".join(
                     f"E{int(e):<3d}{float(w):.3f}" for e, w in zip(self.indices[li][pos], self.weights[li][pos])
                 )
-                lines.append(f"  {pos:>4d} {repr(tok):<{width}}  {slots}")
+                shown = repr(tok) if tok_id is None else f"{tok_id:>{id_width}} {repr(tok)}"
+                lines.append(f"  {pos:>4d} {shown:<{width + id_width + 1}}  {slots}")
         lines.append("next token:")
         lines += [f"  {p:.4f}  {tok!r}" for tok, p in self.next_tokens]
         return "\n".join(lines)
@@ -39,10 +63,18 @@ def routing_table(model, prompt: str | torch.Tensor, top_next: int = 5) -> Routi
     if tokens.shape[0] != 1:
         raise ValueError(f"routing_table takes one prompt, got tokens of shape {tuple(tokens.shape)}")
     layers = model.cfg.moe_layer_indices
-    names = [f"blocks.{i}.mlp.hook_expert_{what}" for i in layers for what in ("indices", "weights")]
+    names = [f"blocks.{i}.mlp.hook_{what}" for i in layers for what in ("expert_indices", "expert_weights", "router_scores")]
+    gated = [i for i in layers if model.blocks[i].mlp.shared_expert_gated]
+    names += [f"blocks.{i}.mlp.hook_shared_gate" for i in gated]
     logits, cache = model.run_with_cache(tokens, names_filter=names)
-    indices, weights = [], []
+    indices, weights, summaries = [], [], []
     for layer in layers:
+        scores = cache["router_scores", layer][0].double()
+        probs = scores / scores.sum(-1, keepdim=True)
+        entropy = float(-(probs * probs.clamp_min(1e-300).log()).sum(-1).mean())
+        load = torch.bincount(cache["expert_indices", layer][0].flatten(), minlength=model.cfg.n_experts)
+        gate = float(torch.sigmoid(cache["shared_gate", layer][0].float()).mean()) if layer in gated else None
+        summaries.append(LayerSummary(load.cpu(), entropy, gate))
         w = cache["expert_weights", layer][0].float()
         order = w.argsort(-1, descending=True)
         weights.append(w.gather(-1, order))
@@ -58,4 +90,6 @@ def routing_table(model, prompt: str | torch.Tensor, top_next: int = 5) -> Routi
         indices=indices,
         weights=weights,
         next_tokens=[(decode(int(i)), float(p)) for p, i in zip(top.values, top.indices)],
+        token_ids=ids,
+        summaries=summaries,
     )
