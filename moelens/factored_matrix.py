@@ -104,5 +104,36 @@ class FactoredMatrix:
             return FactoredMatrix(self.A, self.B @ other.A @ other.B)
         return FactoredMatrix(self.A @ self.B @ other.A, other.B)
 
+    def __rmatmul__(self, other: torch.Tensor) -> FactoredMatrix:
+        """other @ (A B) = (other @ A) B: e.g. model.W_E @ model.OV, [..., d_vocab, d_model] kept factored."""
+        return FactoredMatrix(other @ self.A, self.B)
+
+    def __mul__(self, scalar: float | int | torch.Tensor) -> FactoredMatrix:
+        """A scalar times AB (applied to A), as TransformerLens; a tensor must hold one number."""
+        if isinstance(scalar, torch.Tensor) and scalar.numel() != 1:
+            raise ValueError(f"FactoredMatrix * tensor needs one number, got a tensor of shape {tuple(scalar.shape)}")
+        return FactoredMatrix(self.A * scalar, self.B)
+
+    __rmul__ = __mul__
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.A, self.B
+
+    @property
+    def eigenvalues(self) -> torch.Tensor:
+        """The r eigenvalues of BA (complex): AB's non-zero eigenvalues, without forming AB (TransformerLens)."""
+        return torch.linalg.eig(self.BA).eigenvalues
+
+    def get_corner(self, k: int = 3) -> torch.Tensor:
+        """AB's corner: its first k entries along every axis, leading ones included (TransformerLens's
+        utils.get_corner of the product), computed from k rows of A and k columns of B only."""
+        corner = self.A[..., :k, :] @ self.B[..., :, :k]
+        return corner[tuple(slice(k) for _ in range(corner.dim()))]
+
     def __repr__(self) -> str:
         return f"FactoredMatrix(shape={tuple(self.shape)}, inner={self.A.shape[-1]})"

@@ -18,6 +18,7 @@ from tokenizers import processors
 
 from moelens import HookedTransformer, pretrained, utils
 from moelens.defaults import byte_level_tokenizer
+from moelens.factored_matrix import FactoredMatrix
 from moelens.tokenizer import MoeTokenizer, TokenizationError
 
 NAME = "tiny-qwen2-moe"
@@ -592,3 +593,32 @@ def test_generate_text_takes_prepend_bos_and_refuses_right_padding(model):
         model.generate(["Hi", "Hello"], max_new_tokens=1, padding_side="right")
     with pytest.raises(ValueError, match="freq_penalty"):
         model.generate("Hi", max_new_tokens=1, freq_penalty=-1.0)
+
+
+# ---- FactoredMatrix as TransformerLens's --------------------------------------------------------------------
+def test_factored_matrix_operations_match_the_full_product():
+    gen = torch.Generator().manual_seed(0)
+    A, B = torch.randn(2, 3, 6, 2, generator=gen, dtype=torch.float64), torch.randn(2, 3, 2, 6, generator=gen, dtype=torch.float64)
+    fm, full = FactoredMatrix(A, B), A @ B
+    W = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close((W @ fm).AB, W @ full)  # __rmatmul__
+    torch.testing.assert_close((fm * 2.5).AB, 2.5 * full)
+    torch.testing.assert_close((3 * fm).AB, 3 * full)
+    assert fm.ndim == full.dim() == 4 and fm.pair == (A, B)
+    torch.testing.assert_close(fm.get_corner(2), full[:2, :2, :2, :2])
+    # AB (6 x 6, rank 2) has the eigenvalues of BA (2 x 2) and four zeros
+    eig_full = torch.linalg.eigvals(full[1, 2])
+    top = eig_full[eig_full.abs().argsort(descending=True)[:2]]
+    mine = fm.eigenvalues[1, 2]
+    torch.testing.assert_close(sorted(mine.tolist(), key=lambda z: (z.real, z.imag)), sorted(top.tolist(), key=lambda z: (z.real, z.imag)))
+    with pytest.raises(ValueError, match="one number"):
+        fm * torch.ones(2)
+
+
+def test_embedding_times_ov_circuit_stays_factored(model):
+    """TL's model.W_E @ model.OV: [n_layers, n_heads, d_vocab, d_model], each entry W_E @ W_V[l, h] @ W_O[l, h]."""
+    full = model.W_E @ model.OV
+    cfg = model.cfg
+    assert tuple(full.shape) == (cfg.n_layers, cfg.n_heads, cfg.d_vocab, cfg.d_model)
+    with torch.no_grad():
+        torch.testing.assert_close(full[1, 2].AB, model.W_E @ model.W_V[1, 2] @ model.W_O[1, 2])
