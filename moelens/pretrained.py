@@ -86,7 +86,7 @@ def load(
         refactor_factored_attn_matrices=refactor_factored_attn_matrices, first_n_layers=first_n_layers,
         checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value, hf_model=hf_model,
     )
-    device, device_map = tl_placement(name_or_path, revision, device, device_map, n_devices, move_to_device)
+    device, device_map, n_devices = tl_placement(device, device_map, n_devices, move_to_device)
     dtype, device = parse_dtype(dtype), _parse_device(device)
     on_meta = device.type == "meta"  # for inspection: the model's structure, no weights read
     if on_meta and (fold_ln or center_unembed):
@@ -132,7 +132,11 @@ def load(
         raise CheckpointError(f"{folder / 'config.json'} lacks the field {err.args[0]!r} that {family.__name__} needs") from err
     except ValueError as err:
         raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
-    cfg = dataclasses.replace(cfg, dtype=dtype)
+    architectures = hf.get("architectures")  # TransformerLens's cfg.original_architecture: the first listed
+    first_architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    cfg = dataclasses.replace(
+        cfg, dtype=dtype, original_architecture=first_architecture if isinstance(first_architecture, str) else None
+    )
     tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
     files = SafetensorsFiles(folder)
     keys = key_map(family.site_map(cfg), files)
@@ -143,7 +147,7 @@ def load(
         model = family.build(cfg)
     except ValueError as err:  # what the config asks for that no module can be built for (hidden_act, ...)
         raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
-    placed = _place(model, device_map, max_memory) if device_map is not None else None
+    placed = _place(model, device_map, max_memory, n_devices, device) if device_map is not None or n_devices > 1 else None
     device_for = (lambda name: device) if placed is None else (lambda name: device_of(placed, name))  # noqa: E731
     offloaded = {}  # slots fill() must not treat as parameters: the experts that stay off the model
     if expert_offload:
@@ -195,8 +199,9 @@ def refuse_unsupported(**given) -> None:
             raise ValueError(f"{name}={value!r} is not supported: {why} (leave {name}={fine!r})")
 
 
-def tl_placement(name_or_path, revision, device, device_map, n_devices: int, move_to_device: bool):
-    """TransformerLens's device / n_devices / move_to_device as moelens's (device, device_map)."""
+def tl_placement(device, device_map, n_devices: int, move_to_device: bool):
+    """TransformerLens's device / n_devices / move_to_device, checked, as (device, device_map, n_devices):
+    n_devices > 1 is turned into a device map once the model's block count is known (_place)."""
     if device is None:  # TransformerLens's default: the GPU if there is one
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
@@ -207,9 +212,9 @@ def tl_placement(name_or_path, revision, device, device_map, n_devices: int, mov
                 "move_to_device=False leaves the model on the CPU: it cannot go with n_devices > 1 or a device_map "
                 "(TransformerLens needs move_to_device=True for n_devices > 1 too)"
             )
-        return "cpu", None
+        return "cpu", None, 1
     if n_devices == 1:
-        return device, device_map
+        return device, device_map, 1
     if device_map is not None:
         raise ValueError(f"n_devices={n_devices} places the blocks itself: pass n_devices or device_map, not both")
     first = _parse_device(device)
@@ -223,11 +228,7 @@ def tl_placement(name_or_path, revision, device, device_map, n_devices: int, mov
             f"n_devices={n_devices} from {first} needs CUDA devices cuda:{start} to cuda:{start + n_devices - 1}; "
             f"this machine has {available} CUDA device(s)"
         )
-    # the block count, read ahead of the load (the map needs it before the model is built)
-    n_layers = read_config(resolve(name_or_path, revision)).get("num_hidden_layers")
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-        raise CheckpointError(f"{name_or_path}: config.json's num_hidden_layers = {n_layers!r}; expected an integer >= 1")
-    return first, n_devices_map(n_layers, n_devices, first)
+    return first, None, n_devices
 
 
 def n_devices_map(n_layers: int, n_devices: int, device: torch.device | str) -> dict[str, str]:
@@ -248,7 +249,9 @@ def n_devices_map(n_layers: int, n_devices: int, device: torch.device | str) -> 
     return placed | {"ln_final": on[-1], "unembed": on[-1]}
 
 
-def _place(model, device_map, max_memory) -> dict[str, torch.device]:
+def _place(model, device_map, max_memory, n_devices: int, device: torch.device) -> dict[str, torch.device]:
+    if n_devices > 1:  # TransformerLens's even split of whole blocks
+        device_map = n_devices_map(model.cfg.n_layers, n_devices, device)
     if device_map == "auto":
         return auto_device_map(model, parse_max_memory(max_memory))
     return parse_device_map(device_map, model.cfg.n_layers)

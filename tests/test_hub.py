@@ -27,6 +27,8 @@ def test_hub_id_loads_offline_from_the_cache(offline_cache, qwen_model, tokens):
     assert resolve_checkpoint("tiny-org/qwen2-moe") == offline_cache
     model = HookedTransformer.from_pretrained("tiny-org/qwen2-moe", progress=False)
     assert torch.equal(model(tokens), qwen_model(tokens))
+    # TransformerLens's cfg.original_architecture, from the config.json the load read (a Hub id included)
+    assert model.cfg.original_architecture == "Qwen2MoeForCausalLM" and model.cfg.model_name == "qwen2-moe"
 
 
 def test_unknown_hub_id_offline_is_a_clear_error(offline_cache):

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import warnings
-from pathlib import Path
 from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from huggingface_hub import try_to_load_from_cache
 from jaxtyping import Float, Int
 from torch import nn
 
-from moelens import defaults, families, generation, pretrained
+from moelens import families, generation, pretrained
 from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
@@ -216,7 +213,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             hf_model=hf_model, n_devices=n_devices, move_to_device=move_to_device,
         )
         model.set_experts_backend(experts_backend)
-        model._set_pretrained_cfg(model_name, revision, tokenizer, default_prepend_bos, default_padding_side)
+        model._set_pretrained_cfg(model_name, tokenizer, default_prepend_bos, default_padding_side)
         return model
 
     @classmethod
@@ -242,7 +239,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             **from_pretrained_kwargs,
         )
 
-    def _set_pretrained_cfg(self, model_name, revision, tokenizer, default_prepend_bos, default_padding_side) -> None:
+    def _set_pretrained_cfg(self, model_name, tokenizer, default_prepend_bos, default_padding_side) -> None:
         """After loading: the tokenizer's settings and TransformerLens's bookkeeping names in cfg."""
         if tokenizer is not None:
             self.set_tokenizer(tokenizer, default_padding_side=default_padding_side)
@@ -255,7 +252,6 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             self.cfg,
             default_prepend_bos=bool(prepends) if default_prepend_bos is None else default_prepend_bos,
             tokenizer_prepends_bos=prepends,
-            original_architecture=_original_architecture(model_name, revision),
             model_name=str(model_name).rstrip("/").split("/")[-1],  # TL drops the organisation
             tokenizer_name=None if tok is None else tok.name_or_path,
         )
@@ -686,20 +682,3 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             print(table)
         return table
 
-
-def _original_architecture(name, revision: str | None) -> str | None:
-    """config.json's architectures[0] (TransformerLens's cfg.original_architecture), read again where the
-    loader found it: a folder, an embedded default, or the Hub cache (never downloading)."""
-    try:
-        if Path(str(name)).expanduser().is_dir() or str(name) in defaults.CONFIGS:
-            config = pretrained.resolve(name, revision) / "config.json"
-        else:
-            found = try_to_load_from_cache(str(name), "config.json", revision=revision)
-            if not isinstance(found, str):
-                return None
-            config = Path(found)
-        architectures = json.loads(config.read_text()).get("architectures")
-    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: no architecture to tell
-        return None
-    first = architectures[0] if isinstance(architectures, list) and architectures else None
-    return first if isinstance(first, str) else None
