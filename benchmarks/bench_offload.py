@@ -5,9 +5,12 @@ Builds (with transformers) a float32 Qwen2-MoE checkpoint with many experts, whe
 
 1. peak RSS (/proc VmHWM after loading and the forwards, minus after imports) and forward time (batch 1 x
    256 prefill after two warm-up forwards, then 32 decode steps with the KV cache), for the resident model and for
-   expert_offload="disk" / "cpu" with a cache of one layer's experts;
+   expert_offload="disk" / "cpu" with a cache of one layer's experts (each with its default expert_prefetch);
 2. hit rates of an LRU and an LFU expert cache of several sizes, replayed on the model's own routing trace
-   of decoding (which (layer, expert) pairs each token needed, in order).
+   of decoding (which (layer, expert) pairs each token needed, in order);
+3. expert_prefetch off against on for expert_offload="disk" (cache of nothing, and of one layer): prefill and
+   generate time, and how many prefetched experts their layer used; both models in one process, timed in
+   alternation (ROUNDS rounds, medians), as the machine is shared.
 
 The weights are random (perturbed like the tests' checkpoints), so the trace is what a random-weights model
 routes; a trained model's routing is more skewed, which favours both caches.
@@ -47,6 +50,7 @@ CONFIG = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 PREFILL, DECODE = 256, 32
+ROUNDS = 3
 
 RUN = """
 import json, sys, time, torch
@@ -91,7 +95,9 @@ def build(folder: Path) -> dict:
 
 def run(path: Path, **kwargs) -> dict:
     code = RUN.format(root=str(ROOT), kwargs=json.dumps(kwargs), path=str(path), vocab=CONFIG["vocab_size"], prefill=PREFILL, decode=DECODE)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the run with {kwargs} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -135,13 +141,70 @@ def hit_rate(trace, capacity: int, policy: str) -> float:
     return hits / total
 
 
+PREFETCH_RUN = """
+import json, statistics, sys, time, torch
+sys.path.insert(0, {root!r})
+from moelens import HookedTransformer
+torch.set_num_threads({threads})
+
+models = {{on: HookedTransformer.from_pretrained({path!r}, progress=False, expert_offload="disk",
+                                               expert_cache_bytes={cache}, expert_prefetch=on) for on in (False, True)}}
+prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
+times = {{on: {{"prefill": [], "generate": []}} for on in models}}
+tokens = {{}}
+with torch.no_grad():
+    for model in models.values():  # first calls pay one-time costs (allocator, kernels): warm up on another prompt
+        model(torch.randint(0, {vocab}, (1, 64), generator=torch.Generator().manual_seed(1)))
+    for _ in range({rounds}):  # alternating, so that both see the same load from the rest of the machine
+        for on, model in models.items():
+            start = time.perf_counter()
+            model(prompt)
+            times[on]["prefill"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            tokens[on] = model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False, do_sample=False)[0].tolist()
+            times[on]["generate"].append(time.perf_counter() - start)
+out = {{str(on): dict(prefill=statistics.median(t["prefill"]), generate=statistics.median(t["generate"]),
+                     stats=models[on].expert_cache_stats().__dict__) for on, t in times.items()}}
+print(json.dumps(dict(out, same=tokens[False] == tokens[True])))
+"""
+
+
+def prefetch_table(folder: Path, layer: int, threads: int = 2, decode: int = DECODE) -> None:
+    """expert_prefetch off vs on, disk offload: both models in one process, timed in alternation (medians)."""
+    print(f'\nexpert_offload="disk", expert_prefetch off vs on, {threads} torch thread(s): medians of {ROUNDS} alternating '
+          f"rounds of prefill {PREFILL} + {decode} decode steps; counts over all rounds")
+    print("| cache | prefetch | prefill | generate | demand hit rate | prefetched | used by their layer | wasted | errors | s loading in the layers |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for cache_name, cache_bytes in (("none", 0), ("1 layer", layer)):
+        code = PREFETCH_RUN.format(root=str(ROOT), path=str(folder), cache=cache_bytes, vocab=CONFIG["vocab_size"],
+                                   prefill=PREFILL, decode=decode, rounds=ROUNDS, threads=threads)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"the prefetch run failed:\n{out.stderr[-3000:]}")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        for on in ("False", "True"):
+            r, st = result[on], result[on]["stats"]
+            used = f"{st['prefetch_hits'] / st['prefetched']:.2f}" if st["prefetched"] else "-"
+            same = "" if result["same"] else " (TOKENS DIFFER)"
+            print(f"| {cache_name} | {'on' if on == 'True' else 'off'}{same} | {r['prefill'] * 1e3:.0f} ms | {r['generate']:.2f} s | "
+                  f"{st['hits'] / max(1, st['hits'] + st['misses']):.2f} | {st['prefetched']} | {used} | {st['prefetch_wasted']} | "
+                  f"{st['prefetch_errors']} | {st['seconds_moving']:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--prefetch-only", action="store_true", help="only the prefetch table (3.)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for the prefetch table")
+    parser.add_argument("--decode", type=int, default=DECODE, help="decode steps for the prefetch table")
     args = parser.parse_args()
     folder = args.out or Path(tempfile.mkdtemp()) / "ckpt"
     sizes = build(folder)
     layer = sizes["layer_experts"]
+    if args.prefetch_only:
+        print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}")
+        prefetch_table(folder, layer, args.threads, args.decode)
+        return
     print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}; checkpoint {sizes['total'] / 1e6:.0f} MB "
           f"float32, routed experts {sizes['experts'] / 1e6:.0f} MB ({CONFIG['num_hidden_layers']} layers x {CONFIG['num_experts']} "
           f"experts, top-{CONFIG['num_experts_per_tok']}); batch 1: prefill {PREFILL} tokens, then {DECODE} decode steps\n")
@@ -149,8 +212,9 @@ def main() -> None:
     print("| load | peak RSS | vs resident | prefill | vs resident | generate | vs resident | hit rate | MB moved |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = [("resident", resident)]
-    for mode in ("cpu", "disk"):
-        rows.append((f'{mode}, cache = 1 layer', run(folder, expert_offload=mode, expert_cache_bytes=layer)))
+    for mode in ("cpu", "disk"):  # each with its default expert_prefetch: on for "disk", off for "cpu"
+        label = f"{mode}, cache = 1 layer" + (", prefetch" if mode == "disk" else "")
+        rows.append((label, run(folder, expert_offload=mode, expert_cache_bytes=layer, expert_prefetch=mode == "disk")))
     for name, r in rows:
         same = r["tokens"] == resident["tokens"]
         stats = r["stats"]
@@ -159,6 +223,7 @@ def main() -> None:
         print(f"| {name}{'' if same else ' (TOKENS DIFFER)'} | {r['peak'] / 1e6:.0f} MB | {r['peak'] / resident['peak']:.2f}x | "
               f"{r['prefill'] * 1e3:.0f} ms | {r['prefill'] / resident['prefill']:.2f}x | {r['generate']:.2f} s | "
               f"{r['generate'] / resident['generate']:.2f}x | {rate} | {moved} |")
+    prefetch_table(folder, layer, args.threads, args.decode)
     trace = decode_trace(folder)
     n_pairs = CONFIG["num_hidden_layers"] * CONFIG["num_experts"]
     print(f"\nDecode trace: {len(trace)} tokens, {sum(map(len, trace))} expert uses over {n_pairs} (layer, expert) pairs")

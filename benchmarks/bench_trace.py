@@ -75,10 +75,9 @@ def trace_seconds(model, corpus: Path, out: Path, seq_len: int, batch_size: int,
 def child(args) -> None:
     """One trace in this fresh process; prints its peak RSS."""
     from moelens import HookedTransformer
-    from moelens.defaults import DEFAULT
 
     torch.set_num_threads(args.threads)
-    model = HookedTransformer.from_pretrained(DEFAULT, progress=False)
+    model = HookedTransformer.from_pretrained(args.model, progress=False)
     seconds, _ = trace_seconds(model, Path(args.child_corpus), Path(args.child_out), args.seq_len, args.batch_size, args.windows_per_part)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     print(json.dumps({"seconds": seconds, "peak_rss": peak}))
@@ -86,6 +85,7 @@ def child(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-qwen2-moe", help="checkpoint folder or embedded default (README's numbers: tiny-qwen2-moe)")
     parser.add_argument("--tokens", type=int, default=100_000, help="corpus size for the 1x runs")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -99,10 +99,9 @@ def main() -> None:
         return child(args)
 
     from moelens import HookedTransformer
-    from moelens.defaults import DEFAULT
 
     torch.set_num_threads(args.threads)
-    model = HookedTransformer.from_pretrained(DEFAULT, progress=False)
+    model = HookedTransformer.from_pretrained(args.model, progress=False)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_corpus(root / "x1", args.tokens)
@@ -125,7 +124,7 @@ def main() -> None:
         for scale in ("x1", "x4"):
             run = subprocess.run(
                 [sys.executable, __file__, "--child-corpus", str(root / scale), "--child-out", str(root / f"rss-{scale}"),
-                 "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--threads", str(args.threads),
+                 "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--threads", str(args.threads),
                  "--windows-per-part", str(args.windows_per_part)],
                 capture_output=True, text=True, check=True,
             )

@@ -9,7 +9,13 @@ import torch
 
 from moelens.cache_analysis import CacheAnalysis
 from moelens.hooks import SliceInput, slice_pos, unwrap_slice
-from moelens.names import alias_candidates
+from moelens.names import OPTIONAL_SITE_SWITCHES, alias_candidates
+from moelens.utils import get_act_name
+
+
+class BatchSizeError(ValueError, AssertionError):
+    """remove_batch_dim on a batch of more than one: a ValueError, and an AssertionError as TransformerLens's
+    (it asserts the batch size)."""
 
 
 class ActivationCache(CacheAnalysis):
@@ -18,6 +24,9 @@ class ActivationCache(CacheAnalysis):
     Look-ups: ``cache["blocks.3.mlp.hook_router_logits"]``, ``cache["router_logits", 3]``,
     ``cache["layer_output", 0]`` (the family notes' standard names), ``cache["normalized", 2, "ln2"]``,
     and gradients as ``cache["blocks.0.hook_resid_pre_grad"]``. Negative layers count from the end.
+    Every key TransformerLens's cache takes means the same (its get_act_name rules): ``cache["k6"]``,
+    ``cache["scale4ln1"]``, ``cache["embed"]``, ``cache["scale"]`` (ln_final's), ``cache["q", 2, "a"]``,
+    ``cache["attn", 0]`` (the pattern), ``cache["resid_pre", -1]``, ``cache[("embed",)]``.
 
     Dict-like as TransformerLens's: keys(), values(), items(), len(), iteration over names, `in` (which
     also accepts aliases and (name, layer) keys), to(device, move_model), toggle_autodiff,
@@ -39,30 +48,46 @@ class ActivationCache(CacheAnalysis):
             if key in self.cache_dict:
                 return key
             name, layer, sub = key, None, None
-        elif isinstance(key, tuple) and 2 <= len(key) <= 3:
-            name, layer, sub = key[0], key[1], key[2] if len(key) == 3 else None
-            if layer is not None and layer < 0:
+        elif isinstance(key, tuple) and 1 <= len(key) <= 3 and isinstance(key[0], str):
+            name, layer, sub = key[0], key[1] if len(key) > 1 else None, key[2] if len(key) == 3 else None
+            if isinstance(layer, int) and layer < 0:
                 layer += self.model.cfg.n_layers
         else:
-            raise KeyError(f"cache keys are a hook name or (name, layer[, sublayer]), got {key!r}")
+            raise KeyError(f"cache keys are a hook name or (name, layer[, layer_type]), got {key!r}")
         grad = name.endswith("_grad")
         base = name[: -len("_grad")] if grad else name
         suffix = "_grad" if grad else ""
-        if sub is not None:
-            candidates = [f"blocks.{layer}.{sub}.hook_{base}"]
-        else:
-            try:
-                candidates = alias_candidates(base, layer)
-            except KeyError as err:
-                raise KeyError(str(err)) from None
+        candidates = self._candidates(base, layer, sub)
         for candidate in candidates:
             if candidate + suffix in self.cache_dict:
                 return candidate + suffix
         cached = [k for k in self.cache_dict if base in k][:5]
+        switch = OPTIONAL_SITE_SWITCHES.get(candidates[0].rsplit(".", 1)[-1])
         raise KeyError(
             f"{key!r} (-> {candidates[0] + suffix}) is not in this cache"
             + (f"; cached names like it: {cached}" if cached else "; was it left out by names_filter?")
+            + (f" (the site exists only after model.{switch}(True))" if switch else "")
         )
+
+    @staticmethod
+    def _candidates(name: str, layer, layer_type) -> list[str]:
+        """Full names a key may stand for, in order: TransformerLens's reading (get_act_name(name, layer,
+        layer_type), as its ActivationCache.__getitem__: "k6", "scale4ln1", ("q", 2, "a"), ("attn", 0) for
+        the pattern, ...), then moelens's aliases ("router_logits", "layer_output", ...)."""
+        candidates = []
+        try:
+            candidates.append(get_act_name(name, layer, layer_type))
+        except (ValueError, TypeError):  # no hook site by TransformerLens's rules: a moelens alias may be one
+            pass
+        if layer_type is not None:
+            candidates.append(f"blocks.{layer}.{layer_type}.hook_{name}")
+            return candidates
+        try:
+            candidates.extend(alias_candidates(name, layer))
+        except KeyError as err:  # a per-block name without a layer: TL's reading stands only if it names a site
+            if not any("." in c for c in candidates):  # ("resid_pre" -> TL's tail "hook_resid_pre" is none)
+                raise KeyError(err.args[0]) from None
+        return candidates
 
     def __getitem__(self, key) -> torch.Tensor:
         return self.cache_dict[self._full_name(key)]
@@ -103,8 +128,13 @@ class ActivationCache(CacheAnalysis):
         logging.warning("Changed the global state, set autodiff to %s", mode)
         torch.set_grad_enabled(mode)
 
+    def _ragged(self, key: str) -> bool:
+        """A per-expert view (blocks.L.mlp.experts.E.hook_*): rows routed to one expert, no batch axis."""
+        hook_dict = getattr(self.model, "hook_dict", {})
+        return getattr(hook_dict.get(key.removesuffix("_grad")), "ragged", False)
+
     def _batch_size(self) -> int | None:
-        sizes = [v.shape[0] for v in self.cache_dict.values() if v.ndim > 0]
+        sizes = [v.shape[0] for k, v in self.cache_dict.items() if v.ndim > 0 and not self._ragged(k)]
         return max(set(sizes), key=sizes.count) if sizes else None
 
     def apply_slice_to_batch_dim(self, batch_slice: SliceInput) -> ActivationCache:
@@ -116,6 +146,13 @@ class ActivationCache(CacheAnalysis):
             if batch_slice is None:
                 return ActivationCache(dict(self.cache_dict), self.model, has_batch_dim=False)
             raise ValueError("apply_slice_to_batch_dim: this cache has no batch axis (remove_batch_dim was applied)")
+        ragged = [k for k in self.cache_dict if self._ragged(k)]
+        if ragged and batch_slice is not None:
+            raise ValueError(
+                f"apply_slice_to_batch_dim: {ragged[0]} (and {len(ragged) - 1} more) hold the rows routed to one "
+                "expert, with no batch axis; slice the per-slot sites (blocks.L.mlp.experts.hook_pre / "
+                "hook_pre_linear / hook_post) instead, or leave the per-expert names out of names_filter"
+            )
         batch = self._batch_size()
         # entries whose leading axis is not the batch (none in moelens today) are left as they are
         sliced = {
@@ -132,11 +169,12 @@ class ActivationCache(CacheAnalysis):
         if not self.has_batch_dim:
             logging.warning("Tried removing batch dimension after already having removed it.")
             return self
-        sizes = {v.shape[0] for v in self.cache_dict.values() if v.ndim > 0}
+        # per-expert views have no batch axis: their rows, all of the one batch row, stay as they are
+        sizes = {v.shape[0] for k, v in self.cache_dict.items() if v.ndim > 0 and not self._ragged(k)}
         if sizes - {1}:
-            raise ValueError(f"remove_batch_dim needs a batch of one, the cache has batch sizes {sorted(sizes)}")
+            raise BatchSizeError(f"remove_batch_dim needs a batch of one, the cache has batch sizes {sorted(sizes)}")
         for key, value in self.cache_dict.items():
-            if value.ndim > 0:
+            if value.ndim > 0 and not self._ragged(key):
                 self.cache_dict[key] = value[0]
         self.has_batch_dim = False
         return self

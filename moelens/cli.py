@@ -1,5 +1,6 @@
 """The `moelens` command: `inspect` a model's routing of a prompt, `verify` it against transformers, `plan` the
-memory and placement a model needs from its config alone, `trace` the routing of a whole corpus to Parquet."""
+memory and placement a model needs from its config alone, `trace` the routing of a whole corpus to Parquet,
+and `trace-report` a trace as a page a person can open."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ import torch
 
 from moelens import defaults
 from moelens.analysis import plot_routing, routing_table
+from moelens.analysis.trace_report import trace_report as write_report_of
+from moelens.analysis.traces import Trace
+from moelens.loaders import read_config
 from moelens.loaders.errors import CheckpointError
+from moelens.locate import resolve
 from moelens.models import HookedTransformer
 from moelens.plan import parse_size, plan as make_plan, to_json_text
+from moelens.tokenizer import MoeTokenizer
 from moelens.verify import ReferenceUnavailable, verify as run_verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -56,8 +62,13 @@ def inspect(args: argparse.Namespace) -> int:
     model, path = _load(args.model, args.dtype)
     cfg = model.cfg
     top_k = "/".join(str(k) for k in sorted({cfg.top_k[i] for i in cfg.moe_layer_indices}))
-    # the embedded defaults are seeded random weights: their routing shows the tools, not a trained model
-    weights = "random weights (embedded default)" if str(path) in defaults.CONFIGS else "checkpoint weights"
+    # say whether the routing shown means anything: the per-family tiny defaults have seeded random weights
+    if str(path) in defaults.TRAINED:
+        weights = "trained weights (embedded default; see MODEL_CARD.md in its folder)"
+    elif defaults.is_random(str(path)):
+        weights = "random weights (embedded default; its routing means nothing)"
+    else:
+        weights = "checkpoint weights"
     print(
         f"{type(model).__name__} from {path}: {weights}, {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{cfg.n_layers} layers, {cfg.n_experts} experts, top-{top_k}"
@@ -138,13 +149,33 @@ def trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def trace_report(args: argparse.Namespace) -> int:
+    trace = Trace(args.trace)  # pyarrow, duckdb (the trace extra) and matplotlib are imported when used
+    name = args.model or trace.manifest["model"]["name"]
+    tokenizer = _tokenizer(name)
+    if tokenizer is None:
+        print(f"no tokenizer for {name}: the report leaves out selectivity by token class (pass --model)", file=sys.stderr)
+    written = write_report_of(trace, args.out, decode=tokenizer, by=args.by, top=args.top)
+    print(f"report written to {written}")
+    return 0
+
+
+def _tokenizer(name: str):
+    """The tokenizer of an embedded default or a local checkpoint folder, without loading weights; None for a
+    name that is neither (a Hub id would mean a download: pass a local folder with --model instead)."""
+    if name not in defaults.NAMES and not Path(name).is_dir():
+        return None
+    folder = resolve(name)
+    return MoeTokenizer.from_folder(folder, read_config(folder))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="moelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="per layer, the experts each token is routed to, and the next tokens")
     p.add_argument(
-        "model", nargs="?", help="Hub id, local folder, or an embedded default: tiny-qwen2-moe (the default), "
-        + ", ".join(n for n in defaults.CONFIGS if n != defaults.DEFAULT)
+        "model", nargs="?", help=f"Hub id, local folder, or an embedded default: {defaults.DEFAULT} (the default, "
+        "trained), or one with random weights per family: " + ", ".join(defaults.CONFIGS)
     )
     p.add_argument("--prompt", default="The quick brown fox", help="text (or space-separated ids without tokenizer)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
@@ -176,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "trace", help="routing of every token of a corpus into Parquet (resumable; query with DuckDB or moelens.analysis.traces)"
     )
-    p.add_argument("model", nargs="?", help="Hub id, local folder or embedded default name (default: tiny-qwen2-moe)")
+    p.add_argument("model", nargs="?", help=f"Hub id, local folder or embedded default name (default: {defaults.DEFAULT})")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files (one document each), .jsonl "
                    "files (one document per line, its 'text' field), or folders of them (recursively, sorted)")
     p.add_argument("--out", required=True, metavar="DIR", help="trace folder: created, or resumed if it holds a partial trace")
@@ -189,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(run=trace)
+    p = sub.add_parser("trace-report", help="an HTML report (or PNGs) of a trace: load, subsets, selectivity, top tokens")
+    p.add_argument("trace", help="a trace folder written by moelens trace")
+    p.add_argument("--out", required=True, help="report.html (plots in report_files/ beside it), or a folder for PNGs")
+    p.add_argument("--model", help="checkpoint folder or embedded default whose tokenizer decodes the tokens "
+                   "(default: the model recorded in the trace, when it is local)")
+    p.add_argument("--by", choices=["folder", "file"], default="folder", help="corpus subsets for the load heat map")
+    p.add_argument("--top", type=positive_int, default=5, help="top tokens shown per expert")
+    p.set_defaults(run=trace_report)
     args = parser.parse_args(argv)
     args.argv = ["moelens", *(sys.argv[1:] if argv is None else argv)]
     try:

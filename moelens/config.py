@@ -39,7 +39,8 @@ class MoeConfig:
     (HookedTransformerConfig): d_model, n_layers, n_heads, d_head, d_vocab, d_vocab_out, n_ctx,
     n_key_value_heads, act_fn, eps, normalization_type ("RMS"), positional_embedding_type ("rotary"),
     rotary_dim, rotary_base, num_experts, experts_per_token, gated_mlp, n_params, device, dtype,
-    default_prepend_bos, original_architecture, model_name, tokenizer_name.
+    default_prepend_bos, original_architecture, model_name, tokenizer_name, use_attn_result,
+    use_split_qkv_input, use_hook_mlp_in, use_attn_in.
 
     d_mlp is the width of the *dense* MLPs (the blocks that are not mixtures; 0 when every block is one).
     TransformerLens's Mixtral and OLMoE configs put each expert's width in d_mlp; here that is d_expert, and a
@@ -96,6 +97,12 @@ class MoeConfig:
     # the weight-matrix parameters outside the embedding and unembedding (TransformerLens's n_params, which
     # leaves out biases and norms; exact here, where TL's formula assumes n_kv_heads == n_heads); set by the model
     n_params: int | None = field(default=None, compare=False)
+    # TransformerLens's switches of optional hooks (model.set_use_attn_result and friends set them; a cfg built
+    # with one on gives a model with it on)
+    use_attn_result: bool = field(default=False, compare=False)
+    use_split_qkv_input: bool = field(default=False, compare=False)
+    use_hook_mlp_in: bool = field(default=False, compare=False)
+    use_attn_in: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         sizes = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_vocab", "max_position_embeddings")

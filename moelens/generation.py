@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from moelens.kv_cache import KVCache
 from moelens.positions import check_attention_mask
+from moelens.tokenizer import check_padding_side
 
 if TYPE_CHECKING:
     from moelens.models.base import HookedTransformer
@@ -71,25 +72,24 @@ def generate(
     """Prompt followed by up to max_new_tokens new tokens per row.
 
     input: token ids [batch pos] (attention_mask: 0/1, 0 only as left padding, since every row continues
-    from its last position) or text / texts (left-padded by the tokenizer). eos: eos_token_id, else the
-    tokenizer's; with stop_at_eos a row that emitted it continues with the pad token (else eos), and
-    generation ends once every row has; with no eos known it runs the full max_new_tokens. Sampling
-    draws from `generator`, or from a fresh one seeded with `seed`.
-    return_type: "tokens", "str" (each row decoded without its padding and what follows its eos), or
-    "input" (text in, text out; tokens in, tokens out).
+    from its last position; without one, leading pad tokens are masked when padding_side, else the
+    tokenizer's, is "left") or text / texts. eos: eos_token_id, else the tokenizer's; with stop_at_eos a row
+    that emitted it continues with the pad token (else eos), and generation ends once every row has; with no
+    eos known it runs the full max_new_tokens. Sampling draws from `generator`, or from a fresh one seeded
+    with `seed`.
+    return_type: "tokens", "str" (each row, prompt included, decoded with skip_special_tokens, as
+    TransformerLens: no BOS, padding or eos), or "input" (text in, text out; tokens in, tokens out). Text
+    comes back as a str for one row (a str input, or a list of one, as TransformerLens), else a list.
 
     As TransformerLens's generate: it samples by default (do_sample=True; do_sample=False is greedy,
     token for token transformers' greedy generate); freq_penalty (sampling only) subtracts
     freq_penalty x (how often each token occurs in the row so far, padding left out) from the logits after
-    the temperature; prepend_bos and padding_side apply to text input (None: the model's defaults).
-    Padding must be on the left, where every row continues from its last token: padding_side="right" is
-    refused. Unlike TransformerLens, verbose defaults to False (no progress bar).
+    the temperature; prepend_bos applies to text input (None: cfg.default_prepend_bos); a list of texts is
+    padded on the left whatever padding_side says (TransformerLens forces it too: every row continues from
+    its last token). Unlike TransformerLens, verbose defaults to False (no progress bar).
     """
-    if padding_side not in (None, "left"):
-        raise ValueError(
-            f"padding_side={padding_side!r}: generate continues every row from its last position, so text is "
-            "padded on the left (padding_side='left' or None)"
-        )
+    if padding_side is not None:
+        check_padding_side(padding_side)
     if not freq_penalty >= 0:
         raise ValueError(f"freq_penalty must be >= 0, got {freq_penalty!r}")
     if return_type not in ("input", "tokens", "str"):
@@ -104,8 +104,10 @@ def generate(
         tokens = model._check_tokens(input)
         if attention_mask is not None:
             attention_mask = check_attention_mask(attention_mask, tuple(tokens.shape)).to(model.device)
-        else:  # as the forward does: leading pads are padding when the tokenizer pads on the left
-            attention_mask = model._mask_of_left_padding(tokens)
+        elif (padding_side or getattr(model.tokenizer, "padding_side", None)) == "left":
+            # as the forward does: leading pads are padding when the padding side is left
+            attention_mask = model._mask_of_left_padding(tokens, prepend_bos)
+        else:
             _warn_if_right_padded(model, tokens)
     if attention_mask is not None:
         _check_left_padded(attention_mask)
@@ -114,7 +116,7 @@ def generate(
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, eos)
 
-    (batch, prompt_len), prompt_mask = tokens.shape, attention_mask
+    batch = tokens.shape[0]
     cache = KVCache.for_model(model) if use_past_kv_cache else None
     step_tokens, step_mask = tokens, attention_mask
     finished = torch.zeros(batch, dtype=torch.bool, device=model.device)
@@ -142,8 +144,10 @@ def generate(
 
     if return_type == "tokens" or (return_type == "input" and not text_in):
         return tokens
-    texts = _decode_rows(model, tokens, prompt_len, prompt_mask, eos if stop_at_eos else None)
-    return texts[0] if isinstance(input, str) else texts
+    # as TransformerLens: each whole row decoded without special tokens (BOS, padding, eos and what fills a
+    # finished row), one text as a str, and so is a batch of one
+    texts = model._require_tokenizer().batch_decode(tokens, skip_special_tokens=True)
+    return texts[0] if len(texts) == 1 else texts
 
 
 def _token_counts(
@@ -213,22 +217,3 @@ def _pad_id(model: HookedTransformer, eos: torch.Tensor | None) -> int:
     if model.tokenizer is not None and model.tokenizer.pad_token_id is not None:
         return model.tokenizer.pad_token_id
     return int(eos[0]) if eos is not None else 0
-
-
-def _decode_rows(
-    model: HookedTransformer,
-    tokens: torch.Tensor,
-    prompt_len: int,
-    prompt_mask: torch.Tensor | None,
-    eos: torch.Tensor | None,
-) -> list[str]:
-    """Each row's prompt without its padding, then its new tokens up to and including the first eos."""
-    texts = []
-    for row, ids in enumerate(tokens):
-        prompt, new = ids[:prompt_len], ids[prompt_len:]
-        if prompt_mask is not None:
-            prompt = prompt[prompt_mask[row].bool()]
-        if eos is not None and torch.isin(new, eos).any():
-            new = new[: int(torch.isin(new, eos).nonzero()[0, 0]) + 1]
-        texts.append(model.to_string(torch.cat([prompt, new])))
-    return texts

@@ -62,6 +62,11 @@ class Hook:
         if self.order == 0:
             self.order = next(_APPEND_ORDER)
 
+    @property
+    def context_level(self) -> int | None:
+        """TransformerLens's name for `level` (LensHandle.context_level)."""
+        return self.level
+
 
 # One run order for all hooks of a HookPoint, the module's and the calls', as TransformerLens's single list of
 # torch hooks: added order, and prepend=True puts a hook before every hook there is (the last prepended first).
@@ -77,6 +82,12 @@ _CALL_HOOKS: contextvars.ContextVar[dict[HookPoint, tuple[Hook, ...]]] = context
 _GRAD_TARGETS: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar("moelens_grad_targets", default=None)
 # How many hooks() blocks the calling thread is inside (TransformerLens's model.context_level).
 _CONTEXT_LEVEL: contextvars.ContextVar[int] = contextvars.ContextVar("moelens_context_level", default=0)
+
+
+def call_hooked_points() -> dict[HookPoint, tuple[Hook, ...]]:
+    """The HookPoints that have hooks of the calling thread's current call (run_with_hooks, hooks(), ...):
+    lets a site with many HookPoints (the per-expert views) ask cheaply whether any of them is hooked."""
+    return _CALL_HOOKS.get()
 
 
 def _check_direction(dir: str, allowed: tuple[str, ...], where: str) -> None:
@@ -135,12 +146,13 @@ class HookPoint(nn.Module):
 
     @property
     def fwd_hooks(self) -> list[Hook]:
-        """The module's forward hooks (one call's hooks are not here: they belong to its thread)."""
-        return [h for h in self._hooks if h.dir == "fwd"]
+        """The module's forward hooks in run order, prepended ones first as in TransformerLens (one call's hooks
+        are not here: they belong to its thread)."""
+        return sorted((h for h in self._hooks if h.dir == "fwd"), key=lambda h: h.order)
 
     @property
     def bwd_hooks(self) -> list[Hook]:
-        return [h for h in self._hooks if h.dir == "bwd"]
+        return sorted((h for h in self._hooks if h.dir == "bwd"), key=lambda h: h.order)
 
     def hooks_in_effect(self, dir: Direction) -> list[Hook]:
         """This point's hooks of one direction, the module's and the current call's, in run order."""
@@ -506,6 +518,10 @@ class HookedRootModule(nn.Module):
         def saver(suffix: str) -> HookFn:
             def save(tensor: torch.Tensor, hook: HookPoint) -> None:
                 t = tensor.detach()
+                if getattr(hook, "ragged", False):  # rows routed to one expert, no batch / pos axis: it selects
+                    t = hook.select_for_cache(t, pos_slice, remove_batch_dim)
+                    store[hook.name + suffix] = t.to(device) if device is not None else t
+                    return
                 if pos_slice is not None:
                     dim = self._pos_axis(hook, t.dim())
                     if dim is not None:

@@ -77,8 +77,26 @@ for _alias, _pattern in {
     "ln1_normalized": "blocks.L.ln1.hook_normalized",
     "ln2_normalized": "blocks.L.ln2.hook_normalized",
     "ln_final_normalized": "ln_final.hook_normalized",
+    # TransformerLens's optional sites: hook points only while the model's set_use_* switch is on, so not SITES
+    # (support() lists what a model has)
+    "result": "blocks.L.attn.hook_result",
+    "attn_in": "blocks.L.hook_attn_in",
+    "q_input": "blocks.L.hook_q_input",
+    "k_input": "blocks.L.hook_k_input",
+    "v_input": "blocks.L.hook_v_input",
+    "mlp_in": "blocks.L.hook_mlp_in",
 }.items():
     _ALIASES.setdefault(_alias, []).append(_pattern)
+
+# the switch that creates each optional site, for the error that names a site the model lacks
+OPTIONAL_SITE_SWITCHES: dict[str, str] = {
+    "hook_result": "set_use_attn_result",
+    "hook_attn_in": "set_use_attn_in",
+    "hook_q_input": "set_use_split_qkv_input",
+    "hook_k_input": "set_use_split_qkv_input",
+    "hook_v_input": "set_use_split_qkv_input",
+    "hook_mlp_in": "set_use_hook_mlp_in",
+}
 
 _LAYER_RE = re.compile(r"^blocks\.(\d+)\.")
 

@@ -3,14 +3,14 @@ hook sees a whole tensor on its block's device and the residual stream moves onl
 
 A map names "embed", "blocks.N" or "blocks.A-B" (inclusive), "ln_final" and "unembed", e.g.
     {"embed": "cuda:0", "blocks.0-15": "cuda:0", "blocks.16-31": "cuda:1", "ln_final": "cuda:1", "unembed": "cuda:1"}
-"auto" fills devices in order within max_memory: the embedding with the first block, the final norm and
-unembedding with the last.
+"auto" is the map `moelens plan` recommends within max_memory (moelens.plan.auto_device_map): devices filled in
+order, the embedding with the first block, the final norm and unembedding with the last.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
@@ -50,46 +50,6 @@ def _device(device, key: str) -> torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device_map[{key!r}] = {device!r} is not a torch device") from err
-
-
-def assign_blocks(
-    block_bytes: Sequence[int], first_bytes: int, last_bytes: int, budgets: Mapping[str, int]
-) -> list[str]:
-    """The device of each block, filling devices in the given order: the first also holds `first_bytes`
-    (embedding), the one holding the last block also `last_bytes` (final norm, unembedding). A ValueError
-    says how much does not fit."""
-    devices = list(budgets)
-    if not devices:
-        raise ValueError("max_memory names no device")
-    if first_bytes > budgets[devices[0]]:
-        raise ValueError(f"the embedding ({first_bytes:,} bytes) does not fit on {devices[0]} ({budgets[devices[0]]:,} bytes)")
-    assignment: list[str] = []
-    d, used = 0, first_bytes
-    for layer, size in enumerate(block_bytes):
-        tail = last_bytes if layer == len(block_bytes) - 1 else 0
-        while used + size + tail > budgets[devices[d]]:
-            d, used = d + 1, 0
-            if d == len(devices):
-                total = first_bytes + sum(block_bytes) + last_bytes
-                raise ValueError(
-                    f"the model ({total:,} bytes) does not fit in max_memory ({sum(budgets.values()):,} bytes over "
-                    f"{', '.join(devices)}): blocks {layer}-{len(block_bytes) - 1} are left over"
-                )
-        assignment.append(devices[d])
-        used += size
-    return assignment
-
-
-def auto_device_map(model: torch.nn.Module, max_memory: Mapping[str, int]) -> dict[str, torch.device]:
-    """Whole blocks per device within max_memory ({device: bytes}), from the model's own parameter sizes."""
-    size = lambda module: sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))  # noqa: E731
-    tied = model.unembed.weight is model.embed.weight  # a tied head is copied to the last device: count it there
-    blocks = [size(b) for b in model.blocks]
-    devices = assign_blocks(blocks, size(model.embed), size(model.ln_final) + (size(model.embed) if tied else size(model.unembed)), max_memory)
-    placed = {f"blocks.{i}": torch.device(d) for i, d in enumerate(devices)}
-    first = torch.device(next(iter(max_memory)))
-    last = torch.device(devices[-1]) if devices else first
-    return {"embed": first, **placed, "ln_final": last, "unembed": last}
 
 
 UNITS = {

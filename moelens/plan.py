@@ -32,7 +32,7 @@ from moelens.loaders.errors import CheckpointError
 from moelens.loaders.files import read_json_object
 from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
 from moelens.placement import parse_size
-from moelens.pretrained import resolve
+from moelens.locate import resolve
 
 COMPONENTS = (
     "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
@@ -41,6 +41,7 @@ HEADROOM = 0.10  # of each device's memory, left free: allocator fragmentation, 
 # preferred first: one device (no transfers), then a device map (only hidden states cross devices), then
 # expert parallel (all-to-all of tokens per layer), then offload (expert weights cross PCIe every forward)
 PREFERENCE = ("one_device", "device_map", "expert_parallel", "expert_offload")
+DEFAULT_BATCH, DEFAULT_SEQ = 1, 2048  # the forward a plan reserves working memory and KV cache for
 
 
 # ---- sizes -----------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def read_source(model: str | Path | dict, revision: str | None = None) -> Source
         return Source(model, "config dict", None)
     name = str(model)
     path = Path(name).expanduser()
-    if name in defaults.CONFIGS and not path.exists():  # builds the tiny default: its weights are a few kB
+    if name in defaults.NAMES and not path.exists():  # a shipped default, or a tiny one built (a few kB of weights)
         folder = resolve(name)
         return Source(read_config(folder), name, folder)
     if path.is_dir():
@@ -281,10 +282,11 @@ def kv_cache_bytes(cfg, batch: int, seq: int, per_token: int | None = None) -> i
 class Device:
     name: str
     memory: int  # bytes
+    headroom: float = HEADROOM  # 0 where memory is already what may be used (from_pretrained's max_memory)
 
     @property
     def budget(self) -> int:
-        return int(self.memory * (1 - HEADROOM))
+        return int(self.memory * (1 - self.headroom))
 
 
 @dataclass
@@ -300,6 +302,9 @@ class Needs:
     kv_per_layer: int
     batch: int
     seq: int
+    # held on every device that runs blocks, besides layer_peak: with the experts offloaded, their cache and
+    # one layer's working set (see with_experts_offloaded)
+    per_device: int = 0
 
     @property
     def weights(self) -> int:
@@ -327,58 +332,92 @@ def one_device(needs: Needs, devices: Sequence[Device]) -> tuple[dict | None, st
     return None, f"needs {human(needs.total)}, more than the largest budget ({best.name}: {human(best.budget)})"
 
 
-def device_map(needs: Needs, devices: Sequence[Device]) -> tuple[dict | None, str]:
-    """(b) whole blocks per device, in order: the embedding on the first device used, the final norm and
-    unembedding on the last. Greedy: each part goes on the current device if it still fits, else on the next.
+def assign_parts(needs: Needs, devices: Sequence[Device]) -> list[dict]:
+    """Whole blocks per device, in the devices' order: each block goes on the current device if it still
+    fits there, else on the next device that holds it (a device that cannot is skipped). The embedding goes
+    with block 0, the final norm and unembedding (and the logits, where they outgrow a layer's temporaries)
+    with the last block, so the residual stream crosses devices only between blocks.
 
-    Every device that runs blocks holds one layer's working memory (layer_peak) and the KV cache of its
-    blocks; the last also holds the logits where they outgrow a layer's temporaries."""
-    logits_extra = needs.peak - needs.layer_peak
-    placed: list[dict] = []
-    d = -1
-
-    def open_next(part: str, cost: int) -> str:
-        """Move on to the first following device that can hold `cost` on its own; '' or why none can."""
-        nonlocal d
+    Every device used holds one layer's working memory (layer_peak), needs.per_device and its blocks' KV
+    cache. Returns one entry per device used: device, blocks (layer numbers), embedding, unembedding, bytes,
+    budget. A ValueError names the part that does not fit and how many bytes the last device is short."""
+    if not devices:
+        raise ValueError("no device to place the model on")
+    fixed = needs.layer_peak + needs.per_device
+    parts: list[dict] = []
+    d = 0
+    for i, block in enumerate(needs.blocks):
         while True:
+            opening = not parts or parts[-1]["device"] != devices[d].name
+            used = fixed if opening else parts[-1]["bytes"]
+            cost = part_cost(needs, i, with_embedding=not parts or parts[0]["device"] == devices[d].name)
+            if used + cost <= devices[d].budget:
+                break
+            if d == len(devices) - 1:
+                raise ValueError(_short(needs, i, devices[d], used, cost))
             d += 1
-            if d == len(devices):
-                return f"{part} ({human(cost)}) does not fit on any remaining device" if placed else (
-                    f"{part} ({human(cost)}) does not fit on any device"
-                )
-            if needs.layer_peak + cost <= devices[d].budget:
-                placed.append({"device": devices[d].name, "blocks": [], "embedding": False, "unembedding": False,
-                               "bytes": needs.layer_peak + cost, "budget": devices[d].budget})
-                return ""
+        if opening:
+            parts.append({"device": devices[d].name, "blocks": [], "embedding": i == 0, "unembedding": False,
+                          "bytes": fixed, "budget": devices[d].budget})
+        parts[-1]["bytes"] += cost
+        parts[-1]["blocks"].append(block.layer)
+    parts[-1]["unembedding"] = True
+    return parts
 
-    why = open_next("the embedding", needs.embedding)
-    if why:
-        return None, why
-    placed[-1]["embedding"] = True
-    for block in needs.blocks:
-        cost = block.bytes + needs.kv_per_layer
-        if placed[-1]["bytes"] + cost > devices[d].budget:
-            why = open_next(f"block {block.layer}", cost)
-            if why:
-                return None, why
-        else:
-            placed[-1]["bytes"] += cost
-        placed[-1]["blocks"].append(block.layer)
-    # a tied unembedding is the embedding's matrix: a device other than the embedding's needs its own copy
-    cost = needs.final + logits_extra + (needs.tied_unembed if len(placed) > 1 else 0)
-    if placed[-1]["bytes"] + cost <= devices[d].budget:  # with the last block if it fits there
-        placed[-1]["bytes"] += cost
-    else:
-        why = open_next("the final norm and unembedding", needs.final + logits_extra + needs.tied_unembed)
-        if why:
-            return None, why
-    placed[-1]["unembedding"] = True
+
+def part_cost(needs: Needs, i: int, with_embedding: bool) -> int:
+    """Bytes block i brings to a device: its weights and KV cache; block 0 the embedding; the last block the
+    final norm, unembedding, the logits beyond a layer's temporaries and, when tied and on a device other
+    than the embedding's, a copy of the embedding matrix."""
+    cost = needs.blocks[i].bytes + needs.kv_per_layer
+    if i == 0:
+        cost += needs.embedding
+    if i == len(needs.blocks) - 1:
+        cost += needs.final + (needs.peak - needs.layer_peak) + (0 if with_embedding else needs.tied_unembed)
+    return cost
+
+
+def _short(needs: Needs, i: int, last: Device, used: int, cost: int) -> str:
+    what = f"block {needs.blocks[i].layer}"
+    what += " with the embedding" * (i == 0) + " with the final norm and unembedding" * (i == len(needs.blocks) - 1)
+    return (
+        f"{what} ({human(cost)}, {cost:,} bytes with its KV cache) does not fit on any device: on {last.name}, "
+        f"the last, it would need {used + cost:,} of {last.budget:,} bytes, {used + cost - last.budget:,} bytes short"
+    )
+
+
+def device_map(needs: Needs, devices: Sequence[Device]) -> tuple[dict | None, str]:
+    """(b) whole blocks per device (assign_parts): the placement from_pretrained(device_map="auto") loads."""
+    try:
+        placed = assign_parts(needs, devices)
+    except ValueError as err:
+        return None, str(err)
     if len(placed) < 2:  # all on one device: that is option (a)
         return None, "everything fits on one device (see one_device)"
     for part in placed:  # block ranges, first and last, inclusive
         blocks = part["blocks"]
         part["blocks"] = [blocks[0], blocks[-1]] if blocks else []
     return {"kind": "device_map", "devices": placed, "bytes": sum(p["bytes"] for p in placed)}, ""
+
+
+def map_of(parts: list[dict]) -> dict[str, str]:
+    """assign_parts' entries as a device map in moelens.placement's spelling."""
+    spec = {"embed": parts[0]["device"]}
+    for part in parts:
+        spec[f"blocks.{part['blocks'][0]}-{part['blocks'][-1]}"] = part["device"]
+    return spec | {"ln_final": parts[-1]["device"], "unembed": parts[-1]["device"]}
+
+
+def with_experts_offloaded(needs: Needs, cache_bytes: int) -> Needs:
+    """The needs of the mapped part of a model whose routed experts are offloaded: blocks without their
+    experts (bytes only; parameters still count them), and on every device the expert cache and twice one
+    layer's largest working set (min(n_experts, batch*seq*top_k) experts). The cache is shared by all
+    layers, so between layers it may all sit on one device; while a layer runs, its working set joins the
+    cache before the cache is trimmed, and is stacked once more for the kernels."""
+    tokens = needs.batch * needs.seq
+    working = max((min(b.n_experts, tokens * b.top_k) * expert_bytes_each(b) for b in needs.blocks if b.n_experts), default=0)
+    blocks = [dataclasses.replace(b, bytes=b.bytes - b.routed_experts_bytes, routed_experts_bytes=0) for b in needs.blocks]
+    return dataclasses.replace(needs, blocks=blocks, per_device=needs.per_device + cache_bytes + 2 * working)
 
 
 def expert_bytes_each(block: LayerCount) -> int:
@@ -531,6 +570,53 @@ def gpu_devices(devices: Sequence[str] | str | None, gpus: int | None, gpu_memor
     return out
 
 
+def check_tokens(**sizes: int) -> None:
+    """batch and seq (under the caller's names for them) are positive integers."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def needs_of(cfg, family, components: dict[str, Count], layers: list[LayerCount], batch: int, seq: int) -> Needs:
+    """What the placements weigh, from the model's counts (count_model) and a forward of batch x seq tokens."""
+    acts = activation_terms(cfg, batch, seq, family.components.router.float32_weight)
+    kv = kv_cache_bytes(cfg, batch, seq, family.components.attention.cached_per_token(cfg))
+    embed_bytes = components["embeddings"].bytes
+    final_norm = cfg.d_model * torch.tensor([], dtype=cfg.dtype).element_size()
+    return Needs(
+        embedding=embed_bytes,
+        final=final_norm + components["unembedding"].bytes,
+        tied_unembed=embed_bytes if cfg.tie_word_embeddings else 0,
+        blocks=layers,
+        layer_peak=acts["layer_peak"]["bytes"],
+        peak=acts["peak"]["bytes"],
+        kv_per_layer=kv // cfg.n_layers,
+        batch=batch,
+        seq=seq,
+    )
+
+
+def auto_device_map(
+    model, family, max_memory: dict[str, int], batch: int, seq: int, expert_cache_bytes: int | None = None
+) -> dict[str, str]:
+    """from_pretrained(device_map="auto"): the device map `moelens plan` recommends (assign_parts), for the
+    model as loading builds it (on meta), within max_memory ({device: bytes}, used whole: no headroom is
+    taken off what the caller allows), with working memory and KV cache for batch x seq tokens.
+    expert_cache_bytes: the routed experts are offloaded, and this is their cache (see with_experts_offloaded)."""
+    components, layers = count_model(model)
+    needs = needs_of(model.cfg, family, components, layers, batch, seq)
+    if expert_cache_bytes is not None:
+        needs = with_experts_offloaded(needs, expert_cache_bytes)
+    devices = [Device(name, memory, headroom=0.0) for name, memory in max_memory.items()]
+    try:
+        return map_of(assign_parts(needs, devices))
+    except ValueError as err:
+        raise ValueError(
+            f"device_map='auto' cannot place the model within max_memory ({', '.join(f'{d.name}: {d.memory:,} bytes' for d in devices)}) "
+            f"with working memory for a forward of batch {batch} x seq {seq}: {err}"
+        ) from err
+
+
 # ---- the plan --------------------------------------------------------------------------------------------
 
 
@@ -578,8 +664,8 @@ def plan(
     gpus: int | None = None,
     gpu_memory: int | str | None = None,
     cpu_memory: int | str | None = None,
-    batch: int = 1,
-    seq: int = 2048,
+    batch: int = DEFAULT_BATCH,
+    seq: int = DEFAULT_SEQ,
     revision: str | None = None,
 ) -> Plan:
     """Plan a model from its config: counts, memory of a forward, KV cache and placements that fit.
@@ -589,9 +675,7 @@ def plan(
     gpus: N GPUs of gpu_memory each; neither: the CPU only. cpu_memory: default this machine's memory.
     Sizes are bytes or strings like "141GB", "80GiB"."""
     dtype = parse_dtype(dtype)
-    for name, value in (("batch", batch), ("seq", seq)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_tokens(batch=batch, seq=seq)
     gpu_list = gpu_devices(devices, gpus, gpu_memory)
     cpu = Device("cpu", parse_size(cpu_memory) if cpu_memory is not None else system_memory())
     source = read_source(model, revision)
@@ -612,19 +696,7 @@ def plan(
     acts = activation_terms(cfg, batch, seq, float32_router)
     kv_per_token = family.components.attention.cached_per_token(cfg)
     kv = kv_cache_bytes(cfg, batch, seq, kv_per_token)
-    embed_bytes = components["embeddings"].bytes
-    final_norm = cfg.d_model * torch.tensor([], dtype=dtype).element_size()
-    needs = Needs(
-        embedding=embed_bytes,
-        final=final_norm + components["unembedding"].bytes,
-        tied_unembed=embed_bytes if cfg.tie_word_embeddings else 0,
-        blocks=layers,
-        layer_peak=acts["layer_peak"]["bytes"],
-        peak=acts["peak"]["bytes"],
-        kv_per_layer=kv // cfg.n_layers,
-        batch=batch,
-        seq=seq,
-    )
+    needs = needs_of(cfg, family, components, layers, batch, seq)
     return Plan(
         where=source.where,
         family=cfg.family,

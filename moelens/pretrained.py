@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
+from functools import partial
 
 import torch
 
-from moelens import defaults
 from moelens.dtypes import parse_dtype
 from moelens.families import family_for
 from moelens.fold import untie
@@ -24,18 +23,11 @@ from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.expert_reader import EXPERT_PARAMS, ExpertReader
 from moelens.loaders.files import brief
-from moelens.loaders.hub import resolve_checkpoint
 from moelens.loaders.safetensors_files import SafetensorsFiles
-from moelens.placement import auto_device_map, device_of, parse_device_map, parse_max_memory
+from moelens.locate import resolve  # also pretrained.resolve, for callers that import it from here
+from moelens.placement import device_of, parse_device_map, parse_max_memory
+from moelens.plan import DEFAULT_BATCH, DEFAULT_SEQ, auto_device_map, check_tokens
 from moelens.tokenizer import MoeTokenizer
-
-
-def resolve(name_or_path: str | Path, revision: str | None = None) -> Path:
-    """Folder of a checkpoint: an embedded default ("tiny-qwen2-moe", ...; built on first use), a local
-    folder, or a Hub repo id."""
-    if str(name_or_path) in defaults.CONFIGS and not Path(name_or_path).exists():
-        return defaults.default_checkpoint(str(name_or_path))
-    return resolve_checkpoint(name_or_path, revision)
 
 
 def materialize(model: torch.nn.Module, device_for: Callable[[str], torch.device]) -> None:
@@ -79,6 +71,9 @@ def load(
     hf_model=None,
     n_devices=1,
     move_to_device=True,
+    plan_batch=None,
+    plan_seq=None,
+    expert_prefetch=None,
 ):
     # TransformerLens's arguments: refuse what moelens cannot do, map its placement onto device / device_map
     refuse_unsupported(
@@ -103,6 +98,9 @@ def load(
         raise ValueError("max_memory is what device_map='auto' fills: pass device_map='auto' with it")
     if expert_cache_bytes is not None and not expert_offload:
         raise ValueError("expert_cache_bytes is the size of the offloaded experts' cache: it needs expert_offload")
+    if expert_prefetch and not expert_offload:
+        raise ValueError("expert_prefetch loads offloaded experts ahead of their layer: it needs expert_offload")
+    plan_tokens = _plan_tokens(plan_batch, plan_seq, device_map)
     if expert_parallel:
         clash = [name for name, on in [("fold_ln", fold_ln), ("device='meta'", on_meta), ("device_map", device_map is not None),
                                        ("expert_offload", expert_offload)] if on]
@@ -147,11 +145,18 @@ def load(
         model = family.build(cfg)
     except ValueError as err:  # what the config asks for that no module can be built for (hidden_act, ...)
         raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
-    placed = _place(model, device_map, max_memory, n_devices, device) if device_map is not None or n_devices > 1 else None
+    # made before placing: device_map="auto" leaves room on the devices for its size
+    cache = ExpertCache(_default_cache_bytes(model) if expert_cache_bytes is None else expert_cache_bytes) if expert_offload else None
+    placed = None
+    if device_map is not None or n_devices > 1:
+        placed = _place(model, family, device_map, max_memory, n_devices, device, plan_tokens, cache)
     device_for = (lambda name: device) if placed is None else (lambda name: device_of(placed, name))  # noqa: E731
     offloaded = {}  # slots fill() must not treat as parameters: the experts that stay off the model
     if expert_offload:
-        offloaded = offload_experts(model, files, keys, expert_offload, expert_cache_bytes, device_for)
+        # default: on for "disk", where benchmarks/bench_offload.py measured it paying; "cpu" is unmeasured
+        # on a GPU, and on the CPU itself there is nothing to move
+        prefetch = expert_offload == "disk" if expert_prefetch is None else bool(expert_prefetch)
+        offloaded = offload_experts(model, files, keys, expert_offload, cache, device_for, prefetch)
     elif expert_parallel:
         offloaded = shard_experts(model, files, keys, device)
     materialize(model, device_for)
@@ -165,6 +170,8 @@ def load(
         model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default
     model.tokenizer = tokenizer
     model.name_or_path = str(name_or_path)
+    # the parts' devices when placed by a map ("auto", n_devices or the caller's), else None
+    model.device_map = None if placed is None else {part: str(d) for part, d in placed.items()}
     return model.eval()
 
 
@@ -249,32 +256,66 @@ def n_devices_map(n_layers: int, n_devices: int, device: torch.device | str) -> 
     return placed | {"ln_final": on[-1], "unembed": on[-1]}
 
 
-def _place(model, device_map, max_memory, n_devices: int, device: torch.device) -> dict[str, torch.device]:
+def _plan_tokens(plan_batch, plan_seq, device_map) -> tuple[int, int]:
+    """(batch, seq) of the forward device_map="auto" leaves working memory and KV cache for."""
+    if (plan_batch is not None or plan_seq is not None) and device_map != "auto":
+        raise ValueError(
+            "plan_batch and plan_seq size the forward that device_map='auto' leaves memory for: pass device_map='auto' "
+            f"with them (device_map={device_map!r})"
+        )
+    batch = DEFAULT_BATCH if plan_batch is None else plan_batch
+    seq = DEFAULT_SEQ if plan_seq is None else plan_seq
+    check_tokens(plan_batch=batch, plan_seq=seq)
+    return batch, seq
+
+
+def _place(model, family, device_map, max_memory, n_devices: int, device: torch.device, plan_tokens: tuple[int, int],
+           cache: ExpertCache | None) -> dict[str, torch.device]:
+    """{part: device} for every part. "auto": moelens plan's placement (plan.auto_device_map) of the model built
+    on meta, counting only the non-expert weights and the expert cache when the experts are offloaded."""
     if n_devices > 1:  # TransformerLens's even split of whole blocks
         device_map = n_devices_map(model.cfg.n_layers, n_devices, device)
     if device_map == "auto":
-        return auto_device_map(model, parse_max_memory(max_memory))
+        batch, seq = plan_tokens
+        device_map = auto_device_map(
+            model, family, parse_max_memory(max_memory), batch, seq, None if cache is None else cache.capacity_bytes
+        )
     return parse_device_map(device_map, model.cfg.n_layers)
 
 
-def offload_experts(model, files, keys, mode, cache_bytes, device_for) -> dict[str, torch.Tensor]:
+def _default_cache_bytes(model) -> int:
+    """One layer's experts: enough for a layer's working set to stay while it runs."""
+    block = next((b for b in model.blocks if b.is_moe), None)
+    if block is None:
+        return 0
+    experts = block.mlp.experts
+    return model.cfg.n_experts * sum(p[0].numel() * p.element_size() for p in (experts.W_gate_up, experts.W_down))
+
+
+def mixture_layers(model) -> list[tuple[int, torch.nn.Module]]:
+    """(layer, block) of every mixture block."""
+    return [(i, block) for i, block in enumerate(model.blocks) if block.is_moe]
+
+
+def expert_reader(model, files, keys) -> ExpertReader:
+    """Reads one routed expert of any mixture layer from the checkpoint's files (reader.shapes: each full
+    stack's shape); what offload ("disk") and expert parallelism load experts through."""
+    shapes = {(i, name): tuple(getattr(block.mlp.experts, name).shape) for i, block in mixture_layers(model) for name in EXPERT_PARAMS}
+    return ExpertReader(files, keys, shapes, model.cfg.dtype)
+
+
+def offload_experts(model, files, keys, mode, cache: ExpertCache, device_for, prefetch: bool = False) -> dict[str, torch.Tensor]:
     """Move every mixture layer's routed experts off the model into expert stores sharing one cache (each
     layer's entries on that layer's device); returns their slots for fill(): host tensors ("cpu": filled
-    now, pinned when a layer runs on CUDA) or meta tensors ("disk": shape-checked; read when routed to)."""
-    blocks = [b for b in model.blocks if b.is_moe]
-    per_expert = sum(p[0].numel() * p.element_size() for p in (blocks[0].mlp.experts.W_gate_up, blocks[0].mlp.experts.W_down)) if blocks else 0
-    # default: one layer's experts, enough for a layer's working set to stay while it runs
-    cache = ExpertCache(model.cfg.n_experts * per_expert if cache_bytes is None else cache_bytes)
-    shapes = expert_shapes(model)
-    reader = ExpertReader(files, keys, shapes, model.cfg.dtype)
+    now, pinned when a layer runs on CUDA) or meta tensors ("disk": shape-checked; read when routed to).
+    prefetch: each layer loads ahead the experts it predicts for the next one (link_prefetch)."""
+    reader = expert_reader(model, files, keys)
     slots: dict[str, torch.Tensor] = {}
-    for layer, block in enumerate(model.blocks):
-        if not block.is_moe:
-            continue
-        experts = block.mlp.experts
+    stores: dict[int, OffloadedExperts] = {}
+    for layer, block in mixture_layers(model):
         device = device_for(f"blocks.{layer}.mlp.experts.W_gate_up")
         stacks = tuple(
-            torch.empty(shapes[layer, name], dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu",
+            torch.empty(reader.shapes[layer, name], dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu",
                         pin_memory=mode == "cpu" and device.type == "cuda")
             for name in EXPERT_PARAMS
         )
@@ -282,11 +323,28 @@ def offload_experts(model, files, keys, mode, cache_bytes, device_for) -> dict[s
             source = lambda e, stacks=stacks: (stacks[0][e], stacks[1][e])  # noqa: E731
         else:
             source = lambda e, layer=layer: reader.read(layer, e)  # noqa: E731
-        store = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode)
-        experts.offload(store, None if mode == "disk" else stacks)
+        stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode)
+        block.mlp.experts.offload(stores[layer], None if mode == "disk" else stacks)
         slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(EXPERT_PARAMS, stacks)})
+    if prefetch:
+        cache.enable_prefetch()
+        link_prefetch(model, stores)
     model.expert_cache = cache
     return slots
+
+
+def link_prefetch(model, stores: dict[int, OffloadedExperts]) -> None:
+    """Prefetch for each mixture layer from the one before it. The predictor: the next layer's router applied
+    to this layer's mixture input (the normed residual stream one layer early; the stream changes little
+    from one layer to the next, so its top-k is mostly the experts the next layer will choose)."""
+    layers = sorted(stores)
+    for here, after in zip(layers, layers[1:]):
+        stores[here].prefetch_next(stores[after], partial(route, model.blocks[after].mlp.router))
+
+
+def route(router, x: torch.Tensor) -> torch.Tensor:
+    """The experts `router` sends each position of x to (its top-k), hooks aside."""
+    return router.choose(router.choice_scores(router.scores(router.logits(x))))
 
 
 def shard_experts(model, files, keys, device: torch.device) -> dict[str, torch.Tensor]:
@@ -295,29 +353,18 @@ def shard_experts(model, files, keys, device: torch.device) -> dict[str, torch.T
     checks their shapes and reads nothing of the other ranks' experts."""
     rank, world = init_process_group(device)
     lo, hi = expert_range(model.cfg.n_experts, world, rank)
-    shapes = expert_shapes(model)
-    reader = ExpertReader(files, keys, shapes, model.cfg.dtype)
+    reader = expert_reader(model, files, keys)
     slots: dict[str, torch.Tensor] = {}
-    for layer, block in enumerate(model.blocks):
-        if not block.is_moe:
-            continue
+    for layer, block in mixture_layers(model):
         own = [reader.read(layer, e) for e in range(lo, hi)]  # more ranks than experts leave some with none
         stacks = [
-            torch.stack([w[i] for w in own]) if own else torch.empty((0, *shapes[layer, name][1:]), dtype=model.cfg.dtype)
+            torch.stack([w[i] for w in own]) if own else torch.empty((0, *reader.shapes[layer, name][1:]), dtype=model.cfg.dtype)
             for i, name in enumerate(EXPERT_PARAMS)
         ]
         block.mlp.experts.keep_shard(ExpertShard(layer, model.cfg.n_experts, *(t.to(device) for t in stacks), rank=rank, world=world))
         for name in EXPERT_PARAMS:
-            slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shapes[layer, name], dtype=model.cfg.dtype, device="meta")
+            slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(reader.shapes[layer, name], dtype=model.cfg.dtype, device="meta")
     return slots
-
-
-def expert_shapes(model) -> dict[tuple[int, str], tuple[int, ...]]:
-    """(layer, "W_gate_up" | "W_down") -> the full stack's shape [E, ...], for every mixture layer."""
-    return {
-        (i, name): tuple(getattr(block.mlp.experts, name).shape)
-        for i, block in enumerate(model.blocks) if block.is_moe for name in EXPERT_PARAMS
-    }
 
 
 def _parse_device(device: torch.device | str) -> torch.device:

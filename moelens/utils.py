@@ -109,6 +109,31 @@ def get_act_name(name: str, layer: int | str | None = None, layer_type: str | No
     )
 
 
+def get_attention_mask(
+    tokenizer, tokens: torch.Tensor, prepend_bos: bool, padding_side: str | None = None
+) -> torch.Tensor:
+    """TransformerLens's utils.get_attention_mask: 1 for real tokens, 0 for padding [batch pos].
+
+    Only the padding at the padded end counts: the trailing pad tokens (padding_side "right") or the leading
+    ones ("left"; None: tokenizer.padding_side); pad tokens elsewhere stay real. On the left, with prepend_bos
+    and a BOS that is the pad token, each row's last leading "pad" is its BOS, a real token. Without a
+    tokenizer every token is real."""
+    mask = torch.ones_like(tokens)
+    if tokenizer is None:
+        return mask
+    side = padding_side if padding_side is not None else tokenizer.padding_side
+    real = tokens.ne(tokenizer.pad_token_id).long()
+    if side == "right":
+        mask[real.flip(-1).cumsum(-1).flip(-1) == 0] = 0
+        return mask
+    leading = real.cumsum(-1) == 0
+    mask[leading] = 0
+    if prepend_bos and tokenizer.bos_token_id == tokenizer.pad_token_id:
+        rows = leading.any(-1).nonzero().flatten()
+        mask[rows, leading[rows].sum(-1) - 1] = 1
+    return mask
+
+
 def test_prompt(
     prompt: str,
     answer: str | list[str],

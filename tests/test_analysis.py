@@ -105,7 +105,7 @@ def test_usage_of_texts_is_padded_and_masked(tmp_path):
     """Texts are batched with left padding; the counts are those of each text run alone."""
     from moelens.defaults import default_checkpoint
 
-    model = HookedTransformer.from_pretrained(default_checkpoint(root=tmp_path), progress=False)
+    model = HookedTransformer.from_pretrained(default_checkpoint("tiny-qwen2-moe", root=tmp_path), progress=False)
     texts = ["Hi", "a longer text", "mid one"]
     together = expert_usage(model, texts, batch_size=2)
     alone = [expert_usage(model, model.to_tokens(t)) for t in texts]

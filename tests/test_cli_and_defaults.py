@@ -14,11 +14,11 @@ from moelens.defaults import default_checkpoint
 
 @pytest.fixture(scope="module")
 def default_path(tmp_path_factory):
-    return default_checkpoint(root=tmp_path_factory.mktemp("cache"))
+    return default_checkpoint("tiny-qwen2-moe", root=tmp_path_factory.mktemp("cache"))
 
 
 def test_default_checkpoint_is_deterministic(default_path, tmp_path):
-    again = default_checkpoint(root=tmp_path)
+    again = default_checkpoint("tiny-qwen2-moe", root=tmp_path)
     digest = lambda p: hashlib.sha256((p / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
     assert digest(again) == digest(default_path)
 
@@ -40,7 +40,7 @@ def test_default_tokenizer_round_trips(default_path):
 
 def test_inspect_prints_the_routing(default_path, monkeypatch, capsys):
     monkeypatch.setattr("moelens.defaults.cache_root", lambda: default_path.parent.parent)
-    assert main(["inspect", "--prompt", "Hi you"]) == 0
+    assert main(["inspect", "tiny-qwen2-moe", "--prompt", "Hi you"]) == 0
     out = capsys.readouterr().out
     model = HookedTransformer.from_pretrained(default_path, progress=False)
     _, cache = model.run_with_cache("Hi you")
@@ -98,11 +98,11 @@ def test_inspect_header_and_layer_summary(default_path, monkeypatch, capsys):
     mixture layer's summary line holds the tokens per expert, the mean entropy of the normalised router
     scores and the mean shared-gate sigmoid, recomputed here by hand from the cache."""
     monkeypatch.setattr("moelens.defaults.cache_root", lambda: default_path.parent.parent)
-    assert main(["inspect", "--prompt", "Hi you"]) == 0
+    assert main(["inspect", "tiny-qwen2-moe", "--prompt", "Hi you"]) == 0
     out = capsys.readouterr().out
     with safe_open(default_path / "model.safetensors", framework="pt") as f:
         stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    assert out.splitlines()[0].startswith("HookedQwen2Moe from tiny-qwen2-moe: random weights (embedded default), ")
+    assert out.splitlines()[0].startswith("HookedQwen2Moe from tiny-qwen2-moe: random weights (embedded default; its routing means nothing), ")
     assert f"{stored:,} parameters" in out.splitlines()[0]
     assert "   0  72 'H'" in out and "   5 117 'u'" in out  # each token's id beside its byte
     model = HookedTransformer.from_pretrained(default_path, progress=False)

@@ -39,12 +39,12 @@ def test_many_processes_building_at_once_all_succeed_and_agree(tmp_path):
 
 
 def test_a_half_built_folder_is_rebuilt(tmp_path):
-    good = default_checkpoint(root=tmp_path / "good")
+    good = default_checkpoint("tiny-qwen2-moe", root=tmp_path / "good")
     folder = tmp_path / "cache" / "defaults" / good.name
     folder.mkdir(parents=True)
     (folder / "config.json").write_text((good / "config.json").read_text())
     (folder / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes()[:1000])  # cut short
-    rebuilt = default_checkpoint(root=tmp_path / "cache")
+    rebuilt = default_checkpoint("tiny-qwen2-moe", root=tmp_path / "cache")
     assert rebuilt == folder and digest(rebuilt) == digest(good)
     assert load_file(rebuilt / "model.safetensors").keys() == load_file(good / "model.safetensors").keys()
     assert json.loads((rebuilt / COMPLETE).read_text()) == json.loads((good / "config.json").read_text())
@@ -54,9 +54,9 @@ def test_a_build_killed_midway_leaves_nothing_that_counts(tmp_path):
     """SIGKILL a process while it builds; the next one builds a complete default and nothing is mixed in."""
     env = {**os.environ, "MOELENS_CACHE": str(tmp_path)}
     for delay in (0.3, 0.8, 1.5):
-        proc = subprocess.Popen([sys.executable, "-c", "from moelens.defaults import default_checkpoint; default_checkpoint()"], env=env)
+        proc = subprocess.Popen([sys.executable, "-c", "from moelens.defaults import default_checkpoint; default_checkpoint('tiny-qwen2-moe')"], env=env)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    folder = default_checkpoint(root=tmp_path)
-    assert digest(folder) == digest(default_checkpoint(root=tmp_path / "fresh"))
+    folder = default_checkpoint("tiny-qwen2-moe", root=tmp_path)
+    assert digest(folder) == digest(default_checkpoint("tiny-qwen2-moe", root=tmp_path / "fresh"))

@@ -206,7 +206,7 @@ def test_rows_stop_at_eos(family_models, family):
 def text_model(tmp_path_factory):
     from moelens.defaults import default_checkpoint
 
-    return HookedTransformer.from_pretrained(default_checkpoint(root=tmp_path_factory.mktemp("cache")), progress=False)
+    return HookedTransformer.from_pretrained(default_checkpoint("tiny-qwen2-moe", root=tmp_path_factory.mktemp("cache")), progress=False)
 
 
 def test_text_in_text_out(text_model):

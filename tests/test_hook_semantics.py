@@ -16,8 +16,11 @@ EXPERT_SITES = ("experts.hook_pre", "experts.hook_pre_linear", "experts.hook_pos
 
 
 def floating_sites(model, tokens):
+    """Every floating site but TransformerLens's per-expert views (blocks.L.mlp.experts.E.*): rows of the
+    per-slot sites, some of them empty, tested in test_tl_parity_expert_hooks.py."""
     _, cache = model.run_with_cache(tokens)
-    return [name for name, t in cache.cache_dict.items() if t.is_floating_point()]
+    views = {name for name, hp in model.hook_dict.items() if getattr(hp, "ragged", False)}
+    return [name for name, t in cache.cache_dict.items() if t.is_floating_point() and name not in views]
 
 
 def edit_(t):

@@ -19,7 +19,7 @@ def text_model(tmp_path_factory):
     """The embedded default: it has a (byte-level) tokenizer."""
     from moelens.defaults import default_checkpoint
 
-    return HookedTransformer.from_pretrained(default_checkpoint(root=tmp_path_factory.mktemp("cache")), progress=False)
+    return HookedTransformer.from_pretrained(default_checkpoint("tiny-qwen2-moe", root=tmp_path_factory.mktemp("cache")), progress=False)
 
 
 TOKENS = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])

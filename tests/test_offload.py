@@ -1,10 +1,15 @@
 """Expert offload moves weights, never math: every family, both modes, bit for bit the resident model."""
 
+import threading
+import time
+import warnings
+
 import pytest
 import torch
 from conftest import FAMILIES
 
 from moelens import HookedTransformer
+from moelens.kernels.offload import ExpertCache, OffloadedExperts, PrefetchJob
 
 MODES = ["cpu", "disk"]
 
@@ -27,7 +32,7 @@ def distinct_experts(cache, model):
 @pytest.mark.parametrize("mode", MODES)
 def test_logits_and_every_hook_equal_the_resident_model(checkpoints, resident, family, mode, tokens):
     ref = resident[family]
-    model = load(checkpoints[family, "base"], expert_offload=mode, expert_cache_bytes=0)
+    model = load(checkpoints[family, "base"], expert_offload=mode, expert_cache_bytes=0, expert_prefetch=False)
     ref_logits, ref_cache = ref.run_with_cache(tokens)
     logits, cache = model.run_with_cache(tokens)
     assert torch.equal(logits, ref_logits)
@@ -45,7 +50,7 @@ def test_logits_and_every_hook_equal_the_resident_model(checkpoints, resident, f
 @pytest.mark.parametrize("mode", MODES)
 def test_a_cache_that_holds_everything_hits_on_the_second_forward(checkpoints, resident, mode, tokens):
     ref = resident["qwen2_moe"]
-    model = load(checkpoints["qwen2_moe", "base"], expert_offload=mode, expert_cache_bytes=2**30)
+    model = load(checkpoints["qwen2_moe", "base"], expert_offload=mode, expert_cache_bytes=2**30, expert_prefetch=False)
     _, ref_cache = ref.run_with_cache(tokens)
     model(tokens)
     model(tokens)
@@ -109,3 +114,165 @@ def test_offload_arguments_are_checked(checkpoints, qwen_model):
         load(path, expert_offload="disk", expert_cache_bytes=-1)
     with pytest.raises(ValueError, match="resident"):
         qwen_model.expert_cache_stats()
+
+
+# ---- prefetch ----------------------------------------------------------------------------------------
+
+
+def stores(model):
+    """The offloaded mixture layers' stores, in layer order."""
+    return [b.mlp.experts.store for b in model.blocks if b.is_moe]
+
+
+def expert_bytes(model):
+    experts = model.blocks[model.cfg.moe_layer_indices[0]].mlp.experts
+    return experts.W_gate_up[0].nbytes + experts.W_down[0].nbytes
+
+
+def per_layer_experts(cache, model):
+    """By hand from the resident run: the distinct experts each mixture layer routed to."""
+    return [sorted(torch.unique(cache["expert_indices", layer]).tolist()) for layer in model.cfg.moe_layer_indices]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefetch_changes_no_bit(checkpoints, resident, family, tokens):
+    ref = resident[family]
+    model = load(checkpoints[family, "base"], expert_offload="disk", expert_cache_bytes=0, expert_prefetch=True)
+    ref_logits, ref_cache = ref.run_with_cache(tokens)
+    logits, cache = model.run_with_cache(tokens)
+    assert torch.equal(logits, ref_logits)
+    for name in ref_cache.keys():
+        assert torch.equal(cache[name], ref_cache[name]), name
+    stats = model.expert_cache_stats()
+    # the layers asked for exactly what they routed to; with no cache, every hit was prefetched
+    assert stats.hits + stats.misses == distinct_experts(ref_cache, ref)
+    assert stats.hits == stats.prefetch_hits
+    assert (stats.prefetched > 0) == (len(ref.cfg.moe_layer_indices) > 1)  # a layer prefetches for the next one
+    assert stats.prefetch_hits + stats.prefetch_wasted <= stats.prefetched and stats.prefetch_errors == 0
+
+
+def test_a_perfect_prediction_is_counted_as_prefetch_hits(checkpoints, resident, tokens):
+    ref = resident["qwen2_moe"]
+    _, ref_cache = ref.run_with_cache(tokens)
+    used = per_layer_experts(ref_cache, ref)
+    model = load(checkpoints["qwen2_moe", "base"], expert_offload="disk", expert_cache_bytes=0, expert_prefetch=True)
+    layers = ref.cfg.moe_layer_indices
+    for store, after in zip(stores(model), layers[1:]):  # an oracle: the next layer's real routing
+        store.predict = lambda x, after=after: ref_cache["expert_indices", after]
+    assert torch.equal(model(tokens), ref(tokens))
+    stats = model.expert_cache_stats()
+    assert stats.misses == len(used[0])  # only the first mixture layer loads for itself
+    assert stats.prefetched == stats.prefetch_hits == stats.hits == sum(map(len, used[1:]))
+    assert stats.prefetch_wasted == 0
+    assert stats.bytes_moved == (stats.misses + stats.prefetched) * expert_bytes(ref)
+
+
+def test_a_wrong_prediction_costs_loads_never_results_nor_the_memory_bound(checkpoints, resident, tokens):
+    ref = resident["qwen2_moe"]
+    few = tokens[:1, :2]  # 2 tokens x top-3 leave some of the 8 experts of each layer unused
+    _, ref_cache = ref.run_with_cache(few)
+    used = per_layer_experts(ref_cache, ref)
+    model = load(checkpoints["qwen2_moe", "base"], expert_offload="disk", expert_cache_bytes=0, expert_prefetch=True)
+    for store, nxt in zip(stores(model), used[1:]):  # exactly the experts the next layer does not use
+        wrong = torch.tensor([e for e in range(ref.cfg.n_experts) if e not in nxt])
+        store.predict = lambda x, wrong=wrong: wrong
+    logits, cache = model.run_with_cache(few)
+    assert torch.equal(logits, ref.run_with_cache(few)[0])
+    assert all(torch.equal(cache[k], ref_cache[k]) for k in ref_cache.keys())
+    stats = model.expert_cache_stats()
+    wasted = sum(ref.cfg.n_experts - len(n) for n in used[1:])
+    assert stats.prefetched == stats.prefetch_wasted == wasted and stats.prefetch_hits == stats.hits == 0
+    assert stats.misses == sum(map(len, used))
+    # the cache never held more than its capacity (0) plus one layer's working set: min(n_experts, tokens x top_k)
+    working = min(ref.cfg.n_experts, few.numel() * ref.cfg.top_k[0]) * expert_bytes(ref)
+    assert 0 < stats.peak_bytes <= working
+
+
+def test_peak_cache_bytes_without_prefetch_is_the_largest_working_set(checkpoints, resident, tokens):
+    ref = resident["solar_open"]
+    _, ref_cache = ref.run_with_cache(tokens[:1, :3])
+    model = load(checkpoints["solar_open", "base"], expert_offload="disk", expert_cache_bytes=0, expert_prefetch=False)
+    model(tokens[:1, :3])
+    assert model.expert_cache_stats().peak_bytes == max(map(len, per_layer_experts(ref_cache, ref))) * expert_bytes(ref)
+
+
+@pytest.mark.parametrize("where", ["predictor", "loader"])
+def test_an_exception_in_the_prefetch_thread_is_counted_and_changes_nothing(checkpoints, resident, tokens, where):
+    ref = resident["hunyuan_v1_moe"]
+    model = load(checkpoints["hunyuan_v1_moe", "base"], expert_offload="disk", expert_cache_bytes=0, expert_prefetch=True)
+
+    def broken(*args):
+        raise OSError("prefetch broke")
+
+    for store in stores(model):
+        if where == "predictor":
+            store.predict = broken
+        else:  # the expert reads fail in the prefetch thread only; the layers' own reads work
+            real = store.source
+            store.source = lambda e, real=real: broken() if threading.current_thread().name == "moelens-expert-prefetch" else real(e)
+    with pytest.warns(RuntimeWarning, match="expert prefetch failed.*prefetch broke"):
+        assert torch.equal(model(tokens), ref(tokens))
+    jobs = len(stores(model)) - 1  # one per mixture layer that has a next one
+    assert model.expert_cache_stats().prefetch_errors == jobs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, counted always
+        assert torch.equal(model(tokens), ref(tokens))
+    assert model.expert_cache_stats().prefetch_errors == 2 * jobs
+    assert isinstance(model.expert_cache.prefetcher.error, OSError)
+
+
+def test_two_threads_share_a_prefetching_model(checkpoints, resident, tokens):
+    ref = resident["solar_open"]
+    model = load(checkpoints["solar_open", "base"], expert_offload="disk", expert_cache_bytes=expert_bytes(ref) * 4,
+                 expert_prefetch=True)
+    inputs = [tokens, tokens[:, :7], tokens[:1], tokens.flip(-1)]
+    expected = [ref(t) for t in inputs]
+    results: dict = {}
+
+    def work(thread):
+        with torch.no_grad():
+            results[thread] = [model(inputs[(thread + i) % len(inputs)]) for i in range(4)]
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for thread, outs in results.items():
+        assert all(torch.equal(out, expected[(thread + i) % len(inputs)]) for i, out in enumerate(outs))
+    assert len(results) == 2 and model.expert_cache_stats().prefetch_errors == 0
+
+
+def test_cancel_waits_for_the_expert_in_flight_and_nothing_lands_after_it():
+    cache = ExpertCache(10**9)
+    cache.enable_prefetch()
+    started = threading.Event()
+
+    def slow(e):
+        started.set()
+        time.sleep(0.05)
+        return torch.full((2, 2), float(e)), torch.zeros(2, 2)
+
+    store = OffloadedExperts(1, 16, slow, cache, torch.device("cpu"), "disk")
+    cache.prefetcher.submit(PrefetchJob(store, torch.zeros(1), lambda x: torch.arange(16)))
+    started.wait(5)
+    cache.prefetcher.cancel()
+    landed = set(cache.entries)
+    time.sleep(0.2)
+    assert set(cache.entries) == landed and 1 <= len(landed) < 16
+    assert all(torch.equal(cache.entries[1, e][0], torch.full((2, 2), float(e))) for _, e in landed)
+    # the layer then loads the rest itself and counts the prefetched ones it used
+    weights, _, ids = store.fetch(torch.arange(16).view(4, 4))
+    assert torch.equal(weights[:, 0, 0], torch.arange(16.0)) and torch.equal(ids, torch.arange(16).view(4, 4))
+    assert cache.stats.prefetch_hits == len(landed) and cache.stats.misses == 16 - len(landed)
+
+
+def test_prefetch_is_on_by_default_for_disk_only_and_needs_offload(checkpoints):
+    path = checkpoints["qwen2_moe", "base"]
+    assert load(path, expert_offload="disk").expert_cache.prefetcher is not None
+    assert load(path, expert_offload="disk", expert_prefetch=False).expert_cache.prefetcher is None
+    assert load(path, expert_offload="cpu").expert_cache.prefetcher is None
+    assert load(path, expert_offload="cpu", expert_prefetch=True).expert_cache.prefetcher is not None
+    with pytest.raises(ValueError, match="expert_prefetch .* needs expert_offload"):
+        load(path, expert_prefetch=True)

@@ -586,11 +586,16 @@ def test_freq_penalty_subtracts_each_token_count_from_the_logits(model):
     assert int(model.generate(prompt, max_new_tokens=1, top_k=1, freq_penalty=50.0, seed=0)[0, -1]) not in prompt[0]
 
 
-def test_generate_text_takes_prepend_bos_and_refuses_right_padding(model):
+def test_generate_text_takes_prepend_bos_and_pads_a_list_on_the_left_whatever_padding_side_says(model):
+    """TL's generate: prepend_bos for text; a batched list is left-padded ("left-padding is forced
+    internally"), so padding_side="right" gives what "left" gives."""
     with_bos = model.generate("Hi", max_new_tokens=1, do_sample=False, prepend_bos=True, return_type="tokens")
     assert torch.equal(with_bos[:, :-1], model.to_tokens("Hi", prepend_bos=True))
-    with pytest.raises(ValueError, match="padding_side='right'.*left"):
-        model.generate(["Hi", "Hello"], max_new_tokens=1, padding_side="right")
+    right = model.generate(["Hi", "Hello"], max_new_tokens=2, do_sample=False, padding_side="right", return_type="tokens")
+    left = model.generate(["Hi", "Hello"], max_new_tokens=2, do_sample=False, padding_side="left", return_type="tokens")
+    assert torch.equal(right, left) and right[0, 0] == PAD and right[0, 3:5].tolist() == [H, I]
+    with pytest.raises(ValueError, match="padding_side must be 'left' or 'right', got 'up'"):
+        model.generate("Hi", max_new_tokens=1, padding_side="up")
     with pytest.raises(ValueError, match="freq_penalty"):
         model.generate("Hi", max_new_tokens=1, freq_penalty=-1.0)
 
@@ -622,3 +627,21 @@ def test_embedding_times_ov_circuit_stays_factored(model):
     assert tuple(full.shape) == (cfg.n_layers, cfg.n_heads, cfg.d_vocab, cfg.d_model)
     with torch.no_grad():
         torch.testing.assert_close(full[1, 2].AB, model.W_E @ model.W_V[1, 2] @ model.W_O[1, 2])
+
+
+def test_forward_takes_positional_arguments_in_transformer_lens_order():
+    """TL: forward(input, return_type, loss_per_token, prepend_bos, padding_side, start_at_layer, tokens,
+    shortformer_pos_embed, attention_mask, stop_at_layer, past_kv_cache): model(tokens, "loss", True) is
+    the per-token loss there, and must be here."""
+    import inspect
+
+    model = HookedTransformer.from_pretrained(NAME, progress=False)
+    tokens = torch.tensor([[3, 7, 11, 5, 2]])
+    per_token = model(tokens, "loss", True)
+    assert per_token.shape == (1, 4)
+    logits = model(tokens)
+    expected = -logits[0, :-1].log_softmax(-1).gather(-1, tokens[0, 1:, None])[:, 0]
+    torch.testing.assert_close(per_token[0], expected)
+    names = list(inspect.signature(model.forward).parameters)
+    assert names[:11] == ["input", "return_type", "loss_per_token", "prepend_bos", "padding_side", "start_at_layer",
+                          "tokens", "shortformer_pos_embed", "attention_mask", "stop_at_layer", "past_kv_cache"]

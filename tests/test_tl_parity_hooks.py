@@ -370,3 +370,32 @@ def test_b_U_and_accumulated_bias(checkpoints):
     close(m.accumulated_bias(1, mlp_input=True).detach(), biases[0] + biases[1])
     with pytest.raises(ValueError, match="layer must be"):
         m.accumulated_bias(m.cfg.n_layers + 1)
+
+
+# ---- HookPoint's hook records as TransformerLens's LensHandles ------------------------------------------------
+def test_hook_records_list_in_run_order_with_context_level():
+    """TL's test_hook_points: fwd_hooks lists a prepended hook first; each record has context_level."""
+    point = HookPoint()
+
+    def first(x, hook):
+        return x
+
+    def prepended(x, hook):
+        return x
+
+    point.add_hook(first, dir="fwd", level=5)
+    point.add_hook(prepended, dir="fwd", prepend=True)
+    point.add_hook(first, dir="bwd", is_permanent=True)
+    assert [h.fn for h in point.fwd_hooks] == [prepended, first]
+    assert point.fwd_hooks[1].context_level == 5 and point.fwd_hooks[0].context_level is None
+    assert len(point.bwd_hooks) == 1 and point.bwd_hooks[0].is_permanent
+
+
+def test_remove_batch_dim_of_a_batch_is_an_assertion_error_too(model, toks):
+    """TL asserts the batch size of one; moelens's error is a ValueError and an AssertionError."""
+    _, cache = model.run_with_cache(toks, names_filter=["blocks.0.hook_resid_pre"])
+    assert toks.shape[0] > 1
+    with pytest.raises(AssertionError, match="batch of one"):
+        cache.remove_batch_dim()
+    with pytest.raises(ValueError, match="batch of one"):
+        cache.remove_batch_dim()

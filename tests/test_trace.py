@@ -40,7 +40,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return default_checkpoint(root=tmp_path_factory.mktemp("cache"))
+    return default_checkpoint("tiny-qwen2-moe", root=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")

@@ -233,7 +233,7 @@ def model(tmp_path_factory):
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny forwards on shared cores
-    yield HookedTransformer.from_pretrained(default_checkpoint(root=tmp_path_factory.mktemp("cache")), progress=False)
+    yield HookedTransformer.from_pretrained(default_checkpoint("tiny-qwen2-moe", root=tmp_path_factory.mktemp("cache")), progress=False)
     torch.set_num_threads(before)
 
 

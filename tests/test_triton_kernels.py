@@ -181,8 +181,10 @@ def test_end_to_end_triton_backend_equals_torch(checkpoints, family, tokens):
     assert (logits_t - logits_k).abs().max() <= 1e-5
     for name in cache_t:
         a, b = cache_t[name], cache_k[name]
+        assert a.shape == b.shape, name
         if a.dtype.is_floating_point:
-            assert (a - b).abs().max() <= 1e-5, name
+            # an expert no token was routed to has an empty per-expert view (blocks.L.mlp.experts.E.hook_*)
+            assert a.numel() == 0 or (a - b).abs().max() <= 1e-5, name
         else:
             assert torch.equal(a, b), name
 

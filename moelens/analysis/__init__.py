@@ -11,7 +11,7 @@ from moelens.analysis.interventions import (
     steer_router,
     steer_router_hooks,
 )
-from moelens.analysis.plots import plot_expert_usage, plot_routing
+from moelens.analysis.plots import plot_expert_usage, plot_routing, plot_selectivity, plot_subset_load
 from moelens.analysis.routing import RoutingTable, routing_table
 from moelens.analysis.top_tokens import TopToken, TopTokens, top_tokens
 from moelens.analysis.traces import (
@@ -33,6 +33,7 @@ from moelens.analysis.traces import (
     trace_subset_load,
     trace_top_tokens,
 )
+from moelens.analysis.trace_report import trace_report
 from moelens.analysis.usage import ExpertUsage, expert_usage
 
 __all__ = [
@@ -62,6 +63,8 @@ __all__ = [
     "patch_routing",
     "patch_routing_hooks",
     "plot_expert_usage",
+    "plot_selectivity",
+    "plot_subset_load",
     "plot_routing",
     "routing_table",
     "steer_router",
@@ -72,6 +75,7 @@ __all__ = [
     "trace_coactivations",
     "trace_consecutive",
     "trace_expert_load",
+    "trace_report",
     "trace_selectivity",
     "trace_subset_load",
     "trace_top_tokens",

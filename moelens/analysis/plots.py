@@ -6,11 +6,13 @@ in a notebook the returned figure displays itself.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from moelens.analysis.routing import RoutingTable
+from moelens.analysis.traces import Selectivity, SubsetLoad
 from moelens.analysis.usage import ExpertUsage
 
 MAX_ANNOTATED_CELLS = 600  # beyond this the numbers would overlap; the colors still tell the story
@@ -92,6 +94,67 @@ def plot_routing(table: RoutingTable, path: str | Path | None = None, n_experts:
                 color = _text_color(image.cmap(image.norm(top[pos, li])))
                 ax.text(li, pos, f"E{top[pos, li]}\n{weight[pos, li]:.2f}", ha="center", va="center",
                         fontsize=7, color=color, linespacing=0.9)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_subset_load(load: SubsetLoad, path: str | Path | None = None):
+    """One heat map per mixture layer, [subset x expert]: the share of the subset's routing slots that each
+    expert got (Mixtral, section 5). Make it with ``trace_subset_load(trace, by="folder")``."""
+    data = load.load.float().numpy()
+    n_labels, n_layers, n_experts = data.shape
+    width = min(2.0 + n_layers * (1.2 + 0.3 * n_experts), 30)
+    fig = _figure((width, min(1.8 + 0.3 * n_labels, 30)))
+    axes = fig.subplots(1, n_layers, sharey=True, squeeze=False)[0]
+    vmax = float(data.max()) if data.size else 1.0
+    for i, (ax, layer) in enumerate(zip(axes, load.layers)):
+        image = ax.imshow(data[:, i], aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
+        ax.set_title(f"layer {layer}")
+        ax.set_xlabel("expert")
+        if n_experts <= 64:
+            ax.set_xticks(range(n_experts))
+    names = _without_common_folder(load.labels)
+    axes[0].set_yticks(range(n_labels), [f"{name} ({int(n)} tok)" for name, n in zip(names, load.n_tokens)], fontsize=8)
+    fig.colorbar(image, ax=list(axes), label="share of the subset's routing slots")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def _without_common_folder(labels: list[str]) -> list[str]:
+    """Path labels shown relative to the folder they all share ("." for that folder itself), so that long
+    absolute paths do not crowd the plot; other labels unchanged."""
+    if len(labels) < 2 or not all(label.startswith("/") for label in labels):
+        return labels
+    common = os.path.commonpath(labels)
+    return [os.path.relpath(label, common) for label in labels]
+
+
+def plot_selectivity(selectivity: Selectivity, path: str | Path | None = None, max_classes: int = 12):
+    """One heat map per mixture layer, [expert x token class]: log2 of the lift p(class | expert) / p(class),
+    red where an expert takes more of a class than the corpus has, blue where less; each title gives the
+    layer's mutual information I(expert; class) and its share of H(class). With many classes (classes="token")
+    the ``max_classes`` most frequent are shown."""
+    if selectivity.counts is None:
+        raise ValueError("this Selectivity holds no counts (over 4096 classes): use fewer classes to plot it")
+    counts = selectivity.counts.double()
+    n_layers, n_experts, n_classes = counts.shape
+    shown = counts.sum((0, 1)).argsort(descending=True)[:max_classes].sort().values
+    fig = _figure((min(2.0 + n_layers * (1.0 + 0.45 * len(shown)), 30), min(1.8 + 0.32 * n_experts, 30)))
+    axes = fig.subplots(1, n_layers, sharey=True, squeeze=False)[0]
+    for i, (ax, layer) in enumerate(zip(axes, selectivity.layers)):
+        c = counts[i]
+        p_class = c.sum(0) / c.sum().clamp(min=1)
+        p_class_given_expert = c / c.sum(1, keepdim=True).clamp(min=1)
+        lift = torch.log2((p_class_given_expert / p_class.clamp(min=1e-12)).clamp(min=2**-4, max=2**4))[:, shown].numpy()
+        image = ax.imshow(lift, aspect="auto", cmap="RdBu_r", vmin=-4, vmax=4, interpolation="nearest")
+        mi, share = float(selectivity.mutual_information[i]), float(selectivity.normalized[i])
+        ax.set_title(f"layer {layer}: I = {mi:.3f} nats ({share:.1%} of H)", fontsize=9)
+        ax.set_xticks(range(len(shown)), [selectivity.classes[j] for j in shown.tolist()], rotation=60, ha="right", fontsize=8)
+    axes[0].set_yticks(range(n_experts), [f"E{e}" for e in range(n_experts)])
+    axes[0].set_ylabel("expert")
+    fig.colorbar(image, ax=list(axes), label="log2 p(class | expert) / p(class)")
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig

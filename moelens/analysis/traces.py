@@ -569,7 +569,8 @@ class TraceTopTokens:
     def __str__(self) -> str:
         lines = [f"tokens routed most strongly to expert {self.expert} of layer {self.layer} (by {self.by})"]
         for t in self.entries:
-            lines.append(f"  {t.value:.4f}  [doc {t.doc} @{t.start + t.pos}]  {t.before_str}[[{t.token_str}]]{t.after_str}")
+            text = f"{t.before_str}[[{t.token_str}]]{t.after_str}".replace("\n", "\\n").replace("\t", "\\t")  # one line each
+            lines.append(f"  {t.value:.4f}  [doc {t.doc} @{t.start + t.pos}]  {text}")
         return "\n".join(lines)
 
 

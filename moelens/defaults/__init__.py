@@ -1,7 +1,10 @@
-"""Embedded default checkpoints: tiny models moelens builds itself, deterministically, from shipped configs.
+"""Embedded default checkpoints, so that `moelens inspect`, `moelens trace` and the examples run on a fresh
+machine with no download and no transformers.
 
-No download and no transformers: weights come from a seeded generator, the tokenizer is byte-level.
-They exist so that `moelens inspect` and the examples run on a fresh machine.
+- TRAINED: checkpoints shipped inside the package, trained by tools/train_tiny_moe.py (tiny-code-moe, the
+  default: a Qwen2-MoE-family model trained on Python's standard library; its MODEL_CARD.md says how).
+- CONFIGS: one tiny model per family, built on first use from a shipped config with seeded random weights and
+  a byte-level tokenizer; their routing means nothing, they exist for tests and for trying each family.
 """
 
 from __future__ import annotations
@@ -28,8 +31,16 @@ CONFIGS = {
     "tiny-olmoe": "tiny_olmoe.json",
     "tiny-deepseek-v3": "tiny_deepseek_v3.json",
 }
-DEFAULT = "tiny-qwen2-moe"
+TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
+DEFAULT = "tiny-code-moe"
+NAMES = (*TRAINED, *CONFIGS)
 SEED = 0
+TRAINED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def is_random(name: str) -> bool:
+    """Whether the named embedded default has seeded random weights (its routing shows the tools, not a model)."""
+    return name in CONFIGS
 
 
 def cache_root() -> Path:
@@ -44,8 +55,10 @@ def default_checkpoint(name: str | None = None, root: Path | None = None) -> Pat
     written last, holds the config it was built from). A folder without the marker, or built from another
     config, is rebuilt."""
     name = name or DEFAULT
+    if name in TRAINED:
+        return trained_checkpoint(name)
     if name not in CONFIGS:
-        raise KeyError(f"no embedded default {name!r}; there are {sorted(CONFIGS)}")
+        raise KeyError(f"no embedded default {name!r}; there are {list(NAMES)}")
     config = json.loads((Path(__file__).parent / CONFIGS[name]).read_text())
     folder = (root or cache_root()) / "defaults" / f"{name}-seed{SEED}"
     if not _is_complete(folder, config):
@@ -61,6 +74,17 @@ def default_checkpoint(name: str | None = None, root: Path | None = None) -> Pat
 
 
 COMPLETE = "COMPLETE"
+
+
+def trained_checkpoint(name: str) -> Path:
+    """The shipped folder of a trained default; an installation that lost a file is an error naming it."""
+    folder = Path(__file__).parent / TRAINED[name]
+    missing = [f for f in TRAINED_FILES if not (folder / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the embedded default {name!r} is incomplete at {folder}: {', '.join(missing)} missing (reinstall moelens)"
+        )
+    return folder
 
 
 def _is_complete(folder: Path, config: dict) -> bool:

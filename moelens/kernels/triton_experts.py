@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moelens.kernels.experts import ExpertHooks, hooked, slot_linear
+from moelens.kernels.experts import ExpertHooks, hooked, hooked_site, slot_linear
 from moelens.kernels.routing import SlotLayout, align_slots
 from moelens.kernels.tiles import Tile, tile_for
 
@@ -296,15 +296,15 @@ def routed_experts_triton(
     layout = align_slots(indices, W_gate_up.shape[0], tile.block_m)
     experts = indices.reshape(-1)
     x = x.contiguous()
-    write_pre = hooks.pre.has_hooks or hooks.pre_linear.has_hooks
+    write_pre = hooks.hooked("pre") or hooks.hooked("pre_linear")
     if write_pre:  # the hooks may replace pre-activations: the activation then runs on what they return
         pre, pre_linear = _GateUp.apply(x, W_gate_up, layout, tile, k, True, experts).view(T, k, -1).chunk(2, dim=-1)
-        pre = hooked(hooks.pre, pre, batch_pos)
-        pre_linear = hooked(hooks.pre_linear, pre_linear, batch_pos)
+        pre = hooked_site(hooks, "pre", pre, batch_pos)[0]
+        pre_linear = hooked_site(hooks, "pre_linear", pre_linear, batch_pos)[0]
         post = _SiluMul.apply(pre, pre_linear)
     else:
         post = _GateUp.apply(x, W_gate_up, layout, tile, k, False, experts).view(T, k, -1)
-    post = hooked(hooks.post, post, batch_pos)  # a replacement is what kernel 2 reads
+    post = hooked_site(hooks, "post", post, batch_pos)[0]  # a replacement is what kernel 2 reads
     weighted = _Down.apply(post.reshape(T * k, -1).contiguous(), W_down, weights.contiguous(), layout, tile, experts)
     weighted = hooked(hooks.outputs, weighted.view(T, k, -1), batch_pos)
     return _Combine.apply(weighted.contiguous(), x.dtype)

@@ -22,15 +22,36 @@ from moelens.kernels import BACKENDS
 from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
 from moelens.models.components import Block, Components, Embed, RMSNorm, Rotary, TopKRouter
-from moelens.names import alias_candidates
+from moelens.models.components.attention import set_use_attn_result
+from moelens.names import OPTIONAL_SITE_SWITCHES, alias_candidates
 from moelens.positions import check_attention_mask, positions_from_mask
 from moelens.sae import HookedSAEMixin
 from moelens.sitemap import SiteMap
 from moelens.support import SupportTable, support_table
 from moelens.tokenizer import MoeTokenizer, TokenizationError, check_padding_side
+from moelens.utils import get_attention_mask
 from moelens.weights import WeightViews
 
 ReturnType = Literal["logits", "loss", "both"] | None
+
+
+class OptionalHookOffError(KeyError, AssertionError):
+    """A hook of TransformerLens's set_use_* switches named while the switch is off: a KeyError as every unknown
+    name, and an AssertionError as TransformerLens raises there."""
+
+
+def _optional_switch(name: str) -> tuple[str, str] | None:
+    """(hook tail, the set_use_* method that creates it) for one of the optional sites, else None."""
+    tail = name.rsplit(".", 1)[-1]
+    tail = tail if tail.startswith("hook_") else f"hook_{tail}"  # an alias: "result" -> "hook_result"
+    switch = OPTIONAL_SITE_SWITCHES.get(tail)
+    return None if switch is None else (tail, switch)
+
+
+def _switch_value(value: bool, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
@@ -67,6 +88,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         # experts later does not change the model's size), and cfg.device / cfg.dtype as they are
         self.cfg = dataclasses.replace(self.cfg, n_params=self._count_weight_matrices())
         self._sync_cfg()
+        self._apply_cfg_switches()
 
     # ---- construction helpers used by the loader ---------------------------------------------------
     def tie_weights(self) -> None:
@@ -124,6 +146,9 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         expert_offload: Literal["cpu", "disk"] | None = None,
         expert_cache_bytes: int | None = None,
         expert_parallel: bool = False,
+        expert_prefetch: bool | None = None,
+        plan_batch: int | None = None,
+        plan_seq: int | None = None,
         **from_pretrained_kwargs,
     ) -> HookedTransformer:
         """Load a checkpoint (local folder, Hub id or embedded default name); the family is chosen from
@@ -185,6 +210,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         bytes or "80GB"}; default 90% of each visible GPU) in order. Each tensor is loaded straight to its
         device; the residual stream moves between blocks; every hook sees a whole tensor on its block's
         device. Combines with expert_offload (each layer's cached experts on its block's device).
+        The map used is model.device_map ({"embed" | "blocks.L" | "ln_final" | "unembed": device}).
+        "auto" is the placement `moelens plan` recommends (moelens.plan.auto_device_map): it leaves room on each
+        device for a forward of plan_batch x plan_seq tokens (default 1 x 2048, as `moelens plan`) and its
+        KV cache; with expert_offload it counts the mapped (non-expert) weights and the expert cache.
+        expert_prefetch: with expert_offload, once a layer has routed, a background thread loads the experts
+        the next layer's router picks for this layer's input, so that loading overlaps compute; results are
+        unchanged (the layer still loads whatever it routes to). None (default): on for "disk", where it
+        paid in benchmarks/bench_offload.py, off for "cpu". expert_cache_stats() counts prefetch hits and waste.
         expert_parallel: under torchrun (or any initialised default process group), rank r of N reads and
         holds only experts [r*E//N, (r+1)*E//N) of each layer; the rest is replicated, and every rank's
         logits, hooks and caches are bit for bit one process's (see moelens.kernels.expert_parallel). Torch
@@ -210,7 +243,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             max_memory=max_memory, expert_parallel=expert_parallel, center_writing_weights=center_writing_weights,
             fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices,
             first_n_layers=first_n_layers, checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value,
-            hf_model=hf_model, n_devices=n_devices, move_to_device=move_to_device,
+            hf_model=hf_model, n_devices=n_devices, move_to_device=move_to_device, plan_batch=plan_batch,
+            plan_seq=plan_seq, expert_prefetch=expert_prefetch,
         )
         model.set_experts_backend(experts_backend)
         model._set_pretrained_cfg(model_name, tokenizer, default_prepend_bos, default_padding_side)
@@ -441,6 +475,82 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         for block in self.blocks:
             block.attn.backend = backend
 
+    # ---- TransformerLens's optional hooks (cfg.use_attn_result and friends say which are on) ----------
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """On: each head's output is computed and hooked, blocks.L.attn.hook_result [batch pos head_index d_model]
+        (the head's z times its slice of W_O, without b_O), and the attention output is their sum plus b_O:
+        the plain forward's up to rounding. Off (the default): the hook point does not exist. As
+        TransformerLens's; it costs a [batch pos head d_model] tensor per layer."""
+        on = _switch_value(use_attn_result, "use_attn_result")
+        for block in self.blocks:
+            set_use_attn_result(block.attn, on)
+        self._switched("use_attn_result", on)
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """On: blocks.L.hook_q_input [batch pos head_index d_model] and hook_k_input / hook_v_input
+        [batch pos kv_head d_model] hold each head's own copy of the residual stream entering the block; ln1
+        is applied to each copy and head h's projection reads only its copy, so editing one head's input
+        changes that head's q, k or v alone (TransformerLens's use_split_qkv_input; ln1's hooks then fire once
+        per input, with the head axis). Refused for latent attention (DeepSeek-V3), which has no per-head map."""
+        on = _switch_value(use_split_qkv_input, "use_split_qkv_input")
+        if on:
+            self._require_per_head_projections("set_use_split_qkv_input")
+        for block in self.blocks:
+            block.set_optional_hooks("split_qkv_input", on)
+        self._switched("use_split_qkv_input", on)
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """On: blocks.L.hook_attn_in [batch pos head_index d_model], each head's copy of the residual stream, read
+        by that head's q, k and v (TransformerLens's use_attn_in). As in TransformerLens, refused with grouped
+        kv heads (a key head serves several query heads): use set_use_split_qkv_input there."""
+        on = _switch_value(use_attn_in, "use_attn_in")
+        if on:
+            self._require_per_head_projections("set_use_attn_in")
+            if self.cfg.n_kv_heads != self.cfg.n_heads:
+                raise ValueError(
+                    f"set_use_attn_in: this model groups its {self.cfg.n_heads} query heads over {self.cfg.n_kv_heads} "
+                    "kv heads, so one head's input cannot feed its own key and value (TransformerLens refuses grouped "
+                    "query attention too): use model.set_use_split_qkv_input(True)"
+                )
+        for block in self.blocks:
+            block.set_optional_hooks("attn_in", on)
+        self._switched("use_attn_in", on)
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """On: blocks.L.hook_mlp_in [batch pos d_model], a copy of the residual stream entering ln2 and the MLP /
+        mixture (editing it changes what the MLP reads, not the residual add), as TransformerLens's."""
+        on = _switch_value(use_hook_mlp_in, "use_hook_mlp_in")
+        for block in self.blocks:
+            block.set_optional_hooks("hook_mlp_in", on)
+        self._switched("use_hook_mlp_in", on)
+
+    def _require_per_head_projections(self, method: str) -> None:
+        attn = self.blocks[0].attn
+        if not attn.per_head_projections:
+            raise ValueError(
+                f"{method}: {self.cfg.family}'s {type(attn).__name__} has no per-head linear map of the stream (its "
+                "keys and values come out of one shared, normed latent), so a head's own input cannot mean what it "
+                "does in TransformerLens. Hook the input every head reads, blocks.L.ln1.hook_normalized, or the "
+                "latents (blocks.L.attn.hook_q_latent / hook_kv_latent) instead"
+            )
+
+    def _switched(self, field: str, on: bool) -> None:
+        """After a switch: cfg says so (frozen: replaced) and the added or removed hook points are (un)named."""
+        self.cfg = dataclasses.replace(self.cfg, **{field: on})
+        self.setup()
+
+    def _apply_cfg_switches(self) -> None:
+        """A cfg built with a switch on gives a model with it on, as TransformerLens's config does."""
+        switches = {
+            "use_attn_result": self.set_use_attn_result,
+            "use_split_qkv_input": self.set_use_split_qkv_input,
+            "use_attn_in": self.set_use_attn_in,
+            "use_hook_mlp_in": self.set_use_hook_mlp_in,
+        }
+        for field, setter in switches.items():
+            if getattr(self.cfg, field):
+                setter(True)
+
     def expert_cache_stats(self) -> ExpertCacheStats:
         """Hits, misses, bytes moved and seconds spent moving, of the offloaded experts' cache."""
         cache = getattr(self, "expert_cache", None)
@@ -486,24 +596,35 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         self,
         input: str | list[str] | Int[torch.Tensor, "batch pos"] | Float[torch.Tensor, "batch pos d_model"],
         return_type: ReturnType = "logits",
-        attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
-        start_at_layer: int | None = None,
-        stop_at_layer: int | None = None,
         loss_per_token: bool = False,
-        position_ids: Int[torch.Tensor, "batch pos"] | None = None,
-        past_kv_cache: KVCache | None = None,
         prepend_bos: bool | None = None,
         padding_side: Literal["left", "right"] | None = None,
+        start_at_layer: int | None = None,
+        tokens: Int[torch.Tensor, "batch pos"] | None = None,
+        shortformer_pos_embed: None = None,
+        attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+        stop_at_layer: int | None = None,
+        past_kv_cache: KVCache | None = None,
+        *,
+        position_ids: Int[torch.Tensor, "batch pos"] | None = None,
     ):
         """Logits / loss / both / None, or the residual stream when stop_at_layer is given.
 
-        Text input is tokenized with prepend_bos (None: cfg.default_prepend_bos) and, for a list, padded on
-        padding_side (None: "left"), its attention mask kept, so each row gives the logits it gives alone
-        (TransformerLens's keywords; they do nothing to token ids).
+        The arguments come in TransformerLens's order, so a positional call means what it means there;
+        position_ids (moelens's own) is keyword only.
+
+        The input goes through input_to_embed (TransformerLens's rules): text is tokenized with prepend_bos
+        (None: cfg.default_prepend_bos) and, for a list, padded on padding_side (None: model.tokenizer.padding_side,
+        "right" unless set). Padding on the left (padding_side, else the tokenizer's) masks the leading pad
+        tokens, of text or of token ids, when no attention_mask is given; right padding needs no mask for the
+        logits (each row's real tokens come first and attention is causal), and, as in TransformerLens, none is
+        made, so a loss then counts the pad positions too (pass attention_mask to leave them out).
 
         With left padding (zeros on the left of attention_mask) positions count from each row's first real
         token, so each row gives the logits it would give alone. start_at_layer takes the residual stream
-        [batch pos d_model] entering that block.
+        [batch pos d_model] entering that block; `tokens` (TransformerLens's keyword) are then the ids a loss
+        is computed against. shortformer_pos_embed is TransformerLens's too: rotary models have none, so only
+        None is taken.
 
         With past_kv_cache (moelens.kv_cache.KVCache), the input holds only the new tokens (attention_mask,
         if given, covers only them): they continue each row's positions, attend to the cached keys and to
@@ -511,18 +632,16 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         """
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
-        tokens = None
-        if isinstance(input, (str, list)):
-            input, text_mask = self.tokenize(input, prepend_bos, padding_side or "left")
-            attention_mask = text_mask if attention_mask is None else attention_mask
+        if shortformer_pos_embed is not None:
+            raise ValueError("shortformer_pos_embed: this model's positions are rotary; it has no position embedding")
         if start_at_layer is None:
-            tokens = self._check_tokens(input)
-            if attention_mask is None and past_kv_cache is None:
-                attention_mask = self._mask_of_left_padding(tokens)
-            resid = self.hook_embed(self.embed(tokens))
+            if tokens is not None:
+                raise ValueError("tokens goes with start_at_layer (the ids of a loss); otherwise pass them as the input")
+            resid, tokens, attention_mask = self._embed_input(input, prepend_bos, padding_side, attention_mask, past_kv_cache)
         else:
-            if return_type in ("loss", "both"):
-                raise ValueError("a loss needs token ids: it cannot be computed with start_at_layer")
+            if return_type in ("loss", "both") and tokens is None:
+                raise ValueError("a loss with start_at_layer needs the token ids: pass tokens=")
+            tokens = None if tokens is None else self._check_tokens(tokens)
             resid = input
             if resid.dim() != 3 or resid.shape[-1] != self.cfg.d_model:
                 raise ValueError(
@@ -563,18 +682,62 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         loss = self.loss(logits, tokens, attention_mask, per_token=loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
-    def _mask_of_left_padding(self, tokens: Int[torch.Tensor, "batch pos"]) -> Int[torch.Tensor, "batch pos"] | None:
-        """With model.tokenizer.padding_side == "left" (as TransformerLens): leading pad tokens are padding."""
+    def input_to_embed(
+        self,
+        input: str | list[str] | Int[torch.Tensor, "batch pos"],
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+        attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+        past_kv_cache: KVCache | None = None,
+    ) -> tuple[
+        Float[torch.Tensor, "batch pos d_model"],
+        Int[torch.Tensor, "batch pos"],
+        None,
+        Int[torch.Tensor, "batch pos"] | None,
+    ]:
+        """The first residual stream of an input (TransformerLens's input_to_embed): (residual, tokens,
+        shortformer_pos_embed, attention_mask).
+
+        residual: hook_embed's output [batch pos d_model] (rotary models add no position embedding to it, so
+        shortformer_pos_embed is always None). tokens: the ids [batch pos] (text tokenized with prepend_bos and
+        padding_side as in to_tokens; ids of shape [pos] get a batch axis). attention_mask: the one given, else
+        with left padding (padding_side, else model.tokenizer.padding_side) the mask of the leading pad tokens
+        (a BOS that is the pad token stays real when prepend_bos), else None, as TransformerLens. With
+        past_kv_cache: the mask over the cached positions and these (ones where none is known); unlike
+        TransformerLens's the cache is not changed here (the forward appends to it)."""
+        resid, tokens, mask = self._embed_input(input, prepend_bos, padding_side, attention_mask, past_kv_cache)
+        if past_kv_cache is not None:
+            new = mask if mask is not None else torch.ones_like(tokens)
+            mask = past_kv_cache.full_mask(check_attention_mask(new, tuple(tokens.shape)).to(self.device))
+        return resid, tokens, None, mask
+
+    def _embed_input(self, input, prepend_bos, padding_side, attention_mask, past_kv_cache):
+        """(hook_embed's output, tokens, the mask of these positions or None): input_to_embed before the cache."""
+        side = None if padding_side is None else check_padding_side(padding_side)
+        if side is None and self.tokenizer is not None:
+            side = self.tokenizer.padding_side
+        if isinstance(input, (str, list)):
+            tokens, text_mask = self.tokenize(input, prepend_bos, side or "right")
+            # the tokenizer's own mask where TransformerLens infers one (left padding): exact even for a text
+            # that starts with the pad token's string
+            if attention_mask is None and side == "left":
+                attention_mask = text_mask if not bool(text_mask.all()) else None
+        else:
+            tokens = self._check_tokens(input)
+            # new tokens after a cache are not searched for pads: generate's finished rows continue with them
+            if attention_mask is None and side == "left" and past_kv_cache is None:
+                attention_mask = self._mask_of_left_padding(tokens, prepend_bos)
+        return self.hook_embed(self.embed(tokens)), tokens, attention_mask
+
+    def _mask_of_left_padding(
+        self, tokens: Int[torch.Tensor, "batch pos"], prepend_bos: bool | None = None
+    ) -> Int[torch.Tensor, "batch pos"] | None:
+        """Leading pad tokens are padding (TransformerLens's get_attention_mask, left side); None: no padding."""
         tok = self.tokenizer
-        if tok is None or tok.padding_side != "left" or tok.pad_token_id is None:
+        if tok is None or tok.pad_token_id is None:
             return None
-        real = (tokens != tok.pad_token_id).long().cummax(-1).values
-        if self.cfg.default_prepend_bos and tok.bos_token_id == tok.pad_token_id:
-            # the BOS is the pad token: the last leading "pad" of each row is its BOS, a real token
-            leading = (real == 0).sum(-1)
-            rows = (leading > 0).nonzero().flatten()
-            real[rows, leading[rows] - 1] = 1
-        return real if not bool(real.all()) else None
+        mask = get_attention_mask(tok, tokens, self._prepend_bos(prepend_bos), padding_side="left")
+        return mask if not bool(mask.all()) else None
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
@@ -674,6 +837,19 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     def hook_names_for_alias(self, name: str) -> list[str]:
         found = (self.canonical_hook_name(name, layer) for layer in range(self.cfg.n_layers))
         return [n for n in found if n in self.hook_dict]
+
+    def _resolve_one(self, name: str) -> list[str]:
+        try:
+            return super()._resolve_one(name)
+        except KeyError as err:
+            if _optional_switch(name) is not None:
+                raise OptionalHookOffError(err.args[0]) from None
+            raise
+
+    def _unknown_hook_message(self, name: str) -> str:
+        message = super()._unknown_hook_message(name)
+        switch = _optional_switch(name)
+        return message if switch is None else f"{message}; {switch[0]} exists only after model.{switch[1]}(True)"
 
     def support(self, print_table: bool = True) -> SupportTable:
         """Every hook point: name, layout, shape for this model, meaning, standard name (and absent sites)."""

@@ -6,7 +6,7 @@ family does around it); the scores, pattern and output are the same for all."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,56 @@ from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary
 
 
+class SplitInputs(NamedTuple):
+    """Each head's own copy of the normed stream (TransformerLens's use_split_qkv_input / use_attn_in): queries
+    [batch pos head d_model], keys and values [batch pos kv_head d_model]. Head h's projection reads only its
+    row, so an edit of one head's input changes that head's q, k or v alone."""
+
+    q: Float[torch.Tensor, "batch pos head d_model"]
+    k: Float[torch.Tensor, "batch pos kv_head d_model"]
+    v: Float[torch.Tensor, "batch pos kv_head d_model"]
+
+
+def split_inputs(x: torch.Tensor | SplitInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query input, key input, value input): the one stream three times, or each head's own."""
+    return tuple(x) if isinstance(x, SplitInputs) else (x, x, x)
+
+
+def linear_per_head(proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """proj(x) for a stream [batch pos d_model]; for per-head inputs [batch pos head d_model] head h's rows of
+    the weight read head h's input only. Either way the flat [batch pos head*d_head] layout of proj(x)."""
+    if x.dim() == 3:  # the plain path stays proj(x), bit for bit
+        return proj(x)
+    n_heads = x.shape[-2]
+    weight = proj.weight.view(n_heads, -1, x.shape[-1])  # [head d_head d_model]
+    out = torch.einsum("bphm,hdm->bphd", x, weight)
+    if proj.bias is not None:
+        out = out + proj.bias.view(n_heads, -1)
+    return out.flatten(-2)
+
+
+def project_out(attn: nn.Module, z: Float[torch.Tensor, "batch pos head d_head"]) -> Float[torch.Tensor, "batch pos d_model"]:
+    """o_proj of the heads' outputs; with attn.use_attn_result, each head's share [batch pos head d_model]
+    goes through attn.hook_result first and the output is their sum plus the bias (TransformerLens's
+    use_attn_result: equal to the plain projection up to rounding)."""
+    b, p, n_heads, d_head = z.shape
+    if not attn.use_attn_result:
+        return attn.o_proj(z.reshape(b, p, n_heads * d_head))
+    weight = attn.o_proj.weight.view(-1, n_heads, d_head)  # [d_model head d_head]
+    result = attn.hook_result(torch.einsum("bphd,mhd->bphm", z, weight))
+    out = result.sum(-2)
+    return out if attn.o_proj.bias is None else out + attn.o_proj.bias
+
+
+def set_use_attn_result(attn: nn.Module, on: bool) -> None:
+    """Switch hook_result on (the HookPoint exists and fires) or off (it is removed)."""
+    attn.use_attn_result = on
+    if on and not hasattr(attn, "hook_result"):
+        attn.hook_result = HookPoint("batch pos head d_model", "each head's output after W_O (without b_O)")
+    elif not on and hasattr(attn, "hook_result"):
+        del attn.hook_result
+
+
 class Attention(nn.Module):
     """Grouped-query attention with the rotary on q and k (Qwen2-MoE, Solar-Open, Mixtral)."""
 
@@ -29,6 +79,7 @@ class Attention(nn.Module):
     linear_hooks: ClassVar[tuple[str, ...]] = ("q", "k", "v")
     # q_proj, k_proj, v_proj map the normed stream to heads: the W_Q / W_K / W_V views exist
     per_head_projections: ClassVar[bool] = True
+    use_attn_result = False  # model.set_use_attn_result switches it per instance
 
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__()
@@ -56,16 +107,17 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: Float[torch.Tensor, "batch pos d_model"],
+        x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs,
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed: Bool[torch.Tensor, "batch 1 query key"],
         kv: LayerKV | None = None,
     ) -> Float[torch.Tensor, "batch pos d_model"]:
         """With `kv`, x holds only the new positions: their keys and values are appended to the cache and the
-        queries attend to every cached position too (so scores and pattern are [batch head new all])."""
-        b, p, _ = x.shape
+        queries attend to every cached position too (so scores and pattern are [batch head new all]).
+        x is the normed stream, or SplitInputs (each head's own copy of it)."""
         q, k, v = self.project(x)
+        b = q.shape[0]
         q, k = self.position(q, k, cos, sin)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
         if kv is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds for later tokens
@@ -86,8 +138,7 @@ class Attention(nn.Module):
             z = torch.matmul(pattern.reshape(b, self.n_kv_heads, group * n_q, n_k), v).view(b, self.n_heads, n_q, self.d_head)
         else:  # nothing reads the pattern: the fused kernel gives the same result
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
-        z = self.hook_z(z.transpose(1, 2))
-        return self.o_proj(z.reshape(b, p, self.n_heads * self.d_head))
+        return project_out(self, self.hook_z(z.transpose(1, 2)))
 
     @staticmethod
     def cached_per_token(cfg: MoeConfig) -> int:
@@ -98,12 +149,15 @@ class Attention(nn.Module):
         """The linear maps that read the block's normed input (what fold_ln scales)."""
         return [self.q_proj, self.k_proj, self.v_proj]
 
-    def project(self, x: Float[torch.Tensor, "batch pos d_model"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [batch pos head d_head], keys and values [batch pos kv_head d_head], each hooked."""
-        b, p, _ = x.shape
-        q = self.hook_q(self.q_proj(x).view(b, p, self.n_heads, self.d_head))
-        k = self.hook_k(self.k_proj(x).view(b, p, self.n_kv_heads, self.d_head))
-        v = self.hook_v(self.v_proj(x).view(b, p, self.n_kv_heads, self.d_head))
+        xq, xk, xv = split_inputs(x)
+        b, p = xq.shape[:2]
+        q = self.hook_q(linear_per_head(self.q_proj, xq).view(b, p, self.n_heads, self.d_head))
+        k = self.hook_k(linear_per_head(self.k_proj, xk).view(b, p, self.n_kv_heads, self.d_head))
+        v = self.hook_v(linear_per_head(self.v_proj, xv).view(b, p, self.n_kv_heads, self.d_head))
         return q, k, v
 
     def position(

@@ -11,7 +11,7 @@ from torch import nn
 from moelens.config import MoeConfig
 from moelens.hooks import HookPoint
 from moelens.kv_cache import LayerKV
-from moelens.models.components.attention import Attention
+from moelens.models.components.attention import Attention, SplitInputs
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import RMSNorm
@@ -28,10 +28,34 @@ class Components:
     dense_mlp: type[GatedMLP] = GatedMLP
 
 
+# TransformerLens's optional per-block hooks: (attribute, layout, meaning); each exists only while its switch
+# (model.set_use_split_qkv_input / set_use_attn_in / set_use_hook_mlp_in) is on
+OPTIONAL_HOOKS = {
+    "split_qkv_input": (
+        ("hook_q_input", "batch pos head d_model", "each query head's copy of the residual stream, before ln1"),
+        ("hook_k_input", "batch pos kv_head d_model", "each key head's copy of the residual stream, before ln1"),
+        ("hook_v_input", "batch pos kv_head d_model", "each value head's copy of the residual stream, before ln1"),
+    ),
+    "attn_in": (("hook_attn_in", "batch pos head d_model", "each head's copy of the residual stream, before ln1"),),
+    "hook_mlp_in": (("hook_mlp_in", "batch pos d_model", "residual stream entering ln2 and the MLP / mixture"),),
+}
+
+
+def per_head(x: Float[torch.Tensor, "batch pos d_model"], n_heads: int) -> Float[torch.Tensor, "batch pos head d_model"]:
+    """n_heads copies of the stream, each its own memory (an edit of one head's copy leaves the others)."""
+    return x[:, :, None, :].expand(-1, -1, n_heads, -1).clone()
+
+
 class Block(nn.Module):
+    # the switches of OPTIONAL_HOOKS, off by default (set per instance by set_optional_hooks)
+    use_split_qkv_input = False
+    use_attn_in = False
+    use_hook_mlp_in = False
+
     def __init__(self, cfg: MoeConfig, layer: int, components: Components) -> None:
         super().__init__()
         self.is_moe = cfg.moe_layers[layer]
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps, feeds="attention")
         self.attn = components.attention(cfg)
         self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps, feeds="the MLP / mixture")
@@ -54,7 +78,34 @@ class Block(nn.Module):
         kv: LayerKV | None = None,
     ) -> Float[torch.Tensor, "batch pos d_model"]:
         resid = self.hook_resid_pre(resid)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid), cos, sin, allowed, kv))
+        attn_out = self.hook_attn_out(self.attn(self.attn_input(resid), cos, sin, allowed, kv))
         resid_mid = self.hook_resid_mid(resid + attn_out)
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_mid)))
+        # a copy, as TransformerLens: an edit of hook_mlp_in reaches the MLP, not the residual add
+        mlp_in = self.hook_mlp_in(resid_mid.clone()) if self.use_hook_mlp_in else resid_mid
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(mlp_in)))
         return self.hook_resid_post(resid_mid + mlp_out)
+
+    def attn_input(self, resid: Float[torch.Tensor, "batch pos d_model"]) -> torch.Tensor | SplitInputs:
+        """ln1(resid); with split inputs each head's hooked copy of resid, then ln1 of each (TransformerLens
+        hooks the copies before ln1, so ln1's hooks then see [batch pos head d_model] and fire per input)."""
+        # as TransformerLens: with both switches on hook_attn_in fires, but the split inputs are what attention reads
+        attn_in = self.hook_attn_in(per_head(resid, self.n_heads)) if self.use_attn_in else None
+        if self.use_split_qkv_input:
+            q = self.hook_q_input(per_head(resid, self.n_heads))
+            k = self.hook_k_input(per_head(resid, self.n_kv_heads))
+            v = self.hook_v_input(per_head(resid, self.n_kv_heads))
+            return SplitInputs(self.ln1(q), self.ln1(k), self.ln1(v))
+        if attn_in is not None:
+            x = self.ln1(attn_in)
+            return SplitInputs(x, x, x)
+        return self.ln1(resid)
+
+    def set_optional_hooks(self, switch: str, on: bool) -> None:
+        """Turn one of OPTIONAL_HOOKS' switches on (its HookPoints are added and fire) or off (removed); the
+        model renames its hook points afterwards (setup)."""
+        setattr(self, f"use_{switch}", on)
+        for name, layout, meaning in OPTIONAL_HOOKS[switch]:
+            if on and not hasattr(self, name):
+                setattr(self, name, HookPoint(layout, meaning))
+            elif not on and hasattr(self, name):
+                delattr(self, name)

@@ -26,6 +26,7 @@ from torch import nn
 from moelens.config import RopeConfig
 from moelens.hooks import HookPoint
 from moelens.kv_cache import LayerKV
+from moelens.models.components.attention import project_out
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
 
@@ -59,6 +60,7 @@ class MultiHeadLatentAttention(nn.Module):
     # keys and values come out of a normed latent: no per-head linear map of the stream (no W_K, W_V views)
     linear_hooks: ClassVar[tuple[str, ...]] = ()
     per_head_projections: ClassVar[bool] = False
+    use_attn_result = False  # model.set_use_attn_result switches it per instance (o_proj is per head here too)
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -109,7 +111,6 @@ class MultiHeadLatentAttention(nn.Module):
         kv: LayerKV | None = None,
     ) -> Float[torch.Tensor, "batch pos d_model"]:
         """As Attention.forward: with `kv`, x holds only the new positions and the cached ones are attended to."""
-        b, p, _ = x.shape
         q, k, v = self.project(x)
         q, k = self.position(q, k, cos, sin)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
@@ -124,8 +125,7 @@ class MultiHeadLatentAttention(nn.Module):
             z = torch.matmul(pattern, v)
         else:
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
-        z = self.hook_z(z.transpose(1, 2))
-        return self.o_proj(z.reshape(b, p, self.n_heads * self.d_v))
+        return project_out(self, self.hook_z(z.transpose(1, 2)))
 
     @staticmethod
     def cached_per_token(cfg) -> int:

@@ -12,15 +12,30 @@ from moelens.config import MoeConfig
 from moelens.hooks import HookPoint
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.expert_parallel import ExpertShard
-from moelens.kernels.experts import check_indices
+from moelens.kernels.experts import VIEW_SITES, ExpertViewPoint, ViewGroup, check_indices
 from moelens.kernels.offload import OffloadedExperts
 from moelens.models.components.activations import activation
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.router import TopKRouter
 
 
+class ExpertSites(nn.Module):
+    """TransformerLens's per-expert hook sites (its MoEGatedMLP's), blocks.L.mlp.experts.E.hook_gate / hook_pre /
+    hook_post: [routed, d_expert] views of the per-slot sites, the rows of the slots routed to expert E in TL's
+    order (by slot, then by token; see moelens.kernels.experts.rows_by_expert). As in TL, hook_pre is the linear
+    "up" projection (the per-slot experts.hook_pre_linear) and hook_gate the gate pre-activation (the per-slot
+    experts.hook_pre)."""
+
+    def __init__(self, group: ViewGroup, expert: int) -> None:
+        super().__init__()
+        for site in VIEW_SITES:
+            setattr(self, site, ExpertViewPoint(group, expert, site))
+
+
 class Experts(nn.Module):
-    """Stacked expert weights: W_gate_up [E, 2*d_expert, d_model] (gate rows first), W_down [E, d_model, d_expert]."""
+    """Stacked expert weights: W_gate_up [E, 2*d_expert, d_model] (gate rows first), W_down [E, d_model, d_expert].
+
+    Children "0" .. "E-1" hold each expert's TransformerLens sites (ExpertSites): blocks.L.mlp.experts.E.hook_*."""
 
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__()
@@ -34,6 +49,9 @@ class Experts(nn.Module):
         self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
         self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
         self.hook_post = HookPoint("batch pos top_k d_expert", "expert neurons per slot: act(gate) * up")
+        self.views = ViewGroup(cfg.n_experts)  # not a module: the per-expert sites below, for a cheap hooked test
+        for e in range(cfg.n_experts):
+            self.add_module(str(e), ExpertSites(self.views, e))
 
     def offload(self, store: OffloadedExperts, host_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Hand the weights to an expert store: they stop being this module's parameters (model.to() and
@@ -49,13 +67,14 @@ class Experts(nn.Module):
         self.shard = shard
 
     def weights_for(
-        self, indices: Int[torch.Tensor, "T k"]
+        self, indices: Int[torch.Tensor, "T k"], x: torch.Tensor | None = None
     ) -> tuple[Float[torch.Tensor, "E 2I H"], Float[torch.Tensor, "E H I"], Int[torch.Tensor, "T k"]]:
         """(W_gate_up, W_down, expert ids into them): all experts when resident; when offloaded, only the
-        routed ones, with the ids renumbered into that stack (see moelens.kernels.offload)."""
+        routed ones, with the ids renumbered into that stack (see moelens.kernels.offload). x: the mixture's
+        input, from which an offloaded model with prefetch on predicts the next layer's experts."""
         if self.store is None:
             return self.W_gate_up, self.W_down, indices
-        return self.store.fetch(indices)
+        return self.store.fetch(indices, x)
 
     def __getattr__(self, name: str):
         if name in ("W_gate_up", "W_down") and self.__dict__.get("shard") is not None:
@@ -107,6 +126,27 @@ class SparseMoe(nn.Module):
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         return self._routed(x)
 
+    # TransformerLens's dense-MLP weights (block.mlp.W_in [d_model, d_mlp], ...): a mixture has one per expert
+    _DENSE_WEIGHTS: ClassVar[dict[str, str]] = {
+        "W_in": "the routed experts' up projections are experts.W_gate_up[:, d_expert:] ([n_experts, d_expert, "
+        "d_model]); model.W_in[L] ([n_experts, d_model, d_expert]) when every block is a mixture",
+        "W_gate": "the routed experts' gate projections are experts.W_gate_up[:, :d_expert] ([n_experts, d_expert, "
+        "d_model]); model.W_gate[L] ([n_experts, d_model, d_expert]) when every block is a mixture",
+        "W_out": "the routed experts' down projections are experts.W_down ([n_experts, d_model, d_expert]); "
+        "model.W_out[L] ([n_experts, d_expert, d_model]) when every block is a mixture",
+        "b_in": "the routed experts have no biases",
+        "b_out": "the routed experts have no biases",
+    }
+
+    def __getattr__(self, name: str):
+        if name in SparseMoe._DENSE_WEIGHTS:
+            # AttributeError, so hasattr() stays False; the message says what to read instead
+            raise AttributeError(
+                f"{type(self).__name__}.{name}: a mixture layer has no dense MLP {name}; "
+                f"{SparseMoe._DENSE_WEIGHTS[name]}. A shared expert's weights, if any, are in shared_expert"
+            )
+        return super().__getattr__(name)
+
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         b, p, d = x.shape
         router = self.router
@@ -119,13 +159,16 @@ class SparseMoe(nn.Module):
         if self.hook_expert_indices.has_hooks:  # a replacement must name existing experts
             check_indices(indices, router.n_experts, self.hook_expert_indices.name)
         weights = self.hook_expert_weights(router.weights(scores, indices, logits.dtype))
+        hooks = self._expert_hooks
+        if self.experts.views.any_hooked():  # the per-expert views take the real ids (before offload renumbers)
+            hooks = self.experts.views.bind(hooks, indices.reshape(b * p, -1), (b, p))
         if self.experts.shard is not None:  # expert parallel: this rank's experts, the others' gathered
             routed = self.experts.shard(
                 x.reshape(b * p, d), indices.reshape(b * p, -1), weights.reshape(b * p, -1), self.experts.act,
-                self._expert_hooks, (b, p), self.experts.backend,
+                hooks, (b, p), self.experts.backend,
             )
             return self.hook_routed_out(routed.view(b, p, d))
-        W_gate_up, W_down, expert_ids = self.experts.weights_for(indices.reshape(b * p, -1))
+        W_gate_up, W_down, expert_ids = self.experts.weights_for(indices.reshape(b * p, -1), x)
         routed = routed_experts(
             x.reshape(b * p, d),
             expert_ids,
@@ -133,7 +176,7 @@ class SparseMoe(nn.Module):
             W_gate_up,
             W_down,
             self.experts.act,
-            self._expert_hooks,
+            hooks,
             (b, p),
             self.experts.backend,
         )

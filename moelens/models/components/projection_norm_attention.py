@@ -14,7 +14,7 @@ from jaxtyping import Float
 
 from moelens.config import MoeConfig
 from moelens.hooks import HookPoint
-from moelens.models.components.attention import Attention
+from moelens.models.components.attention import Attention, SplitInputs, linear_per_head, split_inputs
 from moelens.models.components.norm import RMSNorm
 
 
@@ -54,9 +54,16 @@ class ProjectionQKNormAttention(Attention):
         )
         self.hook_v = HookPoint("batch pos kv_head d_head", f"value projection (bias included){clamp}")
 
-    def project(self, x: Float[torch.Tensor, "batch pos d_model"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, p, _ = x.shape
-        q, k, v = self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x)), self.v_proj(x)
+    def project(
+        self, x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As Attention.project. With SplitInputs each head's raw projection reads its own input, but the
+        norms still mix the heads: hook_q and hook_k of every head move when one head's input does."""
+        xq, xk, xv = split_inputs(x)
+        b, p = xq.shape[:2]
+        q = self.q_norm(linear_per_head(self.q_proj, xq))
+        k = self.k_norm(linear_per_head(self.k_proj, xk))
+        v = linear_per_head(self.v_proj, xv)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = self.hook_q(q.view(b, p, self.n_heads, self.d_head))

@@ -7,7 +7,7 @@ from jaxtyping import Bool, Float
 
 from moelens.config import MoeConfig
 from moelens.kv_cache import LayerKV
-from moelens.models.components.attention import Attention
+from moelens.models.components.attention import Attention, SplitInputs
 
 
 class SlidingWindowAttention(Attention):
@@ -22,14 +22,15 @@ class SlidingWindowAttention(Attention):
 
     def forward(
         self,
-        x: Float[torch.Tensor, "batch pos d_model"],
+        x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs,
         cos: torch.Tensor,
         sin: torch.Tensor,
         allowed: Bool[torch.Tensor, "batch 1 query key"],
         kv: LayerKV | None = None,
     ) -> Float[torch.Tensor, "batch pos d_model"]:
         if self.sliding_window is not None:
-            allowed = allowed & within_window(x.shape[1], allowed.shape[-1], self.sliding_window, allowed.device)
+            # the queries from the mask, not from x: x may be SplitInputs (per-head inputs)
+            allowed = allowed & within_window(allowed.shape[-2], allowed.shape[-1], self.sliding_window, allowed.device)
         return super().forward(x, cos, sin, allowed, kv)
 
     def extra_repr(self) -> str:

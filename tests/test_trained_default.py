@@ -1,0 +1,116 @@
+"""tiny-code-moe, the trained embedded default: shipped whole, small, equal to transformers on its own
+weights, and genuinely trained (it compresses held-out standard-library Python better than gzip does)."""
+
+import gzip
+import hashlib
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+import moelens
+from moelens import defaults
+from moelens.cli import main
+
+NAME = "tiny-code-moe"
+FOLDER = Path(defaults.__file__).parent / NAME
+RECORD = json.loads((FOLDER / "training_record.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return moelens.HookedTransformer.from_pretrained(NAME, progress=False)
+
+
+def held_out_python(min_bytes: int = 24_000) -> list[str]:
+    """Held-out standard-library files of the record that this interpreter has byte for byte (smallest first,
+    until min_bytes); the test is skipped where the standard library differs from the one trained on."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chosen, total = [], 0
+    for rel, digest in sorted(RECORD["data"]["held_out_python"].items(), key=lambda kv: (root / kv[0]).stat().st_size if (root / kv[0]).exists() else 0):
+        path = root / rel
+        if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != digest or path.stat().st_size < 2_000:
+            continue
+        chosen.append(path.read_text(encoding="utf-8"))
+        total += len(chosen[-1].encode())
+        if total >= min_bytes:
+            return chosen
+    pytest.skip(f"this interpreter's standard library differs from Python {RECORD['python']}'s, which the model was trained on")
+
+
+def test_shipped_files_are_whole_and_small():
+    weights = FOLDER / "model.safetensors"
+    assert weights.stat().st_size <= 10_000_000
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == RECORD["files"]["model.safetensors"]
+    assert hashlib.sha256((FOLDER / "tokenizer.json").read_bytes()).hexdigest() == RECORD["tokenizer_sha256"]
+    with safe_open(weights, framework="pt") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert stored == RECORD["parameters"]
+    card = (FOLDER / "MODEL_CARD.md").read_text()
+    assert f"{RECORD['parameters']:,}-parameter" in card and f"{RECORD['evaluation']['python_bpb']:.3f}" in card
+    # the held-out files were not trained on
+    assert not set(RECORD["data"]["held_out_python"]) & set(RECORD["data"]["train"])
+    assert not set(RECORD["data"]["held_out_english"]) & set(RECORD["data"]["train"])
+
+
+def test_it_is_the_default_and_has_every_kind_of_site(model):
+    assert defaults.DEFAULT == NAME and not defaults.is_random(NAME)
+    assert defaults.default_checkpoint() == FOLDER
+    cfg = model.cfg
+    assert cfg.family == "qwen2_moe" and cfg.moe_layers == (False, True, True, True)
+    names = set(model.hook_dict)
+    for site in ("blocks.0.mlp.hook_post", "blocks.1.mlp.hook_router_logits", "blocks.1.mlp.experts.hook_post",
+                 "blocks.1.mlp.hook_shared_gate", "blocks.1.mlp.shared_expert.hook_post"):
+        assert site in names, site
+    assert model.cfg.default_prepend_bos and model.to_tokens("x")[0, 0].item() == model.tokenizer.eos_token_id == 0
+
+
+def test_logits_equal_transformers_on_its_weights(model):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.Qwen2MoeForCausalLM.from_pretrained(FOLDER, dtype=torch.float32).eval()
+    tokens = model.to_tokens("def parse(self, text):\n    return [line.strip() for line in text.splitlines()]\n")
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    assert (model(tokens) - expected).abs().max().item() <= 1e-5
+
+
+def test_it_compresses_unseen_python_better_than_gzip(model):
+    texts = held_out_python()
+    nats, n_bytes = 0.0, 0
+    with torch.no_grad():
+        for text in texts:
+            ids = model.to_tokens(text, truncate=False)[0]  # EOS first, as in training
+            for start in range(0, len(ids) - 1, 256):
+                window = ids[start : start + 257][None]
+                logits = model(window[:, :-1])
+                nats += F.cross_entropy(logits[0], window[0, 1:], reduction="sum").item()
+            n_bytes += len(text.encode())
+    bits_per_byte = nats / math.log(2) / n_bytes
+    gzip_bits = 8 * sum(len(gzip.compress(t.encode(), 9)) for t in texts) / n_bytes
+    assert bits_per_byte <= 2.4 and bits_per_byte < gzip_bits, (bits_per_byte, gzip_bits)
+
+
+def test_tokenizer_round_trips_any_text(model):
+    text = "Grüße, 世界!\n\tif x >= 0x1F: return None  # ok"
+    assert model.to_string(model.to_tokens(text, prepend_bos=False)[0]) == text
+
+
+def test_inspect_defaults_to_it_and_says_it_is_trained(capsys):
+    assert main(["inspect", "--prompt", "import os"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith(f"HookedQwen2Moe from {NAME}: trained weights (embedded default")
+    assert f"{RECORD['parameters']:,} parameters" in header
+
+
+def test_a_damaged_installation_names_the_missing_file(tmp_path, monkeypatch):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text("{}")
+    monkeypatch.setattr(defaults, "__file__", str(tmp_path.parent / "__init__.py"))
+    monkeypatch.setitem(defaults.TRAINED, NAME, tmp_path.name)
+    with pytest.raises(FileNotFoundError, match="model.safetensors missing"):
+        defaults.default_checkpoint(NAME)

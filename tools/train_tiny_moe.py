@@ -1,0 +1,432 @@
+"""Train tiny-code-moe, the trained embedded default, on the running interpreter's own standard library.
+
+    python tools/train_tiny_moe.py --out moelens/defaults/tiny-code-moe
+
+The model is a Qwen2-MoE-family checkpoint (a dense first block, then mixture blocks of routed experts with
+top-2 routing and a sigmoid-gated shared expert), trained with moelens's own HookedQwen2Moe (torch expert
+backend) and written in transformers' checkpoint layout, so moelens and transformers both load it.
+
+Data, all of it present in every Python installation:
+- Python: the standard library's .py files (test suites, site-packages and build configs left out). Every
+  20th file by a hash of its relative path is held out for evaluation and for the README's trace.
+- English: the prose of pydoc_data's help topics; every 10th topic (sorted by name) is held out.
+
+Everything is seeded: the same interpreter version, torch version and thread count give the same weights.
+The script writes, next to the weights, MODEL_CARD.md (what a person reads) and training_record.json (the
+exact file lists with hashes, the tokenizer's hash, every setting, the loss curve and the evaluations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import hashlib
+import json
+import math
+import platform
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+import moelens
+from moelens.families import family_for
+from moelens.loaders.checkpoint import expected_keys
+
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+SKIPPED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "ensurepip"}
+HELD_OUT_PYTHON_EVERY = 20
+HELD_OUT_TOPIC_EVERY = 10
+
+CONFIG = {
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "vocab_size": 4096,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "use_sliding_window": False,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 96,
+    "shared_expert_intermediate_size": 256,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": False,
+    "mlp_only_layers": [0],
+    "qkv_bias": True,
+    "router_aux_loss_coef": 0.01,
+    "output_router_logits": False,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 1,
+    "dtype": "float32",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    seed: int = 0
+    steps: int = 2000
+    batch: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 150
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    aux_loss_coef: float = 0.01  # Switch-style load balancing over the mixture blocks, as transformers' Qwen2-MoE
+    threads: int = 1  # one thread: as fast per core, and the run cannot stall on a busy second core
+
+
+# ---- data --------------------------------------------------------------------------------------------------
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def python_files(root: Path) -> list[Path]:
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if SKIPPED_DIRS & set(rel.parts[:-1]) or rel.parts[0].startswith("config-") or rel.parts[0] == "pydoc_data":
+            continue
+        files.append(path)
+    return files
+
+
+def held_out(rel: str) -> bool:
+    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELD_OUT_PYTHON_EVERY == 0
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:  # a few stdlib files are in legacy encodings: leave them out, recorded
+        return None
+
+
+def topics(root: Path) -> dict[str, str]:
+    """pydoc_data's help topics (English prose), read without importing: topics.py is one dict literal."""
+    tree = ast.parse((root / "pydoc_data" / "topics.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "topics":
+            return dict(ast.literal_eval(node.value))
+    raise RuntimeError("pydoc_data/topics.py has no `topics = {...}`")
+
+
+@dataclass
+class Corpus:
+    train: list[tuple[str, str]]  # (name, text)
+    python_eval: list[tuple[str, str]]
+    english_eval: list[tuple[str, str]]
+    unreadable: list[str]
+
+
+def corpus(root: Path) -> Corpus:
+    train, python_eval, unreadable = [], [], []
+    for path in python_files(root):
+        rel = path.relative_to(root).as_posix()
+        text = read_text(path)
+        if text is None or not text.strip():
+            unreadable.append(rel)
+            continue
+        (python_eval if held_out(rel) else train).append((rel, text))
+    english_eval = []
+    for i, (name, text) in enumerate(sorted(topics(root).items())):
+        (english_eval if i % HELD_OUT_TOPIC_EVERY == 0 else train).append((f"pydoc_data/topics.py:{name}", text))
+    return Corpus(train, python_eval, english_eval, unreadable)
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------------
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style): any text round-trips. Specials first, so EOS is 0 and PAD is 1."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, PAD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    # encoding puts EOS first, as every training document starts: moelens's default_prepend_bos is then True
+    tok.post_processor = processors.TemplateProcessing(single=f"{EOS} $A", pair=f"{EOS} $A {EOS} $B", special_tokens=[(EOS, 0)])
+    assert tok.token_to_id(EOS) == 0 and tok.token_to_id(PAD) == 1 and tok.get_vocab_size() == vocab_size
+    return tok
+
+
+def token_stream(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
+    """All documents, each preceded by EOS (the model's start-of-document token), as one int64 tensor."""
+    ids = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.append(0)
+        ids.extend(enc.ids)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+# ---- model -------------------------------------------------------------------------------------------------
+def new_model(seed: int):
+    family = family_for(CONFIG["model_type"])
+    cfg = family.config_from_hf(CONFIG)
+    model = family(cfg)
+    init_weights(model, seed, cfg.n_layers)
+    return model
+
+
+def init_weights(model: torch.nn.Module, seed: int, n_layers: int) -> None:
+    """GPT-2 style: N(0, 0.02) matrices, output projections scaled down by sqrt(2 * n_layers), unit norms,
+    zero biases. Parameters are visited by name in sorted order, so the draw does not depend on module order."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.ndim == 1 and name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
+                p.fill_(1.0)
+            elif p.ndim == 1:
+                p.zero_()
+            else:
+                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight", "W_down")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's parameters under transformers' keys (the inverse of moelens's loader key map)."""
+    family = type(model)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    tensors = {}
+    for key, target in expected_keys(family.site_map(model.cfg)).items():
+        tensors[key] = params[target.param][target.index].detach().clone().contiguous()
+    return tensors
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+class RouterCapture:
+    """Permanent hooks that keep each mixture block's router logits and chosen experts (with their graph)."""
+
+    def __init__(self, model) -> None:
+        self.logits: list[torch.Tensor] = []
+        self.indices: list[torch.Tensor] = []
+        for layer, is_moe in enumerate(model.cfg.moe_layers):
+            if is_moe:
+                model.add_perma_hook(f"blocks.{layer}.mlp.hook_router_logits", self._keep(self.logits))
+                model.add_perma_hook(f"blocks.{layer}.mlp.hook_expert_indices", self._keep(self.indices))
+
+    @staticmethod
+    def _keep(into: list):
+        def hook(t, hook):
+            into.append(t)
+
+        return hook
+
+    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        out = (self.logits[:], self.indices[:])
+        self.logits.clear()
+        self.indices.clear()
+        return out
+
+
+def load_balancing_loss(logits: list[torch.Tensor], indices: list[torch.Tensor], n_experts: int) -> torch.Tensor:
+    """Switch Transformer's n_experts * sum_e f_e * P_e per mixture block (f_e: share of routing slots sent
+    to e, P_e: mean router probability of e), averaged over blocks; 1.0 when perfectly balanced."""
+    terms = []
+    for lg, idx in zip(logits, indices):
+        probs = lg.float().softmax(-1).reshape(-1, n_experts)
+        share = F.one_hot(idx.reshape(-1), n_experts).float().mean(0)
+        terms.append(n_experts * (share * probs.mean(0)).sum())
+    return torch.stack(terms).mean()
+
+
+def lr_at(step: int, s: Settings) -> float:
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    progress = (step - s.warmup) / max(1, s.steps - s.warmup)
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model, stream: torch.Tensor, s: Settings, log) -> list[dict]:
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+    capture = RouterCapture(model)
+    curve, started = [], time.time()
+    model.train()
+    for step in range(s.steps):
+        starts = torch.randint(0, len(stream) - s.seq_len - 1, (s.batch,), generator=gen)
+        windows = torch.stack([stream[i : i + s.seq_len + 1] for i in starts.tolist()])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, s)
+        logits = model(windows[:, :-1])
+        lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+        aux = load_balancing_loss(*capture.take(), model.cfg.n_experts)
+        loss = lm + s.aux_loss_coef * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        opt.step()
+        if step % 50 == 0 or step == s.steps - 1:
+            row = {"step": step, "loss": round(lm.item(), 4), "aux": round(aux.item(), 4), "seconds": round(time.time() - started, 1)}
+            curve.append(row)
+            log(row)
+    model.reset_hooks(including_permanent=True)
+    model.eval()
+    return curve
+
+
+# ---- evaluation --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def bits_per_byte(model, tok: Tokenizer, docs: list[tuple[str, str]], seq_len: int) -> float:
+    """Each document preceded by EOS and cut into windows that overlap by one token, so every token of the
+    document is predicted exactly once from the tokens before it in its window; nats summed, divided by
+    ln 2 times the document's UTF-8 bytes."""
+    nats, n_bytes = 0.0, 0
+    for _, text in docs:
+        ids = [0] + tok.encode(text, add_special_tokens=False).ids
+        for start in range(0, len(ids) - 1, seq_len):
+            window = torch.tensor(ids[start : start + seq_len + 1])[None]
+            logits = model(window[:, :-1])
+            nats += F.cross_entropy(logits[0].float(), window[0, 1:], reduction="sum").item()
+        n_bytes += len(text.encode("utf-8"))
+    return nats / math.log(2) / n_bytes
+
+
+def gzip_bits_per_byte(docs: list[tuple[str, str]]) -> float:
+    """gzip -9 of each document on its own: the compressor baseline on the same text."""
+    raw = [text.encode("utf-8") for _, text in docs]
+    return 8 * sum(len(gzip.compress(b, 9)) for b in raw) / sum(len(b) for b in raw)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---- output ------------------------------------------------------------------------------------------------
+def write(out: Path, model, tok: Tokenizer, record: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(checkpoint_tensors(model), out / "model.safetensors", metadata={"format": "pt"})
+    tok.save(str(out / "tokenizer.json"))
+    record["tokenizer_sha256"] = record["files"]["tokenizer.json"] = sha256((out / "tokenizer.json").read_bytes())
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    record["files"]["model.safetensors"] = sha256((out / "model.safetensors").read_bytes())
+    (out / "training_record.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "MODEL_CARD.md").write_text(model_card(record))
+
+
+def model_card(r: dict) -> str:
+    e, s, c = r["evaluation"], r["settings"], r["config"]
+    return f"""# tiny-code-moe
+
+A {r['parameters']:,}-parameter Qwen2-MoE-family model (model_type `qwen2_moe`), trained by
+`tools/train_tiny_moe.py` on the standard library of Python {r['python']}. It is moelens's trained
+embedded default, so that `moelens inspect` and `moelens trace` show routing that means something.
+
+- **Architecture.** {c['num_hidden_layers']} blocks, d_model {c['hidden_size']}, {c['num_attention_heads']} heads
+  ({c['num_key_value_heads']} key/value heads). Block 0 is dense (width {c['intermediate_size']}). Blocks 1 to
+  {c['num_hidden_layers'] - 1} are mixtures of {c['num_experts']} routed experts (width {c['moe_intermediate_size']},
+  top-{c['num_experts_per_tok']}) plus a sigmoid-gated shared expert (width {c['shared_expert_intermediate_size']}).
+  Embeddings are tied; weights are float32.
+- **Tokenizer.** Byte-level BPE with {c['vocab_size']} tokens, trained by the same script on the training
+  text (`tokenizers`). `{EOS}` (id 0) starts every document; `{PAD}` is id 1.
+  sha256 of tokenizer.json: `{r['tokenizer_sha256']}`.
+- **Training.** {s['steps']} steps of {s['batch']} x {s['seq_len']} tokens ({s['steps'] * s['batch'] * s['seq_len']:,} tokens).
+  AdamW: lr {s['lr']}, warmup {s['warmup']} steps, cosine decay to {s['min_lr_ratio']} of the peak, weight decay
+  {s['weight_decay']}. Load-balancing loss weight {s['aux_loss_coef']}. Seed {s['seed']}.
+  Run with torch {r['torch']} on {s['threads']} CPU thread(s) ({r['machine']}) in {r['training_seconds']:.0f} s.
+  Training loss on the last batch: {r['curve'][-1]['loss']} nats/token; its load balance {r['curve'][-1]['aux']} (1.0 is perfectly even).
+- **Training text.** {r['data']['train_files']} standard-library .py files ({r['data']['train_python_bytes']:,} bytes)
+  and {r['data']['train_topics']} pydoc help topics ({r['data']['train_english_bytes']:,} bytes). Left out: test
+  suites, site-packages, lib2to3, ensurepip, build configs, and files that are not UTF-8.
+
+## Evaluation on text it did not see
+
+| held-out text | bytes | tiny-code-moe bits/byte | gzip -9 bits/byte |
+|---|---|---|---|
+| Python: every {HELD_OUT_PYTHON_EVERY}th stdlib file by path hash ({e['python_files']} files) | {e['python_bytes']:,} | {e['python_bpb']:.3f} | {e['python_gzip_bpb']:.3f} |
+| English: every {HELD_OUT_TOPIC_EVERY}th pydoc topic ({e['english_topics']} topics) | {e['english_bytes']:,} | {e['english_bpb']:.3f} | {e['english_gzip_bpb']:.3f} |
+
+gzip compresses each file on its own. `training_record.json` holds the exact file lists (with the sha256 of
+each file), every setting and the loss curve.
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint into")
+    parser.add_argument("--steps", type=int, default=Settings.steps)
+    args = parser.parse_args(argv)
+    s = Settings(steps=args.steps)
+    torch.set_num_threads(s.threads)
+    torch.manual_seed(s.seed)
+    root = stdlib_root()
+    data = corpus(root)
+    print(f"{len(data.train)} training documents, {len(data.python_eval)} held-out Python files, "
+          f"{len(data.english_eval)} held-out topics, {len(data.unreadable)} unreadable files left out", flush=True)
+    tok = train_tokenizer([t for _, t in data.train], CONFIG["vocab_size"])
+    stream = token_stream(tok, [t for _, t in data.train])
+    train_bytes = sum(len(t.encode()) for _, t in data.train)
+    print(f"{len(stream):,} training tokens ({train_bytes / len(stream):.2f} bytes/token)", flush=True)
+
+    model = new_model(s.seed)
+    model.set_experts_backend("torch")
+    started = time.time()
+    curve = train(model, stream, s, lambda row: print(json.dumps(row), flush=True))
+    seconds = time.time() - started
+
+    evaluation = {
+        "python_files": len(data.python_eval),
+        "python_bytes": sum(len(t.encode()) for _, t in data.python_eval),
+        "python_bpb": bits_per_byte(model, tok, data.python_eval, s.seq_len),
+        "python_gzip_bpb": gzip_bits_per_byte(data.python_eval),
+        "english_topics": len(data.english_eval),
+        "english_bytes": sum(len(t.encode()) for _, t in data.english_eval),
+        "english_bpb": bits_per_byte(model, tok, data.english_eval, s.seq_len),
+        "english_gzip_bpb": gzip_bits_per_byte(data.english_eval),
+    }
+    print(json.dumps(evaluation), flush=True)
+    python_docs = [n for n, _ in data.train if not n.startswith("pydoc_data/")]
+    record = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "moelens": moelens.__version__ if hasattr(moelens, "__version__") else "",
+        "machine": f"{platform.machine()}, {platform.system()}",
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "settings": asdict(s),
+        "config": CONFIG,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokenizer_sha256": "",  # of tokenizer.json as written
+        "training_tokens": len(stream),
+        "training_seconds": seconds,
+        "curve": curve,
+        "evaluation": evaluation,
+        "data": {
+            "stdlib": str(root),
+            "train_files": len(python_docs),
+            "train_topics": len(data.train) - len(python_docs),
+            "train_python_bytes": sum(len(t.encode()) for n, t in data.train if not n.startswith("pydoc_data/")),
+            "train_english_bytes": sum(len(t.encode()) for n, t in data.train if n.startswith("pydoc_data/")),
+            "train": {n: sha256(t.encode()) for n, t in data.train},
+            "held_out_python": {n: sha256(t.encode()) for n, t in data.python_eval},
+            "held_out_english": {n: sha256(t.encode()) for n, t in data.english_eval},
+            "left_out_unreadable": data.unreadable,
+        },
+        "files": {},
+    }
+    write(args.out, model, tok, record)
+    print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
