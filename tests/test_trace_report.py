@@ -11,7 +11,7 @@ from moelens.analysis.plots import plot_selectivity, plot_subset_load  # noqa: E
 from moelens.analysis.trace_report import trace_report  # noqa: E402
 from moelens.analysis.traces import trace_selectivity, trace_subset_load  # noqa: E402
 from moelens.cli import main  # noqa: E402
-from test_trace_analysis import ROWS, write_trace  # noqa: E402
+from test_trace_analysis import hand  # noqa: E402,F401  (the hand-built trace, two folders a/ and b/)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TEXT = {10: "def", 11: " ", 12: "7"}  # token -> text: an identifier, whitespace, a digit
@@ -19,13 +19,6 @@ TEXT = {10: "def", 11: " ", 12: "7"}  # token -> text: an identifier, whitespace
 
 def decode(ids):
     return "".join(TEXT[i] for i in ids)
-
-
-@pytest.fixture
-def hand(tmp_path):
-    files = [{"path": "/corpus/a/x.txt", "size": 1, "sha256": "0", "first_doc": 0, "n_docs": 1},
-             {"path": "/corpus/b/y.jsonl", "size": 1, "sha256": "1", "first_doc": 1, "n_docs": 1}]
-    return write_trace(tmp_path / "hand", ROWS, files=files)
 
 
 def test_html_report_holds_the_hand_computed_numbers_and_its_plots(hand, tmp_path):
