@@ -97,9 +97,7 @@ def trace_report(trace: TraceLike, out: str | Path, decode=None, by: Literal["fi
 
 
 def _heading(trace) -> str:
-    m = trace.manifest
-    tokens = sum(p["tokens"] for p in m["parts"].values())
-    return f"routing trace {trace.path}: model {m['model'].get('name', '?')}, {tokens} tokens, mixture layers {trace.layers}, {trace.n_experts} experts"
+    return f"routing trace {trace.path}: model {trace.manifest['model'].get('name', '?')}, {trace.n_tokens} tokens, mixture layers {trace.layers}, {trace.n_experts} experts"
 
 
 def _text(trace, sections: list[Section]) -> str:

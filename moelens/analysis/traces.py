@@ -52,10 +52,14 @@ class Trace:
         self.has_router_logits: bool = bool(manifest["settings"]["router_logits"])
         self.parts: list[Path] = [self.path / manifest["parts"][k]["file"] for k in sorted(manifest["parts"], key=int)]
 
+    @property
+    def n_tokens(self) -> int:
+        """Real tokens in the recorded parts (the manifest's count; no Parquet is read)."""
+        return sum(p["tokens"] for p in self.manifest["parts"].values())
+
     def __repr__(self) -> str:
         state = "complete" if self.complete else "incomplete"
-        tokens = sum(p["tokens"] for p in self.manifest["parts"].values())
-        return f"Trace({str(self.path)!r}: {state}, {len(self.parts)} parts, {tokens} tokens, layers {self.layers}, {self.n_experts} experts)"
+        return f"Trace({str(self.path)!r}: {state}, {len(self.parts)} parts, {self.n_tokens} tokens, layers {self.layers}, {self.n_experts} experts)"
 
     def connect(self):
         """A DuckDB connection with the view ``trace`` over the recorded parts."""
