@@ -134,10 +134,26 @@ def per_layer_experts(cache, model):
     return [sorted(torch.unique(cache["expert_indices", layer]).tolist()) for layer in model.cfg.moe_layer_indices]
 
 
+def let_prefetch_finish(model):
+    """Make each prefetch job run to its end before a layer settles it. Without this, whether the prefetch
+    thread or the next layer gets to an expert first depends on scheduling, and a loaded machine makes the
+    layer cancel part of a job: counts would race. Results never depend on it; these exact counts do."""
+    prefetcher = model.expert_cache.prefetcher
+    cancel = prefetcher.cancel
+
+    def finish_then_cancel():
+        with prefetcher._cond:
+            prefetcher._cond.wait_for(lambda: prefetcher._job is None and not prefetcher._busy, timeout=60)
+        cancel()
+
+    prefetcher.cancel = finish_then_cancel
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefetch_changes_no_bit(checkpoints, resident, family, tokens):
     ref = resident[family]
     model = load(checkpoints[family, "base"], expert_offload="disk", expert_cache_bytes=0, expert_prefetch=True)
+    let_prefetch_finish(model)
     ref_logits, ref_cache = ref.run_with_cache(tokens)
     logits, cache = model.run_with_cache(tokens)
     assert torch.equal(logits, ref_logits)
@@ -156,6 +172,7 @@ def test_a_perfect_prediction_is_counted_as_prefetch_hits(checkpoints, resident,
     _, ref_cache = ref.run_with_cache(tokens)
     used = per_layer_experts(ref_cache, ref)
     model = load(checkpoints["qwen2_moe", "base"], expert_offload="disk", expert_cache_bytes=0, expert_prefetch=True)
+    let_prefetch_finish(model)
     layers = ref.cfg.moe_layer_indices
     for store, after in zip(stores(model), layers[1:]):  # an oracle: the next layer's real routing
         store.predict = lambda x, after=after: ref_cache["expert_indices", after]
