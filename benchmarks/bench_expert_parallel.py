@@ -47,7 +47,7 @@ def worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     model = HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True)
-    held = sum(b.mlp.experts.shard.W_gate_up.nbytes + b.mlp.experts.shard.W_down.nbytes for b in model.blocks if b.is_moe)
+    held = sum(b.mlp.experts.shard.tensors.nbytes for b in model.blocks if b.is_moe)
     logits, seconds = timed_forwards(model)
     torch.save({"logits": logits, "seconds": seconds, "held": held}, os.path.join(out, f"{world}-{rank}.pt"))
     dist.destroy_process_group()

@@ -18,8 +18,8 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
+from moelens.experts.spec import ExpertSpec, ExpertTensors
 from moelens.hooks import HookPoint
 from moelens.kernels.experts import ExpertHooks, routed_experts
 
@@ -103,7 +103,7 @@ def run(args) -> list[str]:
 
             def ours(backend, hooks_on=False):
                 hooks = make_hooks(hooks_on)
-                return lambda: routed_experts(x, idx, weights, W_gate_up, W_down, F.silu, hooks, (1, T), backend)
+                return lambda: routed_experts(x, idx, weights, ExpertTensors(W_gate_up, W_down), ExpertSpec(E, H, I), hooks, (1, T), backend)
 
             with torch.no_grad():
                 t_torch = timer(ours("torch"), args.repeat)

@@ -12,9 +12,9 @@ import itertools
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from bench_triton_experts import make_hooks, timer
+from moelens.experts.spec import ExpertTensors
 from moelens.kernels.tiles import DEFAULT_TABLE, Tile, dump_table
 from moelens.kernels.triton_experts import routed_experts_triton
 
@@ -40,7 +40,7 @@ def main() -> None:
         timings = {}
         for tile in GRID:
             try:
-                timings[tile] = timer(lambda: routed_experts_triton(x, idx, weights.bfloat16(), W_gate_up, W_down, F.silu, hooks, (1, T), tile), 5)
+                timings[tile] = timer(lambda: routed_experts_triton(x, idx, weights.bfloat16(), ExpertTensors(W_gate_up, W_down), hooks, (1, T), tile), 5)
             except Exception as err:  # out of shared memory and the like: skip that tile
                 print(f"skip {tile}: {type(err).__name__}")
         best = min(timings, key=timings.get)

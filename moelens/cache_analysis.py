@@ -299,7 +299,7 @@ class CacheAnalysis:
         weights = self._get(f"{pre}.hook_expert_weights", pos_slice)
         indices = self._get(f"{pre}.hook_expert_indices", pos_slice)
         dtype = torch.promote_types(post.dtype, weights.dtype)
-        W_down = self.model.blocks[l].mlp.experts.W_down  # [E, d_model, d_expert]
+        W_down = self.model.blocks[l].mlp.experts.tensors().down  # [E, d_model, d_expert]
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
             post, W_down = post.index_select(-1, idx), W_down.index_select(2, idx.to(W_down.device))
@@ -349,6 +349,12 @@ class CacheAnalysis:
         per_expert = torch.einsum("...knd,...ke->en...d", slots, onehot).flatten(0, 1)
         parts.append(per_expert)
         labels += [f"L{l}.E{e}.N{i}" for e in range(self.model.cfg.n_experts) for i in ids]
+        down_bias = block.mlp.experts.tensors().down_bias
+        if down_bias is not None:  # each routed expert's output bias, weighted as its slot: "L{l}.E{e}.bias"
+            weights = self._get(f"blocks.{l}.mlp.hook_expert_weights", pos_slice).to(slots.dtype)
+            bias_slots = weights[..., None] * down_bias.to(slots.device, slots.dtype)[indices]  # [*rest, k, d]
+            parts.append(torch.einsum("...kd,...ke->e...d", bias_slots, onehot))
+            labels += [f"L{l}.E{e}.bias" for e in range(self.model.cfg.n_experts)]
         return parts, labels
 
     def stack_neuron_results(

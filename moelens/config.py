@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from moelens.experts.spec import GLU, ExpertSpec
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -64,6 +66,8 @@ class MoeConfig:
     # attention
     qkv_bias: bool = False
     o_bias: bool = False
+    # per layer, the sliding window a query attends within (None: every earlier position); empty: all None
+    attention_windows: tuple[int | None, ...] = ()
     # MLP / mixture
     act_fn: str = "silu"
     d_mlp: int = 0  # dense MLP width (blocks that are not mixtures)
@@ -83,6 +87,10 @@ class MoeConfig:
     fields_read: tuple[str, ...] = field(default=(), compare=False)
     fields_ignored: tuple[str, ...] = field(default=(), compare=False)  # present, but unused (as in transformers)
     dtype: torch.dtype = torch.float32
+    # where the routed experts live, fixed when the model is built (moelens.models.components.moe.Experts):
+    # "resident" (parameters of the model), "offloaded" (fetched from host memory or disk when routed to) or
+    # "sharded" (expert parallelism: each rank its own range)
+    expert_placement: Literal["resident", "offloaded", "sharded"] = field(default="resident", compare=False)
     # ---- TransformerLens's bookkeeping (HookedTransformerConfig's names); not the model's identity ----------
     # where the model is: kept in step with it by HookedTransformer (its .to / .half / ... replace cfg), the
     # first device of a device map, as TransformerLens's cfg.device is with n_devices
@@ -123,6 +131,8 @@ class MoeConfig:
                 f"{self.n_experts} experts in n_group {self.n_group} groups, topk_group {self.topk_group}: need "
                 "1 <= topk_group <= n_group and the experts evenly split into the groups"
             )
+        if self.attention_windows and len(self.attention_windows) != self.n_layers:
+            raise ValueError(f"attention_windows ({len(self.attention_windows)}) needs one entry per layer ({self.n_layers})")
         if len(self.moe_layers) != self.n_layers or len(self.top_k) != self.n_layers:
             raise ValueError(
                 f"moe_layers ({len(self.moe_layers)}) and top_k ({len(self.top_k)}) need one entry per layer "
@@ -131,6 +141,15 @@ class MoeConfig:
         for layer, (is_moe, k) in enumerate(zip(self.moe_layers, self.top_k, strict=True)):
             if is_moe and not 1 <= k <= self.n_experts:
                 raise ValueError(f"layer {layer}: top_k {k} must be between 1 and n_experts ({self.n_experts})")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention (None: full causal attention)."""
+        return self.attention_windows[layer] if self.attention_windows else None
+
+    def expert_spec(self) -> ExpertSpec:
+        """The routed experts' contract: act_fn(gate) * up without biases, unless the family's config says
+        otherwise (a subclass overrides this)."""
+        return ExpertSpec(self.n_experts, self.d_model, self.d_expert, GLU(self.act_fn))
 
     @property
     def moe_layer_indices(self) -> list[int]:

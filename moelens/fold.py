@@ -93,7 +93,7 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
         mlp = block.mlp
         if block.is_moe:
             _scale_inputs(mlp.router.weight, w2)
-            _scale_inputs(mlp.experts.W_gate_up, w2)  # gate and up rows both read ln2's output
+            _scale_inputs(mlp.experts.tensors().gate_up, w2)  # gate and up rows both read ln2's output; biases do not
             if mlp.has_shared_expert:
                 _scale_inputs(mlp.shared_expert.gate_proj.weight, w2)
                 _scale_inputs(mlp.shared_expert.up_proj.weight, w2)

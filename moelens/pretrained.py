@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 from moelens.dtypes import parse_dtype
+from moelens.experts.spec import ExpertTensors
 from moelens.families import family_for
 from moelens.fold import untie
 from moelens.kernels.expert_parallel import ExpertShard, expert_range, init_process_group
@@ -21,7 +22,7 @@ from moelens.kernels.offload import ExpertCache, OffloadedExperts
 from moelens.loaders import read_config
 from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
 from moelens.loaders.errors import CheckpointError
-from moelens.loaders.expert_reader import EXPERT_PARAMS, ExpertReader
+from moelens.loaders.expert_reader import ExpertReader
 from moelens.loaders.files import brief
 from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.locate import resolve  # also pretrained.resolve, for callers that import it from here
@@ -133,7 +134,8 @@ def load(
     architectures = hf.get("architectures")  # TransformerLens's cfg.original_architecture: the first listed
     first_architecture = architectures[0] if isinstance(architectures, list) and architectures else None
     cfg = dataclasses.replace(
-        cfg, dtype=dtype, original_architecture=first_architecture if isinstance(first_architecture, str) else None
+        cfg, dtype=dtype, original_architecture=first_architecture if isinstance(first_architecture, str) else None,
+        expert_placement="offloaded" if expert_offload else "sharded" if expert_parallel else "resident",
     )
     tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
     files = SafetensorsFiles(folder)
@@ -285,11 +287,9 @@ def _place(model, family, device_map, max_memory, n_devices: int, device: torch.
 
 def _default_cache_bytes(model) -> int:
     """One layer's experts: enough for a layer's working set to stay while it runs."""
-    block = next((b for b in model.blocks if b.is_moe), None)
-    if block is None:
+    if not model.cfg.moe_layer_indices:
         return 0
-    experts = block.mlp.experts
-    return model.cfg.n_experts * sum(p[0].numel() * p.element_size() for p in (experts.W_gate_up, experts.W_down))
+    return model.cfg.n_experts * model.cfg.expert_spec().expert_nbytes(model.cfg.dtype)
 
 
 def mixture_layers(model) -> list[tuple[int, torch.nn.Module]]:
@@ -300,32 +300,31 @@ def mixture_layers(model) -> list[tuple[int, torch.nn.Module]]:
 def expert_reader(model, files, keys) -> ExpertReader:
     """Reads one routed expert of any mixture layer from the checkpoint's files (reader.shapes: each full
     stack's shape); what offload ("disk") and expert parallelism load experts through."""
-    shapes = {(i, name): tuple(getattr(block.mlp.experts, name).shape) for i, block in mixture_layers(model) for name in EXPERT_PARAMS}
-    return ExpertReader(files, keys, shapes, model.cfg.dtype)
+    return ExpertReader(files, keys, model.cfg.expert_spec().shapes(), model.cfg.dtype)
 
 
 def offload_experts(model, files, keys, mode, cache: ExpertCache, device_for, prefetch: bool = False) -> dict[str, torch.Tensor]:
-    """Move every mixture layer's routed experts off the model into expert stores sharing one cache (each
-    layer's entries on that layer's device); returns their slots for fill(): host tensors ("cpu": filled
-    now, pinned when a layer runs on CUDA) or meta tensors ("disk": shape-checked; read when routed to).
+    """Attach to every mixture layer's routed experts (built "offloaded") an expert store, all sharing one
+    cache (each layer's entries on that layer's device); returns their slots for fill(): host tensors ("cpu":
+    filled now, pinned when a layer runs on CUDA) or meta tensors ("disk": shape-checked; read when routed to).
     prefetch: each layer loads ahead the experts it predicts for the next one (link_prefetch)."""
     reader = expert_reader(model, files, keys)
     slots: dict[str, torch.Tensor] = {}
     stores: dict[int, OffloadedExperts] = {}
     for layer, block in mixture_layers(model):
-        device = device_for(f"blocks.{layer}.mlp.experts.W_gate_up")
-        stacks = tuple(
-            torch.empty(reader.shapes[layer, name], dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu",
+        device = device_for(f"blocks.{layer}.mlp.experts")
+        host = ExpertTensors(*(
+            torch.empty(shape, dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu",
                         pin_memory=mode == "cpu" and device.type == "cuda")
-            for name in EXPERT_PARAMS
-        )
+            for shape in reader.shapes.values()
+        ))
         if mode == "cpu":
-            source = lambda e, stacks=stacks: (stacks[0][e], stacks[1][e])  # noqa: E731
+            source = host.expert
         else:
             source = lambda e, layer=layer: reader.read(layer, e)  # noqa: E731
         stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode)
-        block.mlp.experts.offload(stores[layer], None if mode == "disk" else stacks)
-        slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(EXPERT_PARAMS, stacks)})
+        block.mlp.experts.attach_store(stores[layer], None if mode == "disk" else host)
+        slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(reader.params, host.present())})
     if prefetch:
         cache.enable_prefetch()
         link_prefetch(model, stores)
@@ -348,22 +347,21 @@ def route(router, x: torch.Tensor) -> torch.Tensor:
 
 
 def shard_experts(model, files, keys, device: torch.device) -> dict[str, torch.Tensor]:
-    """Expert parallelism: give every mixture layer only this rank's experts (kernels.expert_parallel), read
-    expert by expert from the checkpoint's files; returns meta slots for the full stacks, so that fill()
-    checks their shapes and reads nothing of the other ranks' experts."""
+    """Expert parallelism: give every mixture layer (built "sharded") only this rank's experts
+    (kernels.expert_parallel), read expert by expert from the checkpoint's files; returns meta slots for the
+    full stacks, so that fill() checks their shapes and reads nothing of the other ranks' experts."""
     rank, world = init_process_group(device)
     lo, hi = expert_range(model.cfg.n_experts, world, rank)
     reader = expert_reader(model, files, keys)
     slots: dict[str, torch.Tensor] = {}
     for layer, block in mixture_layers(model):
         own = [reader.read(layer, e) for e in range(lo, hi)]  # more ranks than experts leave some with none
-        stacks = [
-            torch.stack([w[i] for w in own]) if own else torch.empty((0, *reader.shapes[layer, name][1:]), dtype=model.cfg.dtype)
-            for i, name in enumerate(EXPERT_PARAMS)
-        ]
-        block.mlp.experts.keep_shard(ExpertShard(layer, model.cfg.n_experts, *(t.to(device) for t in stacks), rank=rank, world=world))
-        for name in EXPERT_PARAMS:
-            slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(reader.shapes[layer, name], dtype=model.cfg.dtype, device="meta")
+        stacks = ExpertTensors.stack(own) if own else ExpertTensors(
+            *(torch.empty((0, *shape[1:]), dtype=model.cfg.dtype) for shape in reader.shapes.values())
+        )
+        block.mlp.experts.attach_shard(ExpertShard(layer, model.cfg.n_experts, stacks.to(device), rank=rank, world=world))
+        for name, shape in reader.shapes.items():
+            slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shape, dtype=model.cfg.dtype, device="meta")
     return slots
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Weight:
@@ -34,22 +36,85 @@ class PerExpertKeys:
     down: str
 
 
+class Layout:
+    """How a stored tensor becomes moelens's: `load` maps the stored tensor (with or without its leading
+    expert axis) onto the parameter's layout; `stored_shape` is the stored shape a parameter shape needs."""
+
+    def load(self, stored: torch.Tensor) -> torch.Tensor:
+        return stored
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape
+
+
+AS_STORED = Layout()
+
+
+class Transposed(Layout):
+    """Stored [..., in, out] (x @ W), moelens's [..., out, in] (gpt-oss's down_proj)."""
+
+    def load(self, stored: torch.Tensor) -> torch.Tensor:
+        return stored.transpose(-2, -1)
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*shape[:-2], shape[-1], shape[-2])
+
+
+class Interleaved(Layout):
+    """Stored gate and up interleaved along the last axis (gate 0, up 0, gate 1, ...), moelens's gate first
+    (gpt-oss's gate_up_proj_bias)."""
+
+    def load(self, stored: torch.Tensor) -> torch.Tensor:
+        return torch.cat([stored[..., 0::2], stored[..., 1::2]], dim=-1)
+
+
+class TransposedInterleaved(Layout):
+    """Stored [..., d_model, 2*d_expert] with gate and up columns interleaved, moelens's [..., 2*d_expert,
+    d_model] gate rows first (gpt-oss's gate_up_proj)."""
+
+    def load(self, stored: torch.Tensor) -> torch.Tensor:
+        rows = stored.transpose(-2, -1)
+        return torch.cat([rows[..., 0::2, :], rows[..., 1::2, :]], dim=-2)
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (*shape[:-2], shape[-1], shape[-2])
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """A layer's experts stored stacked [E, ...], one tensor per parameter of the expert spec (key None: the
+    spec has no such parameter), each with its layout. transformers 5's usual spelling is gate_up_proj [E,
+    2*d_expert, d_model] (gate rows first) and down_proj [E, d_model, d_expert], as moelens holds them."""
+
+    gate_up: str
+    down: str
+    gate_up_bias: str | None = None
+    down_bias: str | None = None
+    layouts: tuple[Layout, Layout, Layout, Layout] = (AS_STORED, AS_STORED, AS_STORED, AS_STORED)
+
+    def keys(self) -> tuple[tuple[str, Layout], ...]:
+        """(key, layout) per stored parameter, in the spec's parameter order."""
+        keys = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        return tuple((k, layout) for k, layout in zip(keys, self.layouts) if k is not None)
+
+
 @dataclass(frozen=True)
 class ExpertStack:
-    """The routed experts of one layer: moelens stacks them as W_gate_up [E, 2*d_expert, d_model] (gate rows
-    first) and W_down [E, d_model, d_expert]. Read from per-expert tensors (any of `per_expert`'s spellings)
-    or from transformers 5's fused pair (`fused_gate_up` [E, 2*d_expert, d_model], `fused_down`)."""
+    """The routed experts of one layer: moelens stacks them as its ExpertSpec says (moelens.experts.spec:
+    W_gate_up [E, 2*d_expert, d_model] gate rows first, W_down [E, d_model, d_expert], and b_gate_up, b_down
+    where the spec has biases). Read from per-expert tensors (any of `per_expert`'s spellings; no biases) or
+    from one stacked tensor per parameter (`fused`)."""
 
     prefix: str  # moelens module, e.g. "blocks.3.mlp.experts"
     n_experts: int
     d_expert: int
     per_expert: tuple[PerExpertKeys, ...]
-    fused_gate_up: str
-    fused_down: str
+    fused: FusedExperts
 
     @property
-    def params(self) -> tuple[str, str]:
-        return f"{self.prefix}.W_gate_up", f"{self.prefix}.W_down"
+    def params(self) -> tuple[str, ...]:
+        names = ("W_gate_up", "W_down", "b_gate_up", "b_down")[: len(self.fused.keys())]
+        return tuple(f"{self.prefix}.{name}" for name in names)
 
 
 @dataclass(frozen=True)

@@ -201,16 +201,16 @@ class WeightViews:
     @property
     def W_gate(self) -> Float[torch.Tensor, "n_layers n_experts d_model d_expert"]:
         d = self.cfg.d_expert
-        return self._per_moe_layer("W_gate", lambda m: m.experts.W_gate_up[:, :d].transpose(-2, -1))
+        return self._per_moe_layer("W_gate", lambda m: m.experts.tensors().gate_up[:, :d].transpose(-2, -1))
 
     @property
     def W_in(self) -> Float[torch.Tensor, "n_layers n_experts d_model d_expert"]:
         d = self.cfg.d_expert
-        return self._per_moe_layer("W_in", lambda m: m.experts.W_gate_up[:, d:].transpose(-2, -1))
+        return self._per_moe_layer("W_in", lambda m: m.experts.tensors().gate_up[:, d:].transpose(-2, -1))
 
     @property
     def W_out(self) -> Float[torch.Tensor, "n_layers n_experts d_expert d_model"]:
-        return self._per_moe_layer("W_out", lambda m: m.experts.W_down.transpose(-2, -1))
+        return self._per_moe_layer("W_out", lambda m: m.experts.tensors().down.transpose(-2, -1))
 
     @property
     def W_shared_gate(self) -> Float[torch.Tensor, "n_layers d_model d_shared"]:

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 import tiny
 import tiny_deepseek_v3
+import tiny_gpt_oss
 import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
@@ -28,6 +29,7 @@ CHECKPOINTS = {  # family/variant -> builder; "fused" stores each layer's expert
     "mixtral": lambda d: tiny_mixtral.build_mixtral(d, seed=0),
     "olmoe": lambda d: tiny_olmoe.build_olmoe(d, seed=0),
     "deepseek_v3": lambda d: tiny_deepseek_v3.build_deepseek_v3(d, seed=0),  # a dense first block
+    "gpt_oss": lambda d: tiny_gpt_oss.build_gpt_oss(d, seed=0),  # expert biases, transposed interleaved layout
 }
 # CPU GEMMs round differently with other intra-op thread counts (an environment property, not expert
 # parallelism's: one process differs from itself), so the ranks and the reference all run on one thread
@@ -63,11 +65,11 @@ def worker(rank: int, world: int, port: int, paths: dict[str, str], out_dir: str
     for name, path in paths.items():
         reads.clear()
         model = HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True)
-        held = {i: (b.mlp.experts.shard.lo, b.mlp.experts.shard.hi, b.mlp.experts.shard.W_gate_up.shape[0])
+        held = {i: (b.mlp.experts.shard.lo, b.mlp.experts.shard.hi, b.mlp.experts.shard.tensors.gate_up.shape[0])
                 for i, b in enumerate(model.blocks) if b.is_moe}
         experts = model.blocks[model.cfg.moe_layer_indices[0]].mlp.experts
         try:
-            experts.W_down  # the full stack, which this rank does not hold
+            experts.tensors()  # the full stacks, which this rank does not hold
         except ValueError as err:
             held["W_out"] = str(err)
         held["repr"] = repr(experts)

@@ -1,5 +1,7 @@
 """Triton expert kernels (interpreter on CPU) against an fp64 per-expert loop, and end to end."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ pytest.importorskip("triton")
 from conftest import FAMILIES, KERNEL_FAMILIES  # noqa: E402
 
 from moelens import HookedTransformer  # noqa: E402
+from moelens.experts.spec import GLU, ExpertSpec, ExpertTensors  # noqa: E402
 from moelens.hooks import HookPoint  # noqa: E402
 from moelens.kernels.experts import ExpertHooks, routed_experts, routed_experts_torch  # noqa: E402
 from moelens.kernels.routing import align_slots, max_padded_rows  # noqa: E402
@@ -17,6 +20,9 @@ from moelens.kernels.triton_experts import routed_experts_triton  # noqa: E402
 
 H, I = 40, 24  # not multiples of any block size
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest sets it)
+
+
+SILU = GLU("silu")
 
 
 def reference(x, idx, w, Wgu, Wd):
@@ -67,7 +73,7 @@ def test_float32_against_fp64(T, E, k):
     x, idx, w, Wgu, Wd = make_case(T, E, k, torch.float32, seed=T * 100 + E + k)
     ref_post, ref_out, ref_sum = reference(x, idx, w, Wgu, Wd)
     hooks, got = capture_hooks()
-    total = routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks, (1, T)).cpu()
+    total = routed_experts_triton(x, idx, w, ExpertTensors(Wgu, Wd), hooks, (1, T)).cpu()
     assert (got["post"].cpu().double() - ref_post.view_as(got["post"])).abs().max() <= 1e-5
     assert (got["outputs"].cpu().double() - ref_out.view_as(got["outputs"])).abs().max() <= 1e-5
     assert (total.double() - ref_sum).abs().max() <= 1e-5
@@ -82,7 +88,7 @@ def test_skewed_routing(mode, T):
         assert idx.max() < 8 // 2
     _, _, ref_sum = reference(x, idx, w, Wgu, Wd)
     hooks, _ = capture_hooks()
-    assert (routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks, (1, T)).cpu().double() - ref_sum).abs().max() <= 1e-5
+    assert (routed_experts_triton(x, idx, w, ExpertTensors(Wgu, Wd), hooks, (1, T)).cpu().double() - ref_sum).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("T,E,k", [(7, 8, 2), (37, 16, 8), (64, 8, 8)])
@@ -95,8 +101,8 @@ def test_bfloat16_as_close_to_fp64_as_the_torch_path(T, E, k, weight_dtype):
     ref_post, ref_out, ref_sum = reference(x, idx, w, Wgu, Wd)
     hooks_t, got_t = capture_hooks()
     hooks_k, got_k = capture_hooks()
-    torch_sum = routed_experts_torch(x, idx, w, Wgu, Wd, F.silu, hooks_t, (1, T))
-    kernel_sum = routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks_k, (1, T))
+    torch_sum = routed_experts_torch(x, idx, w, ExpertTensors(Wgu, Wd), SILU, hooks_t, (1, T))
+    kernel_sum = routed_experts_triton(x, idx, w, ExpertTensors(Wgu, Wd), hooks_k, (1, T))
     assert kernel_sum.dtype == torch_sum.dtype == torch.bfloat16
     assert got_k["outputs"].dtype == got_t["outputs"].dtype == torch.promote_types(torch.bfloat16, weight_dtype)
     for name, ref, a, b in (("post", ref_post, got_t["post"], got_k["post"]), ("outputs", ref_out, got_t["outputs"], got_k["outputs"]), ("sum", ref_sum, torch_sum, kernel_sum)):
@@ -109,7 +115,7 @@ def test_replaced_neurons_are_what_kernel_2_reads():
     x, idx, w, Wgu, Wd = make_case(9, 8, 2, torch.float32)
     hooks, _ = capture_hooks()
     hooks.post.add_hook(lambda t, hook: t * 0 + 1.0)
-    total = routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks, (1, 9))
+    total = routed_experts_triton(x, idx, w, ExpertTensors(Wgu, Wd), hooks, (1, 9))
     ones = torch.ones(9, 2, I, dtype=torch.float64)
     expected = torch.einsum("tki,tkhi->tkh", ones, Wd.cpu().double()[idx.cpu()]) * w.cpu().double()[..., None]
     assert (total.cpu().double() - expected.sum(1)).abs().max() <= 1e-5
@@ -121,8 +127,8 @@ def test_pre_hooks_replace_the_activation_input():
     hooks_t, got_t = capture_hooks()
     for hooks in (hooks_k, hooks_t):
         hooks.pre.add_hook(lambda t, hook: t * 2)
-    a = routed_experts_triton(x, idx, w, Wgu, Wd, F.silu, hooks_k, (1, 9))
-    b = routed_experts_torch(x, idx, w, Wgu, Wd, F.silu, hooks_t, (1, 9))
+    a = routed_experts_triton(x, idx, w, ExpertTensors(Wgu, Wd), hooks_k, (1, 9))
+    b = routed_experts_torch(x, idx, w, ExpertTensors(Wgu, Wd), SILU, hooks_t, (1, 9))
     assert (a - b).abs().max() <= 1e-5 and (got_k["pre"] - got_t["pre"]).abs().max() <= 1e-5
 
 
@@ -135,7 +141,8 @@ def test_gradients_as_close_to_fp64_as_the_torch_path():
                             ("triton", routed_experts_triton, torch.float32)):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w, Wgu, Wd)]
         hooks, _ = capture_hooks()
-        fn(leaves[0], idx, leaves[1], leaves[2], leaves[3], F.silu, hooks, (1, 11)).pow(2).sum().backward()
+        args = (SILU,) if fn is routed_experts_torch else ()
+        fn(leaves[0], idx, leaves[1], ExpertTensors(leaves[2], leaves[3]), *args, hooks, (1, 11)).pow(2).sum().backward()
         grads[name] = [t.grad.double() for t in leaves]
     # one yardstick for both float32 paths: a few float32 ulps of the largest exact entry (both measure 0.4-4.6)
     for exact, torch_grad, kernel_grad in zip(grads["fp64"], grads["torch"], grads["triton"]):
@@ -175,6 +182,11 @@ def test_tile_table_covers_every_bucket():
 def test_end_to_end_triton_backend_equals_torch(checkpoints, family, tokens):
     path = checkpoints[family, "base"]
     torch_model = HookedTransformer.from_pretrained(path, progress=False, experts_backend="torch")
+    spec = torch_model.blocks[torch_model.cfg.moe_layer_indices[0]].mlp.experts.spec
+    if not spec.fused_by_triton:  # refused when asked for, before any forward, naming what the experts are
+        with pytest.raises(ValueError, match=re.escape(f"experts are {spec.describe()}")):
+            HookedTransformer.from_pretrained(path, progress=False, experts_backend="triton")
+        return
     triton_model = HookedTransformer.from_pretrained(path, progress=False, experts_backend="triton")
     logits_t, cache_t = torch_model.run_with_cache(tokens)
     logits_k, cache_k = triton_model.run_with_cache(tokens)
@@ -209,10 +221,14 @@ def test_backend_errors_are_clear(qwen_model):
         qwen_model.set_experts_backend("cuda")
     x, idx, w, Wgu, Wd = make_case(5, 8, 2, torch.float32)
     hooks, _ = capture_hooks()
-    with pytest.raises(ValueError, match="activation is 'gelu'"):
-        routed_experts(x, idx, w, Wgu, Wd, F.gelu, hooks, (1, 5), "triton")
-    expected = routed_experts_torch(x, idx, w, Wgu, Wd, F.gelu, hooks, (1, 5))
-    assert torch.equal(routed_experts(x, idx, w, Wgu, Wd, F.gelu, hooks, (1, 5), "auto"), expected)
+    gelu = ExpertSpec(8, Wgu.shape[2], Wd.shape[2], GLU("gelu"))
+    with pytest.raises(ValueError, match=r"experts are .*neurons gelu\(gate\) \* up"):
+        routed_experts(x, idx, w, ExpertTensors(Wgu, Wd), gelu, hooks, (1, 5), "triton")
+    expected = routed_experts_torch(x, idx, w, ExpertTensors(Wgu, Wd), gelu.activation, hooks, (1, 5))
+    assert torch.equal(routed_experts(x, idx, w, ExpertTensors(Wgu, Wd), gelu, hooks, (1, 5), "auto"), expected)
+    biased = ExpertSpec(8, Wgu.shape[2], Wd.shape[2], bias=True)
+    with pytest.raises(ValueError, match="with biases"):
+        routed_experts(x, idx, w, ExpertTensors(Wgu, Wd, Wgu[:, :, 0], Wd[:, :, 0]), biased, hooks, (1, 5), "triton")
 
 
 def test_tuned_table_round_trips(tmp_path):

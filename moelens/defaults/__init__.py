@@ -30,6 +30,7 @@ CONFIGS = {
     "tiny-qwen3-moe": "tiny_qwen3_moe.json",
     "tiny-olmoe": "tiny_olmoe.json",
     "tiny-deepseek-v3": "tiny_deepseek_v3.json",
+    "tiny-gpt-oss": "tiny_gpt_oss.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"
@@ -124,7 +125,7 @@ def build_checkpoint(config: dict, folder: Path) -> None:
     with torch.no_grad():
         slots = dict(model.named_parameters()) | dict(model.named_buffers())
         for key, target in keys.items():
-            shape = slots[target.param][target.index].shape
+            shape = target.layout.stored_shape(tuple(slots[target.param][target.index].shape))
             noise = torch.randn(shape, generator=gen)
             if key.endswith("norm.weight") or "layernorm" in key:
                 tensors[key] = 1.0 + 0.1 * noise

@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from moelens.experts.spec import ExpertTensors
 from moelens.hooks import HookPoint
 from moelens.kernels import triton_experts
 from moelens.kernels.experts import ExpertHooks
@@ -117,7 +118,7 @@ def record_launches(
         hooks.pre.add_hook(lambda t, hook: t)
     log: list[Launch] = []
     with mock.patch.multiple(triton_experts, **{name: _Recorder(k, log) for name, k in kernels.items()}):
-        triton_experts.routed_experts_triton(x, indices, weights, W_gate_up, W_down, None, hooks, (1, n_tokens), tile)
+        triton_experts.routed_experts_triton(x, indices, weights, ExpertTensors(W_gate_up, W_down), hooks, (1, n_tokens), tile)
     return log
 
 

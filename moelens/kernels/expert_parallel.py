@@ -15,12 +15,12 @@ the same on every rank (a hook that re-routes on one rank only would desynchroni
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from jaxtyping import Float, Int
 
+from moelens.experts.spec import ExpertSpec, ExpertTensors
 from moelens.kernels.experts import ExpertHooks, check_indices, grouped_linear, routed_experts_torch
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -64,25 +64,24 @@ class _Gathered(torch.autograd.Function):
 
 
 class ExpertShard:
-    """One mixture layer's routed experts on this rank: experts [lo, hi) of n_experts, stacked
-    (W_gate_up [hi-lo, 2I, H], W_down [hi-lo, H, I]) on the compute device."""
+    """One mixture layer's routed experts on this rank: experts [lo, hi) of n_experts, their tensors stacked
+    (ExpertTensors: gate_up [hi-lo, 2I, H], down [hi-lo, H, I], biases where the spec has them) on the
+    compute device."""
 
-    def __init__(
-        self, layer: int, n_experts: int, W_gate_up: torch.Tensor, W_down: torch.Tensor, rank: int, world: int, group=None
-    ) -> None:
+    def __init__(self, layer: int, n_experts: int, tensors: ExpertTensors, rank: int, world: int, group=None) -> None:
         self.layer, self.n_experts, self.rank, self.world, self.group = layer, n_experts, rank, world, group
         self.bounds = [expert_range(n_experts, world, r) for r in range(world)]
         self.lo, self.hi = self.bounds[rank]
-        if W_gate_up.shape[0] != self.hi - self.lo or W_down.shape[0] != self.hi - self.lo:
-            raise ValueError(f"layer {layer}: rank {rank} holds experts [{self.lo}, {self.hi}), got {W_gate_up.shape[0]} stacked")
-        self.W_gate_up, self.W_down = W_gate_up, W_down
+        if any(t.shape[0] != self.hi - self.lo for t in tensors.present()):
+            raise ValueError(f"layer {layer}: rank {rank} holds experts [{self.lo}, {self.hi}), got {tensors.n_experts} stacked")
+        self.tensors = tensors
 
     def __call__(
         self,
         x: Float[torch.Tensor, "T H"],
         indices: Int[torch.Tensor, "T k"],
         weights: Float[torch.Tensor, "T k"],
-        act: Callable[[torch.Tensor], torch.Tensor],
+        spec: ExpertSpec,
         hooks: ExpertHooks,
         batch_pos: tuple[int, int],
         backend: str = "torch",
@@ -91,33 +90,48 @@ class ExpertShard:
             raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
         check_indices(indices, self.n_experts)
         return routed_experts_torch(
-            x, indices, weights, self.W_gate_up, self.W_down, act, hooks, batch_pos,
-            n_experts=self.n_experts, linear=self.grouped_linear,
+            x, indices, weights, self.tensors, spec.activation, hooks, batch_pos,
+            n_experts=self.n_experts, linear=self.grouped_linear, bias_rows=self.bias_rows,
         )
+
+    def bias_rows(self, bias: Float[torch.Tensor, "E_local n"], experts: Int[torch.Tensor, "S"]) -> Float[torch.Tensor, "S n"]:
+        """Each sorted row's expert's bias (experts: the rows' expert ids, sorted): the owners look up their
+        experts' rows, a contiguous block of the sorted rows, and every rank gathers them."""
+        counts = torch.bincount(experts, minlength=self.n_experts).tolist()
+        start, end = sum(counts[: self.lo]), sum(counts[: self.hi])
+        gathered = self._gather(bias.index_select(0, experts[start:end] - self.lo), counts)
+        if torch.is_grad_enabled() and bias.requires_grad:
+            return _Gathered.apply(bias, bias, gathered)
+        return gathered
 
     def grouped_linear(
         self, rows: Float[torch.Tensor, "S n_in"], weight: Float[torch.Tensor, "E_local n_out n_in"], counts: list[int]
     ) -> Float[torch.Tensor, "S n_out"]:
         """kernels.experts.grouped_linear over all experts (counts has one entry per expert of the layer),
         computed by the owners of the groups and gathered: rows and counts are the same on every rank."""
-        sizes = [sum(counts[lo:hi]) for lo, hi in self.bounds]
-        start = sum(sizes[: self.rank])
-        n_out = weight.shape[1]
-        if sizes[self.rank]:
-            local = grouped_linear(rows[start : start + sizes[self.rank]], weight, counts[self.lo : self.hi])
+        start, end = sum(counts[: self.lo]), sum(counts[: self.hi])
+        if end > start:
+            local = grouped_linear(rows[start:end], weight, counts[self.lo : self.hi])
         else:  # no slot routed here: grouped_mm is not asked for an empty product
-            local = rows.new_empty(0, n_out)
+            local = rows.new_empty(0, weight.shape[1])
+        gathered = self._gather(local, counts)
+        if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+            return _Gathered.apply(rows, weight, gathered)
+        return gathered
+
+    def _gather(self, local: Float[torch.Tensor, "n_local n"], counts: list[int]) -> Float[torch.Tensor, "S n"]:
+        """Every rank's block of sorted rows (this rank's is `local`), in rank order: rows per rank follow from
+        counts, which are the same on every rank."""
+        sizes = [sum(counts[lo:hi]) for lo, hi in self.bounds]
         longest = max(sizes)
         if longest == 0:  # the same on every rank (counts are replicated), so all skip the collective together
             return local
         # gloo's all_gather wants equal sizes: pad every part to the longest, drop the padding after
-        padded = local if sizes[self.rank] == longest else torch.cat([local, local.new_zeros(longest - sizes[self.rank], n_out)])
+        n = local.shape[1]
+        padded = local if sizes[self.rank] == longest else torch.cat([local, local.new_zeros(longest - sizes[self.rank], n)])
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded.contiguous(), group=self.group)
-        gathered = torch.cat([part[:n] for part, n in zip(parts, sizes)])
-        if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
-            return _Gathered.apply(rows, weight, gathered)
-        return gathered
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
 
     def __repr__(self) -> str:
         return f"experts {self.lo}..{self.hi - 1} of {self.n_experts} on rank {self.rank} of {self.world}"

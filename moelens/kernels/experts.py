@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 
+from moelens.experts.spec import ExpertSpec, ExpertTensors, GatedActivation, gather_rows
 from moelens.hooks import HookPoint, SliceInput, call_hooked_points, slice_pos
 
 Backend = Literal["auto", "torch", "triton"]
@@ -315,32 +316,32 @@ def routed_experts(
     x: Float[torch.Tensor, "T H"],
     indices: Int[torch.Tensor, "T k"],
     weights: Float[torch.Tensor, "T k"],
-    W_gate_up: Float[torch.Tensor, "E 2I H"],
-    W_down: Float[torch.Tensor, "E H I"],
-    act: Callable[[torch.Tensor], torch.Tensor],
+    tensors: ExpertTensors,
+    spec: ExpertSpec,
     hooks: ExpertHooks,
     batch_pos: tuple[int, int],
     backend: Backend = "torch",
 ) -> Float[torch.Tensor, "T H"]:
-    """sum over slots of weight * down(act(gate(x)) * up(x)), with hooks on every per-slot tensor.
+    """sum over slots of weight * expert(x), each expert as the spec says (moelens.experts.spec), with hooks
+    on every per-slot tensor. tensors: the stacked experts the indices point into.
 
     The slot sum runs in the promoted dtype of outputs and weights, in slot order, and is cast once,
     as the reference does, so low-precision results agree with it.
     """
-    check_indices(indices, W_gate_up.shape[0])
+    check_indices(indices, tensors.n_experts)
     chosen = resolve_backend(backend, x.device)
-    if chosen == "triton" and act is not F.silu:  # the kernels fuse SiLU(gate) * up
+    if chosen == "triton" and not spec.fused_by_triton:  # the kernels fuse SiLU(gate) * up, without biases
         if backend == "triton":
             raise ValueError(
-                f"experts_backend='triton' computes SiLU(gate) * up; this model's expert activation is "
-                f"{getattr(act, '__name__', act)!r}: use experts_backend='torch' or 'auto'"
+                f"experts_backend='triton' computes SiLU(gate) * up without biases; this model's experts are "
+                f"{spec.describe()}: use experts_backend='torch' or 'auto'"
             )
         chosen = "torch"
     if chosen == "triton":
         from moelens.kernels.triton_experts import routed_experts_triton
 
-        return routed_experts_triton(x, indices, weights, W_gate_up, W_down, act, hooks, batch_pos)
-    return routed_experts_torch(x, indices, weights, W_gate_up, W_down, act, hooks, batch_pos)
+        return routed_experts_triton(x, indices, weights, tensors, hooks, batch_pos)
+    return routed_experts_torch(x, indices, weights, tensors, spec.activation, hooks, batch_pos)
 
 
 # (rows sorted by expert, stacked weights, rows per expert) -> the rows times their experts' weights
@@ -348,19 +349,22 @@ GroupedLinear = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
 
 
 def routed_experts_torch(
-    x, indices, weights, W_gate_up, W_down, act, hooks: ExpertHooks, batch_pos,
+    x, indices, weights, tensors: ExpertTensors, activation: GatedActivation, hooks: ExpertHooks, batch_pos,
     n_experts: int | None = None, linear: GroupedLinear = grouped_linear,
+    bias_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows,
 ):
-    """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows, back to slot
-    order for the weighted outputs. Per-slot hooks see (and replace) tensors in slot order; the sorted
-    copies are only permuted for them when a hook is on.
+    """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows (each plus its
+    expert's bias where the spec has biases), back to slot order for the weighted outputs. Per-slot hooks see
+    (and replace) tensors in slot order; the sorted copies are only permuted for them when a hook is on.
 
-    n_experts (default: the stacks' length) and linear let expert parallelism (kernels.expert_parallel)
-    run the same steps with each rank's experts only: its linear computes the rank's groups and gathers."""
+    n_experts (default: the stacks' length), linear and bias_rows let expert parallelism
+    (kernels.expert_parallel) run the same steps with each rank's experts only: its linear computes the
+    rank's groups and gathers, its bias_rows looks up the rank's biases and gathers."""
     T, k = indices.shape
     experts = indices.reshape(-1)
-    order, counts = sort_slots(experts, W_gate_up.shape[0] if n_experts is None else n_experts)
+    order, counts = sort_slots(experts, tensors.n_experts if n_experts is None else n_experts)
     unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    sorted_experts = experts[order] if tensors.gate_up_bias is not None else None
 
     def hooked_sorted(site: str, t: torch.Tensor) -> torch.Tensor:
         """Show a sorted [S, n] tensor to its hooks in slot order; re-sort only what a hook changed."""
@@ -369,14 +373,19 @@ def routed_experts_torch(
         seen, changed = hooked_site(hooks, site, t[unsort].view(T, k, -1), batch_pos)
         return seen.reshape(T * k, -1)[order] if changed else t
 
-    gate_up = linear(x[order // k], W_gate_up, counts)
+    gate_up = linear(x[order // k], tensors.gate_up, counts)
+    if tensors.gate_up_bias is not None:
+        gate_up = gate_up + bias_rows(tensors.gate_up_bias, sorted_experts)
     pre, pre_linear = gate_up.chunk(2, dim=-1)
     new_pre, new_pre_linear = hooked_sorted("pre", pre), hooked_sorted("pre_linear", pre_linear)
     if new_pre is not pre or new_pre_linear is not pre_linear:
         # written back into the [S, 2I] layout: elementwise kernels can round differently on other
         # layouts, and a run must not depend on which hooks are on
         pre, pre_linear = torch.cat([new_pre, new_pre_linear], dim=-1).chunk(2, dim=-1)
-    post = hooked_sorted("post", act(pre) * pre_linear)
-    out = linear(post, W_down, counts) * weights.reshape(-1)[order].unsqueeze(-1)
+    post = hooked_sorted("post", activation(pre, pre_linear))
+    down = linear(post, tensors.down, counts)
+    if tensors.down_bias is not None:
+        down = down + bias_rows(tensors.down_bias, sorted_experts)
+    out = down * weights.reshape(-1)[order].unsqueeze(-1)
     weighted = hooked(hooks.outputs, out[unsort].view(T, k, -1), batch_pos)
     return weighted.sum(dim=1).to(x.dtype)

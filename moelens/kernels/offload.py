@@ -24,10 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 
-# (gate_up [2I, H], down [H, I]) of one expert
-ExpertWeights = tuple[torch.Tensor, torch.Tensor]
+from moelens.experts.spec import ExpertTensors
+
+# one expert's tensors without the expert axis, in its ExpertSpec's parameter order (gate_up [2I, H], down
+# [H, I], then the biases where the spec has them)
+ExpertWeights = tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -258,15 +261,14 @@ class OffloadedExperts:
 
     def fetch(
         self, indices: Int[torch.Tensor, "T k"], x: torch.Tensor | None = None
-    ) -> tuple[Float[torch.Tensor, "n 2I H"], Float[torch.Tensor, "n H I"], Int[torch.Tensor, "T k"]]:
-        """(gate_up and down weights of the routed experts, stacked in ascending expert id; the indices
-        renumbered into that stack). x: this layer's mixture input, from which the next layer's experts are
+    ) -> tuple[ExpertTensors, Int[torch.Tensor, "T k"]]:
+        """(the routed experts' tensors, stacked in ascending expert id; the indices renumbered into that
+        stack). x: this layer's mixture input, from which the next layer's experts are
         predicted and prefetched where prefetch is on."""
         used = torch.unique(indices).tolist()  # sorted: renumbering keeps the slots' sort order by expert
         self.cache.settle_prefetch(self.layer, used)
         weights = [self.cache.get((self.layer, e), lambda e=e: self.source(e), self.device) for e in used]
-        gate_up = torch.stack([w[0] for w in weights])
-        down = torch.stack([w[1] for w in weights])
+        tensors = ExpertTensors.stack(weights)
         self.cache.trim()  # the stacks hold this layer's working set; the cache keeps what fits
         if x is not None and self.next is not None and self.cache.prefetcher is not None:
             self.cache.prefetcher.submit(PrefetchJob(self.next, x.detach(), self.predict))
@@ -274,4 +276,4 @@ class OffloadedExperts:
         renumber[torch.tensor(used, device=indices.device, dtype=torch.long)] = torch.arange(
             len(used), dtype=indices.dtype, device=indices.device
         )
-        return gate_up, down, renumber[indices]
+        return tensors, renumber[indices]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moelens.experts.spec import ExpertTensors
 from moelens.kernels.experts import ExpertHooks, hooked, hooked_site, slot_linear
 from moelens.kernels.routing import SlotLayout, align_slots
 from moelens.kernels.tiles import Tile, tile_for
@@ -289,8 +290,12 @@ class _Combine(torch.autograd.Function):
 
 
 def routed_experts_triton(
-    x, indices, weights, W_gate_up, W_down, act, hooks: ExpertHooks, batch_pos, tile: Tile | None = None
+    x, indices, weights, tensors: ExpertTensors, hooks: ExpertHooks, batch_pos, tile: Tile | None = None
 ) -> torch.Tensor:
+    """The experts of a spec the kernels fuse (ExpertSpec.fused_by_triton: SiLU(gate) * up, no biases)."""
+    if tensors.gate_up_bias is not None or tensors.down_bias is not None:
+        raise ValueError("the Triton expert kernels compute experts without biases; use the torch path")
+    W_gate_up, W_down = tensors.gate_up, tensors.down
     T, k = indices.shape
     tile = tile or tile_for(T).for_dtype(x.dtype)
     layout = align_slots(indices, W_gate_up.shape[0], tile.block_m)

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
 from moelens.loaders.safetensors_files import SafetensorsFiles
-from moelens.sitemap import ExpertStack, SiteMap
+from moelens.sitemap import AS_STORED, ExpertStack, Layout, SiteMap
 
 # Buffers some exporters write that are recomputed from the config.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -26,18 +26,22 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 @dataclass(frozen=True)
 class Target:
-    """Where a checkpoint tensor goes: a parameter (or buffer), and the index within it."""
+    """Where a checkpoint tensor goes: a parameter (or buffer), the index within it, and the layout the
+    tensor is stored in (mapped onto the parameter's as it is read)."""
 
     param: str
     index: tuple = ()
+    layout: Layout = AS_STORED
 
 
 def _expert_keys(stack: ExpertStack, present: set[str] | SafetensorsFiles) -> dict[str, Target]:
     """The layer's expert keys in the spelling the files use (fused, or the first per-expert spelling whose
-    expert 0 is there); the first per-expert spelling when none is, so that they are reported missing."""
+    expert 0 is there); the first per-expert spelling when none is (the fused one where the family has no
+    per-expert spelling), so that they are reported missing."""
+    fused = stack.fused.keys()
+    if fused[0][0] in present or not stack.per_expert:
+        return {key: Target(param, (), layout) for (key, layout), param in zip(fused, stack.params)}
     w_gate_up, w_down = stack.params
-    if stack.fused_gate_up in present:
-        return {stack.fused_gate_up: Target(w_gate_up), stack.fused_down: Target(w_down)}
     spelling = next((k for k in stack.per_expert if k.gate.format(e=0) in present), stack.per_expert[0])
     gate, up = slice(0, stack.d_expert), slice(stack.d_expert, 2 * stack.d_expert)
     keys = {}
@@ -97,7 +101,7 @@ def slot_map(model: nn.Module, keys: dict[str, Target]) -> dict[str, torch.Tenso
 
 def check_shapes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Target]) -> None:
     """Every checkpoint tensor's shape, from the headers, against its slot: fail before reading any data."""
-    wrong = {key: tuple(slots[t.param][t.index].shape) for key, t in keys.items()}
+    wrong = {key: t.layout.stored_shape(tuple(slots[t.param][t.index].shape)) for key, t in keys.items()}
     wrong = {key: shape for key, shape in wrong.items() if files.shapes[key] != shape}
     if wrong:
         key, expected = next(iter(wrong.items()))
@@ -149,7 +153,7 @@ def fill(
         for key, tensor in files.read(to_read):
             target = keys[key]
             slot = slots[target.param][target.index]
-            slot.copy_(tensor)
+            slot.copy_(target.layout.load(tensor))
             if check_finite and (bad := slot.numel() - int(torch.isfinite(slot).sum())):
                 nan = int(torch.isnan(slot).sum())
                 not_finite.append(

@@ -15,39 +15,43 @@ from safetensors import safe_open
 from moelens.loaders.checkpoint import Target
 from moelens.loaders.safetensors_files import SafetensorsFiles
 
-EXPERT_PARAMS = ("W_gate_up", "W_down")
 
 
-def expert_param(target: Target) -> tuple[int, str] | None:
-    """(layer, "W_gate_up" | "W_down") when a key fills a routed expert stack, else None."""
+def expert_param(target: Target, params: tuple[str, ...]) -> tuple[int, str] | None:
+    """(layer, parameter name) when a key fills one of a routed expert stack's `params`, else None."""
     parts = target.param.split(".")  # blocks.L.mlp.experts.W_...
-    if len(parts) == 5 and parts[2:4] == ["mlp", "experts"] and parts[4] in EXPERT_PARAMS:
+    if len(parts) == 5 and parts[2:4] == ["mlp", "experts"] and parts[4] in params:
         return int(parts[1]), parts[4]
     return None
 
 
 class ExpertReader:
-    def __init__(self, files: SafetensorsFiles, keys: dict[str, Target], shapes: dict[tuple[int, str], tuple[int, ...]], dtype: torch.dtype) -> None:
-        """shapes: (layer, param) -> the stacked parameter's shape [E, ...]."""
+    def __init__(
+        self, files: SafetensorsFiles, keys: dict[str, Target], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
+    ) -> None:
+        """shapes: the experts' stacked parameters' names and shapes [E, ...], in parameter order
+        (ExpertSpec.shapes()), the same in every mixture layer."""
         self.files, self.shapes, self.dtype = files, shapes, dtype
+        self.params = tuple(shapes)
         self.sources: dict[tuple[int, str], list[tuple[str, Target]]] = defaultdict(list)
         for key, target in keys.items():
-            where = expert_param(target)
+            where = expert_param(target, self.params)
             if where is not None:
                 self.sources[where].append((key, target))
 
-    def read(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of one expert, in the model's dtype, on the CPU."""
-        out = {param: torch.empty(self.shapes[layer, param][1:], dtype=self.dtype) for param in EXPERT_PARAMS}
+    def read(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        """One expert's tensors (gate_up [2I, H], down [H, I], biases where the spec has them), in the model's
+        dtype, on the CPU."""
+        out = {param: torch.empty(self.shapes[param][1:], dtype=self.dtype) for param in self.params}
         by_file: dict = defaultdict(list)
-        for param in EXPERT_PARAMS:
+        for param in self.params:
             for key, target in self.sources[layer, param]:
                 fused = target.index == ()
                 if fused or target.index[0] == expert:
-                    by_file[self.files.location[key]].append((key, param, fused, target.index[1:]))
+                    by_file[self.files.location[key]].append((key, param, fused, target.index[1:], target.layout))
         for path, reads in by_file.items():
             with safe_open(path, framework="pt") as f:
-                for key, param, fused, rows in reads:
+                for key, param, fused, rows, layout in reads:
                     tensor = f.get_slice(key)[expert] if fused else f.get_tensor(key)
-                    out[param][rows].copy_(tensor)
-        return out["W_gate_up"], out["W_down"]
+                    out[param][rows].copy_(layout.load(tensor))
+        return tuple(out[param] for param in self.params)

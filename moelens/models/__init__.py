@@ -5,6 +5,7 @@ from __future__ import annotations
 from moelens.families import FAMILIES, family_for
 from moelens.models.base import HookedTransformer
 from moelens.models.deepseek_v3 import HookedDeepseekV3
+from moelens.models.gpt_oss import HookedGptOss
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
 from moelens.models.mixtral import HookedMixtral
 from moelens.models.olmoe import HookedOlmoe
@@ -13,6 +14,6 @@ from moelens.models.qwen3_moe import HookedQwen3Moe
 from moelens.models.solar_open import HookedSolarOpen
 
 __all__ = [
-    "FAMILIES", "HookedDeepseekV3", "HookedHunyuanMoe", "HookedMixtral", "HookedOlmoe", "HookedQwen2Moe",
+    "FAMILIES", "HookedDeepseekV3", "HookedGptOss", "HookedHunyuanMoe", "HookedMixtral", "HookedOlmoe", "HookedQwen2Moe",
     "HookedQwen3Moe", "HookedSolarOpen", "HookedTransformer", "family_for",
 ]

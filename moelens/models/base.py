@@ -21,7 +21,7 @@ from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kernels import BACKENDS
 from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
-from moelens.models.components import Block, Components, Embed, RMSNorm, Rotary, TopKRouter
+from moelens.models.components import Block, Components, Embed, Rotary
 from moelens.models.components.attention import set_use_attn_result
 from moelens.names import OPTIONAL_SITE_SWITCHES, alias_candidates
 from moelens.positions import check_attention_mask, positions_from_mask
@@ -78,7 +78,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         self.hook_embed = HookPoint("batch pos d_model", "token embeddings")
         self.rotary = Rotary(cfg)
         self.blocks = nn.ModuleList(Block(cfg, layer, self.components) for layer in range(cfg.n_layers))
-        self.ln_final = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ln_final = self.components.norm(cfg.d_model, cfg.norm_eps)
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         self.hook_logits = HookPoint("batch pos d_vocab", "logits")
         self.tie_weights()
@@ -106,13 +106,13 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
 
     @classmethod
     def build(cls, cfg: MoeConfig) -> HookedTransformer:
-        """The model on the meta device, in cfg.dtype, routers float32 where the family keeps them so:
-        what loading fills and what `moelens plan` counts."""
+        """The model on the meta device, in cfg.dtype, the modules the family keeps float32 (a class attribute
+        float32_weight: some routers and norms) float32: what loading fills and what `moelens plan` counts."""
         with torch.device("meta"):
             model = cls(cfg)
         model.to(cfg.dtype)
         for module in model.modules():
-            if isinstance(module, TopKRouter) and module.float32_weight:
+            if getattr(module, "float32_weight", False):
                 module.float()
         return model
 
@@ -462,9 +462,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         Both give the same hook tensors."""
         if backend not in BACKENDS:
             raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
-        for block in self.blocks:
-            if block.is_moe:
-                block.mlp.experts.backend = backend
+        experts = [block.mlp.experts for block in self.blocks if block.is_moe]
+        if backend == "triton" and experts and not experts[0].spec.fused_by_triton:
+            raise ValueError(
+                f"experts_backend='triton' computes SiLU(gate) * up without biases; this model's experts are "
+                f"{experts[0].spec.describe()}: use experts_backend='torch' or 'auto'"
+            )
+        for module in experts:
+            module.backend = backend
 
     def set_attention_backend(self, backend: Literal["eager", "fused"]) -> None:
         """"eager" (default) computes scores and pattern explicitly, bit for bit the reference's eager attention

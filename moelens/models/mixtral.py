@@ -46,6 +46,7 @@ class HookedMixtral(HookedTransformer):
         n_heads = hf.integer("num_attention_heads", at_least=1)
         n_experts = hf.integer("num_local_experts", 8, at_least=1)
         top_k = hf.integer("num_experts_per_tok", 2, at_least=1, at_most=n_experts)
+        window = hf.integer("sliding_window", None, at_least=1)
         rope = hf.rope()
         if hf.rope_section().opt("rope_theta") is None and raw.get("rope_theta") is None:
             rope = dataclasses.replace(rope, theta=DEFAULT_ROPE_THETA)
@@ -66,7 +67,8 @@ class HookedMixtral(HookedTransformer):
             top_k=(top_k,) * n_layers,
             d_expert=hf.integer("intermediate_size", at_least=1),
             norm_topk_prob=True,
-            sliding_window=hf.integer("sliding_window", None, at_least=1),
+            sliding_window=window,
+            attention_windows=(window,) * n_layers,
             tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
         )

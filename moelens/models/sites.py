@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from moelens.config import MoeConfig
-from moelens.sitemap import ExpertStack, PerExpertKeys, Reference, SiteMap, Weight
+from moelens.sitemap import ExpertStack, FusedExperts, PerExpertKeys, Reference, SiteMap, Weight
 
 Entry = Weight | ExpertStack | Reference
 # A family's per-layer entries: (cfg, layer, checkpoint prefix "model.layers.L", moelens prefix "blocks.L")
@@ -19,9 +19,12 @@ LayerSites = Callable[[MoeConfig, int, str, str], Iterable[Entry]]
 GATE_UP_DOWN = PerExpertKeys("{e}.gate_proj.weight", "{e}.up_proj.weight", "{e}.down_proj.weight")
 
 
-def decoder_site_map(cfg: MoeConfig, layer_sites: LayerSites, ignored_prefixes: tuple[str, ...] = ()) -> SiteMap:
+def decoder_site_map(
+    cfg: MoeConfig, layer_sites: LayerSites, ignored_prefixes: tuple[str, ...] = (), mlp_read: str = "out"
+) -> SiteMap:
     """Embeddings, final norm, head, and per layer the two norms, the residual references and whatever the
-    family's layer_sites gives (attention, MLP or mixture)."""
+    family's layer_sites gives (attention, MLP or mixture). mlp_read: which output of the transformers MLP
+    module hook_mlp_out equals ("out.0" where it returns a tuple)."""
     entries: list[Entry] = [
         Weight("embed.weight", ("model.embed_tokens.weight",)),
         Weight("ln_final.weight", ("model.norm.weight",)),
@@ -39,7 +42,7 @@ def decoder_site_map(cfg: MoeConfig, layer_sites: LayerSites, ignored_prefixes: 
             Reference(f"{dst}.ln1.hook_normalized", f"{src}.input_layernorm"),
             Reference(f"{dst}.hook_attn_out", f"{src}.self_attn", "out.0"),
             Reference(f"{dst}.ln2.hook_normalized", f"{src}.post_attention_layernorm"),
-            Reference(f"{dst}.hook_mlp_out", f"{src}.mlp"),
+            Reference(f"{dst}.hook_mlp_out", f"{src}.mlp", mlp_read),
             Reference(f"{dst}.hook_resid_post", src),
         ]
         entries += layer_sites(cfg, layer, src, dst)
@@ -80,7 +83,7 @@ def routed_experts(
     )
     return ExpertStack(
         f"{dst}.mlp.experts", cfg.n_experts, cfg.d_expert, spellings,
-        f"{src_experts[0]}.gate_up_proj", f"{src_experts[0]}.down_proj",
+        FusedExperts(f"{src_experts[0]}.gate_up_proj", f"{src_experts[0]}.down_proj"),
     )
 
 

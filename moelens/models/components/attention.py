@@ -80,9 +80,12 @@ class Attention(nn.Module):
     # q_proj, k_proj, v_proj map the normed stream to heads: the W_Q / W_K / W_V views exist
     per_head_projections: ClassVar[bool] = True
     use_attn_result = False  # model.set_use_attn_result switches it per instance
+    # whether SDPA computes the same thing when nothing reads the scores or pattern (backend "fused")
+    fusable: ClassVar[bool] = True
 
-    def __init__(self, cfg: MoeConfig) -> None:
+    def __init__(self, cfg: MoeConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         self.scale = cfg.d_head**-0.5
         # "eager" (default): explicit scores and pattern, so results do not depend on which hooks are on;
@@ -125,7 +128,7 @@ class Attention(nn.Module):
 
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # batch head pos d_head
         group = self.n_heads // self.n_kv_heads
-        if self.backend == "eager" or self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
+        if self.backend == "eager" or not self.fusable or self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
             # The heads of a kv group share its keys: fold them into the query axis instead of repeating
             # keys and values ([b, kv, group*q, d] @ [b, kv, d, k]).
             n_q, n_k = q.shape[2], k.shape[2]
@@ -134,11 +137,15 @@ class Attention(nn.Module):
             # in place: these are the largest tensors of the block. finfo.min, not -inf: a row with nothing
             # allowed must not turn into NaN
             scores = self.hook_attn_scores(scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min))
-            pattern = self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
+            pattern = self.hook_pattern(self.softmax(scores))
             z = torch.matmul(pattern.reshape(b, self.n_kv_heads, group * n_q, n_k), v).view(b, self.n_heads, n_q, self.d_head)
         else:  # nothing reads the pattern: the fused kernel gives the same result
             z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
         return project_out(self, self.hook_z(z.transpose(1, 2)))
+
+    def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
+        """The pattern from the masked scores: a float32 softmax over the keys, in the scores' dtype."""
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
 
     @staticmethod
     def cached_per_token(cfg: MoeConfig) -> int:
@@ -170,8 +177,8 @@ class Attention(nn.Module):
 class QKNormAfterRotaryAttention(Attention):
     """RMSNorm of each rotated query and key head, one weight [d_head] shared by the heads (Hunyuan)."""
 
-    def __init__(self, cfg: MoeConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: MoeConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
         self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
         self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
 

@@ -26,6 +26,7 @@ class Components:
     moe: type[SparseMoe]
     router: type[TopKRouter]
     dense_mlp: type[GatedMLP] = GatedMLP
+    norm: type[RMSNorm] = RMSNorm  # ln1, ln2 and ln_final
 
 
 # TransformerLens's optional per-block hooks: (attribute, layout, meaning); each exists only while its switch
@@ -56,9 +57,9 @@ class Block(nn.Module):
         super().__init__()
         self.is_moe = cfg.moe_layers[layer]
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps, feeds="attention")
-        self.attn = components.attention(cfg)
-        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps, feeds="the MLP / mixture")
+        self.ln1 = components.norm(cfg.d_model, cfg.norm_eps, feeds="attention")
+        self.attn = components.attention(cfg, layer)
+        self.ln2 = components.norm(cfg.d_model, cfg.norm_eps, feeds="the MLP / mixture")
         self.mlp: nn.Module = (
             components.moe(cfg, layer, components.router) if self.is_moe
             else components.dense_mlp(cfg.d_model, cfg.d_mlp, cfg.act_fn)

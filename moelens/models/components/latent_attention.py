@@ -62,8 +62,9 @@ class MultiHeadLatentAttention(nn.Module):
     per_head_projections: ClassVar[bool] = False
     use_attn_result = False  # model.set_use_attn_result switches it per instance (o_proj is per head here too)
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.n_heads = cfg.n_heads
         self.d_nope, self.d_rope, self.d_v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.d_head = self.d_nope + self.d_rope

@@ -7,7 +7,7 @@ from jaxtyping import Float
 from torch import nn
 
 from moelens.hooks import HookPoint
-from moelens.models.components.activations import activation
+from moelens.experts.activations import activation
 
 
 class GatedMLP(nn.Module):

@@ -9,12 +9,12 @@ from jaxtyping import Float, Int
 from torch import nn
 
 from moelens.config import MoeConfig
+from moelens.experts.spec import ExpertTensors
 from moelens.hooks import HookPoint
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.expert_parallel import ExpertShard
 from moelens.kernels.experts import VIEW_SITES, ExpertViewPoint, ViewGroup, check_indices
 from moelens.kernels.offload import OffloadedExperts
-from moelens.models.components.activations import activation
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.router import TopKRouter
 
@@ -33,69 +33,89 @@ class ExpertSites(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights: W_gate_up [E, 2*d_expert, d_model] (gate rows first), W_down [E, d_model, d_expert].
+    """One mixture layer's routed experts, as the config's ExpertSpec says (moelens.experts.spec), and where
+    they live, fixed when the model is built (cfg.expert_placement):
+
+    - "resident": the stacks are this module's parameters, named and shaped as spec.shapes() says
+      (W_gate_up [E, 2*d_expert, d_model], gate rows first; W_down [E, d_model, d_expert]; b_gate_up, b_down
+      where the spec has biases);
+    - "offloaded": an OffloadedExperts store (moelens.kernels.offload) fetches the routed experts when a
+      forward needs them; the full stacks are kept in host memory where they are readable (expert_offload
+      "cpu"), not at all for "disk";
+    - "sharded": this rank's ExpertShard (moelens.kernels.expert_parallel) holds a range of the experts.
+    Offloaded and sharded experts are not parameters of the model (model.to() and state_dict() do not see
+    them); tensors() reads the stacks wherever they are readable and says why where they are not.
 
     Children "0" .. "E-1" hold each expert's TransformerLens sites (ExpertSites): blocks.L.mlp.experts.E.hook_*."""
 
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__()
-        self.n_experts, self.d_expert = cfg.n_experts, cfg.d_expert
-        self.W_gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.d_expert, cfg.d_model))
-        self.W_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, cfg.d_expert))
-        self.act = activation(cfg.act_fn)
+        self.spec = cfg.expert_spec()
+        self.n_experts, self.d_expert = self.spec.n_experts, self.spec.d_expert
+        self.placement = cfg.expert_placement
+        if self.placement == "resident":
+            for name, shape in self.spec.shapes().items():
+                self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.backend = "auto"  # "torch" | "triton" | "auto"; see moelens.kernels
-        self.store: OffloadedExperts | None = None  # set when the weights live off the device (offload())
-        self.shard: ExpertShard | None = None  # set when this rank holds only some experts (expert parallel)
+        self.store: OffloadedExperts | None = None  # placement "offloaded": attach_store()
+        self.host: ExpertTensors | None = None  # placement "offloaded" to host memory: the full stacks
+        self.shard: ExpertShard | None = None  # placement "sharded": attach_shard()
         self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
         self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
-        self.hook_post = HookPoint("batch pos top_k d_expert", "expert neurons per slot: act(gate) * up")
+        self.hook_post = HookPoint("batch pos top_k d_expert", f"expert neurons per slot: {self.spec.activation.formula}")
         self.views = ViewGroup(cfg.n_experts)  # not a module: the per-expert sites below, for a cheap hooked test
         for e in range(cfg.n_experts):
             self.add_module(str(e), ExpertSites(self.views, e))
 
-    def offload(self, store: OffloadedExperts, host_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Hand the weights to an expert store: they stop being this module's parameters (model.to() and
-        state_dict() no longer see them). host_weights: the full stacks where they stay readable (host memory),
-        None when they live only on disk."""
-        del self.W_gate_up, self.W_down
-        self.store, self.host_weights = store, host_weights
+    def attach_store(self, store: OffloadedExperts, host: ExpertTensors | None = None) -> None:
+        """Placement "offloaded": the store the forward fetches routed experts from. host: the full stacks where
+        they stay readable (host memory), None when they live only on disk."""
+        self._expect("offloaded")
+        self.store, self.host = store, host
 
-    def keep_shard(self, shard: ExpertShard) -> None:
-        """Expert parallelism: this rank holds only shard's experts, and the full stacks stop being this
-        module's parameters (model.to() and state_dict() no longer see them)."""
-        del self.W_gate_up, self.W_down
+    def attach_shard(self, shard: ExpertShard) -> None:
+        """Placement "sharded": this rank's experts."""
+        self._expect("sharded")
         self.shard = shard
 
-    def weights_for(
-        self, indices: Int[torch.Tensor, "T k"], x: torch.Tensor | None = None
-    ) -> tuple[Float[torch.Tensor, "E 2I H"], Float[torch.Tensor, "E H I"], Int[torch.Tensor, "T k"]]:
-        """(W_gate_up, W_down, expert ids into them): all experts when resident; when offloaded, only the
-        routed ones, with the ids renumbered into that stack (see moelens.kernels.offload). x: the mixture's
-        input, from which an offloaded model with prefetch on predicts the next layer's experts."""
-        if self.store is None:
-            return self.W_gate_up, self.W_down, indices
-        return self.store.fetch(indices, x)
+    def _expect(self, placement: str) -> None:
+        if self.placement != placement:
+            raise ValueError(f"these experts were built {self.placement}, not {placement}")
 
-    def __getattr__(self, name: str):
-        if name in ("W_gate_up", "W_down") and self.__dict__.get("shard") is not None:
+    def tensors(self) -> ExpertTensors:
+        """All of the layer's stacked experts, in the spec's parameter order."""
+        if self.placement == "resident":
+            return ExpertTensors(*(getattr(self, name) for name in self.spec.param_names))
+        if self.placement == "sharded":
+            where = "not attached yet" if self.shard is None else str(self.shard)
             raise ValueError(
-                f"{name}: with expert_parallel this rank holds only {self.shard}; its stack is .shard.{name} "
-                f"(experts {self.shard.lo} to {self.shard.hi - 1})"
+                f"with expert_parallel this rank holds only some experts ({where}); read its stacks with "
+                ".shard.tensors"
             )
-        if name in ("W_gate_up", "W_down") and self.__dict__.get("store") is not None:
-            if self.host_weights is None:
-                # not AttributeError: a property reading this (model.W_out) would turn that into "no attribute"
-                raise ValueError(
-                    f"{name}: this model's routed experts are offloaded to disk and are not held in memory; read one "
-                    "expert with .store.source(expert) or load with expert_offload='cpu' (or none)"
-                )
-            return self.host_weights[0 if name == "W_gate_up" else 1]
-        return super().__getattr__(name)
+        if self.host is None:
+            raise ValueError(
+                "this model's routed experts are offloaded to disk and are not held in memory; read one expert with "
+                ".store.source(expert) or load with expert_offload='cpu' (or none)"
+            )
+        return self.host
+
+    def forward(
+        self, x: Float[torch.Tensor, "T H"], indices: Int[torch.Tensor, "T k"], weights: Float[torch.Tensor, "T k"],
+        hooks: ExpertHooks, batch_pos: tuple[int, int],
+    ) -> Float[torch.Tensor, "T H"]:
+        """sum over each token's slots of weight * expert(x), wherever the experts live."""
+        if self.placement == "sharded":  # this rank's experts, the others' gathered
+            return self.shard(x, indices, weights, self.spec, hooks, batch_pos, self.backend)
+        if self.placement == "offloaded":  # the routed experts only, with the ids renumbered into their stack
+            tensors, indices = self.store.fetch(indices, x)
+        else:
+            tensors = self.tensors()
+        return routed_experts(x, indices, weights, tensors, self.spec, hooks, batch_pos, self.backend)
 
     def extra_repr(self) -> str:
         where = "" if self.store is None else f", offloaded to {self.store.where}"
         where += "" if self.shard is None else f", {self.shard}"
-        return f"n_experts={self.n_experts}, d_expert={self.d_expert}, backend={self.backend}{where}"
+        return f"{self.spec.describe()}, backend={self.backend}{where}"
 
 
 class SparseMoe(nn.Module):
@@ -110,7 +130,7 @@ class SparseMoe(nn.Module):
         self.router = router(cfg, cfg.top_k[layer])
         self.experts = Experts(cfg)
         self.hook_router_logits = HookPoint("batch pos n_experts", "router logits, before scoring")
-        self.hook_router_scores = HookPoint("batch pos n_experts", "softmax / sigmoid scores of every expert (float32)")
+        self.hook_router_scores = HookPoint("batch pos n_experts", self.router.scores_meaning)
         if self.router.choice_bias:
             self.hook_choice_scores = HookPoint(
                 "batch pos n_experts", "scores the top-k is taken on (scores + correction bias)"
@@ -134,8 +154,9 @@ class SparseMoe(nn.Module):
         "d_model]); model.W_gate[L] ([n_experts, d_model, d_expert]) when every block is a mixture",
         "W_out": "the routed experts' down projections are experts.W_down ([n_experts, d_model, d_expert]); "
         "model.W_out[L] ([n_experts, d_expert, d_model]) when every block is a mixture",
-        "b_in": "the routed experts have no biases",
-        "b_out": "the routed experts have no biases",
+        "b_in": "the routed experts' biases, where the family has them, are experts.b_gate_up ([n_experts, "
+        "2 * d_expert], gate first)",
+        "b_out": "the routed experts' output biases, where the family has them, are experts.b_down ([n_experts, d_model])",
     }
 
     def __getattr__(self, name: str):
@@ -162,24 +183,7 @@ class SparseMoe(nn.Module):
         hooks = self._expert_hooks
         if self.experts.views.any_hooked():  # the per-expert views take the real ids (before offload renumbers)
             hooks = self.experts.views.bind(hooks, indices.reshape(b * p, -1), (b, p))
-        if self.experts.shard is not None:  # expert parallel: this rank's experts, the others' gathered
-            routed = self.experts.shard(
-                x.reshape(b * p, d), indices.reshape(b * p, -1), weights.reshape(b * p, -1), self.experts.act,
-                hooks, (b, p), self.experts.backend,
-            )
-            return self.hook_routed_out(routed.view(b, p, d))
-        W_gate_up, W_down, expert_ids = self.experts.weights_for(indices.reshape(b * p, -1), x)
-        routed = routed_experts(
-            x.reshape(b * p, d),
-            expert_ids,
-            weights.reshape(b * p, -1),
-            W_gate_up,
-            W_down,
-            self.experts.act,
-            hooks,
-            (b, p),
-            self.experts.backend,
-        )
+        routed = self.experts(x.reshape(b * p, d), indices.reshape(b * p, -1), weights.reshape(b * p, -1), hooks, (b, p))
         return self.hook_routed_out(routed.view(b, p, d))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from jaxtyping import Float
 from torch import nn
@@ -17,6 +19,8 @@ class RMSNorm(nn.Module):
     is the reference's x * rsqrt(...) bit for bit (x / scale differs from it in the last bit).
     """
 
+    float32_weight: ClassVar[bool] = False  # kept float32 whatever the model's dtype (HookedTransformer.build)
+
     def __init__(self, d: int, eps: float, hooked: bool = True, feeds: str = "the unembedding") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
@@ -31,14 +35,26 @@ class RMSNorm(nn.Module):
         x = x.float()
         variance = x.pow(2).mean(-1, keepdim=True)
         if not self.hooked:
-            return self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
+            return self.apply_weight(x * torch.rsqrt(variance + self.eps), dtype)
         if not self.hook_scale.has_hooks:
-            return self.hook_normalized(self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype))
+            return self.hook_normalized(self.apply_weight(x * torch.rsqrt(variance + self.eps), dtype))
         scale = self.hook_scale(torch.sqrt(variance + self.eps))
-        return self.hook_normalized(self.weight * (x * _inverse(scale, variance, self.eps)).to(dtype))
+        return self.hook_normalized(self.apply_weight(x * _inverse(scale, variance, self.eps), dtype))
+
+    def apply_weight(self, normed: Float[torch.Tensor, "... d"], dtype: torch.dtype) -> Float[torch.Tensor, "... d"]:
+        """The float32 normed input, back in the input's dtype, times the weight (Llama's order)."""
+        return self.weight * normed.to(dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class CastAfterWeightRMSNorm(RMSNorm):
+    """The weight applied to the float32 normed input, then the cast back to the input's dtype (gpt-oss):
+    in bfloat16 the product rounds once, where Llama's order rounds before and after the weight."""
+
+    def apply_weight(self, normed: Float[torch.Tensor, "... d"], dtype: torch.dtype) -> Float[torch.Tensor, "... d"]:
+        return (self.weight * normed).to(dtype)
 
 
 def _inverse(scale: torch.Tensor, variance: torch.Tensor, eps: float) -> torch.Tensor:

@@ -40,8 +40,8 @@ class ProjectionQKNormAttention(Attention):
     # hook_q and hook_k are after the norms: W_Q / W_K are the projections before them
     linear_hooks = ("v",)
 
-    def __init__(self, cfg: ClipQKVConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: ClipQKVConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
         self.clip_qkv = cfg.clip_qkv
         self.q_norm = RMSNorm(cfg.n_heads * cfg.d_head, cfg.norm_eps, hooked=False)
         self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.d_head, cfg.norm_eps, hooked=False)

@@ -12,8 +12,8 @@ class QKNormBeforeRotaryAttention(Attention):
     (Qwen3-MoE). hook_q / hook_k hold the projections before the norm; hook_rot_q / hook_rot_k what enters
     the scores, after the norm and the rotary. The normed, not yet rotated heads have no hook."""
 
-    def __init__(self, cfg: MoeConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: MoeConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
         self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
         self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
 

@@ -16,9 +16,9 @@ class SlidingWindowAttention(Attention):
     None leaves the causal mask as it is (Mixtral). Indices count every position of the input and the KV
     cache, padding included, as transformers' cache positions do."""
 
-    def __init__(self, cfg: MoeConfig) -> None:
-        super().__init__(cfg)
-        self.sliding_window: int | None = cfg.sliding_window
+    def __init__(self, cfg: MoeConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.sliding_window: int | None = cfg.window(layer)
 
     def forward(
         self,

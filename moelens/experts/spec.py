@@ -1,0 +1,156 @@
+"""The routed expert's contract: what one expert is, read by every consumer (the torch path, the Triton
+kernels, offload, expert parallelism, weight views, fold, the residual decomposition, the loader).
+
+An expert maps a token row x [d_model] to
+
+    gate, up = W_gate_up @ x (+ b_gate_up)         # [2 * d_expert], the gate rows first
+    neurons  = activation(gate, up)                 # [d_expert]
+    out      = W_down @ neurons (+ b_down)          # [d_model]
+
+and the mixture adds weight * out over a token's routing slots. A layer's experts are stacked along a first
+axis of n_experts. The parameters, their names and shapes, and the activation are the spec's; nothing else
+names them. Checkpoint layouts (per-expert, fused, transposed, interleaved gate/up) are the loader's
+transforms onto these stacks (moelens.sitemap.ExpertStack).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from jaxtyping import Float, Int
+
+from moelens.experts.activations import activation as activation_fn
+
+
+class GatedActivation(ABC):
+    """neurons = f(gate, up), elementwise. `silu_glu`: it is SiLU(gate) * up, what the Triton kernels fuse."""
+
+    silu_glu = False
+
+    @abstractmethod
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    @abstractmethod
+    def formula(self) -> str:
+        """What the neurons are, for support() and error messages."""
+
+
+@dataclass(frozen=True)
+class GLU(GatedActivation):
+    """act(gate) * up: the SwiGLU of Llama-style experts (act "silu"), or another config.json hidden_act."""
+
+    act: str = "silu"
+
+    def __post_init__(self) -> None:
+        activation_fn(self.act)  # an unknown name fails here, naming it
+
+    @property
+    def silu_glu(self) -> bool:  # type: ignore[override]
+        return activation_fn(self.act) is activation_fn("silu")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return activation_fn(self.act)(gate) * up
+
+    @property
+    def formula(self) -> str:
+        return f"{self.act}(gate) * up"
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU(GatedActivation):
+    """gpt-oss's: gate clamped above at `limit`, up clamped to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate), in that order of operations (transformers' GptOssExperts)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        # read as stride-2 views of an interleaved copy, as transformers reads its interleaved gate_up: torch's
+        # elementwise kernels can round differently (by a bfloat16 ulp) on strided and contiguous inputs
+        pair = torch.stack([gate, up], dim=-1).flatten(-2)
+        gate, up = pair[..., 0::2], pair[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return (up + 1) * glu
+
+    @property
+    def formula(self) -> str:
+        return f"(clamp(up, ±{self.limit}) + 1) * g * sigmoid({self.alpha} * g), g = clamp(gate, max={self.limit})"
+
+
+class ExpertTensors(NamedTuple):
+    """Stacked weights of some experts (all of a layer's, or the routed ones, or one rank's), in the spec's
+    parameter order. The biases are None for a spec without them."""
+
+    gate_up: Float[torch.Tensor, "E 2I H"]
+    down: Float[torch.Tensor, "E H I"]
+    gate_up_bias: Float[torch.Tensor, "E 2I"] | None = None
+    down_bias: Float[torch.Tensor, "E H"] | None = None
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    def present(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this spec has, in parameter order (ExpertSpec.param_names)."""
+        return tuple(t for t in self if t is not None)
+
+    @staticmethod
+    def stack(experts: Sequence[Sequence[torch.Tensor]]) -> ExpertTensors:
+        """From per-expert tensors (each in parameter order, without the expert axis)."""
+        return ExpertTensors(*(torch.stack(list(ts)) for ts in zip(*experts)))
+
+    def expert(self, e: int) -> tuple[torch.Tensor, ...]:
+        """One expert's tensors, without the expert axis, in parameter order."""
+        return tuple(t[e] for t in self.present())
+
+    def to(self, device: torch.device | str) -> ExpertTensors:
+        return ExpertTensors(*(None if t is None else t.to(device) for t in self))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.present())
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    n_experts: int
+    d_model: int
+    d_expert: int
+    activation: GatedActivation = GLU("silu")
+    bias: bool = False  # b_gate_up [E, 2I] and b_down [E, H]
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return ("W_gate_up", "W_down", "b_gate_up", "b_down") if self.bias else ("W_gate_up", "W_down")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each stacked parameter's shape [n_experts, ...]."""
+        E, H, I = self.n_experts, self.d_model, self.d_expert
+        all_shapes = {"W_gate_up": (E, 2 * I, H), "W_down": (E, H, I), "b_gate_up": (E, 2 * I), "b_down": (E, H)}
+        return {name: all_shapes[name] for name in self.param_names}
+
+    def expert_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one expert's tensors in `dtype` (dense storage)."""
+        per_expert = sum(torch.Size(shape[1:]).numel() for shape in self.shapes().values())
+        return per_expert * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def fused_by_triton(self) -> bool:
+        """Whether the Triton kernels compute this expert: SiLU(gate) * up, no biases."""
+        return self.activation.silu_glu and not self.bias
+
+    def describe(self) -> str:
+        bias = " with biases" if self.bias else ""
+        return f"{self.n_experts} experts of width {self.d_expert}{bias}, neurons {self.activation.formula}"
+
+
+def gather_rows(bias: Float[torch.Tensor, "E n"], experts: Int[torch.Tensor, "S"]) -> Float[torch.Tensor, "S n"]:
+    """Each row's expert's bias."""
+    return bias.index_select(0, experts)

@@ -1,0 +1,171 @@
+"""HookedGptOss: gpt-oss-20b, gpt-oss-120b (model_type gpt_oss).
+
+What is special about the family:
+- attention: learned sinks, one logit per head that joins every query's softmax as an extra key and takes
+  its share of the mass (so a row of the pattern sums to less than one; `hook_sink_scores` holds the sink
+  logits as they enter, `hook_pattern` the keys' probabilities without the sink's); the softmax runs in
+  the scores' dtype after subtracting the row's max, as transformers does; sliding (`sliding_window`) and
+  full attention per `layer_types`; biases on q, k, v and o; YaRN rotary;
+- the router: logits with a bias, the top-k taken on the logits themselves, the weights a softmax over the
+  k chosen logits (in the logits' dtype);
+- the experts: biases on both projections and a clamped SwiGLU (ExpertSpec with ClampedSwiGLU(alpha, limit)),
+  stored fused and transposed with gate and up interleaved (gate_up_proj [E, d_model, 2*d_expert],
+  down_proj [E, d_expert, d_model]); no shared expert;
+- norms apply their weight to the float32 normed stream, then cast back to the stream's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import nn
+
+from moelens.config import HFConfig, MoeConfig
+from moelens.experts.spec import ClampedSwiGLU, ExpertSpec
+from moelens.hooks import HookPoint
+from moelens.models.base import HookedTransformer
+from moelens.models.components import Components, SparseMoe, TopKRouter
+from moelens.models.components.norm import CastAfterWeightRMSNorm
+from moelens.models.components.sliding_window_attention import SlidingWindowAttention
+from moelens.models.sites import Entry, attention_projections, decoder_site_map
+from moelens.sitemap import AS_STORED, ExpertStack, FusedExperts, Interleaved, Reference, SiteMap, Transposed, TransposedInterleaved, Weight
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+DEFAULT_ROPE_THETA = 150000.0  # transformers' GptOssConfig default
+
+
+@dataclass(frozen=True)
+class GptOssConfig(MoeConfig):
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def expert_spec(self) -> ExpertSpec:
+        return ExpertSpec(self.n_experts, self.d_model, self.d_expert, ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit), bias=True)
+
+
+class SinkAttention(SlidingWindowAttention):
+    """Attention whose softmax has one more, learned, logit per head (the sink): transformers' GptOssAttention."""
+
+    fusable: ClassVar[bool] = False  # SDPA has no sink
+
+    def __init__(self, cfg: MoeConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
+        self.hook_sink_scores = HookPoint(
+            "batch head query 1", "each head's sink logit, the extra key every query's softmax includes"
+        )
+        self.hook_pattern.meaning = (
+            "attention probabilities of the keys; each row sums to 1 minus the sink's share (hook_sink_scores)"
+        )
+
+    def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
+        b, _, n_q, _ = scores.shape
+        sinks = self.hook_sink_scores(self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n_q, 1))
+        combined = torch.cat([scores, sinks.to(scores.dtype)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        return F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+
+
+class LogitTopKSoftmax(TopKRouter):
+    """Logits with a bias, in the model's dtype; the top-k is taken on the logits (hook_router_scores holds
+    them as they are), and the k weights are a softmax over the chosen logits, in their dtype."""
+
+    scoring = "top-k logits, softmax over the k"
+    scores_meaning = "the logits the top-k is taken on (a softmax over the chosen k gives the weights)"
+
+    def __init__(self, cfg: MoeConfig, top_k: int) -> None:
+        super().__init__(cfg, top_k)
+        self.bias = nn.Parameter(torch.zeros(cfg.n_experts))
+
+    def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
+        return F.linear(x, self.weight, self.bias)
+
+    def scores(self, logits: torch.Tensor) -> Float[torch.Tensor, "... n_experts"]:
+        return logits.clone()  # its own tensor: an in-place edit of the scores must not reach the cached logits
+
+    def choose(self, choice_scores: Float[torch.Tensor, "... n_experts"]) -> torch.Tensor:
+        return torch.topk(choice_scores, self.top_k, dim=-1).indices
+
+    def weights(self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
+        chosen = scores.gather(-1, indices)
+        return F.softmax(chosen, dim=-1, dtype=chosen.dtype).to(logits_dtype)
+
+
+class HookedGptOss(HookedTransformer):
+    model_type = "gpt_oss"
+    components = Components(attention=SinkAttention, moe=SparseMoe, router=LogitTopKSoftmax, norm=CastAfterWeightRMSNorm)
+
+    @classmethod
+    def site_map(cls, cfg: MoeConfig) -> SiteMap:
+        return decoder_site_map(cfg, _layer_sites, mlp_read="out.0")  # transformers' MLP returns (out, weights)
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> GptOssConfig:
+        hf = HFConfig(raw)
+        n_layers = hf.integer("num_hidden_layers", at_least=1)
+        n_heads = hf.integer("num_attention_heads", at_least=1)
+        n_experts = hf.integer("num_local_experts", at_least=1)
+        top_k = hf.integer("num_experts_per_tok", 4, at_least=1, at_most=n_experts)
+        window = hf.integer("sliding_window", 128, at_least=1)
+        default_types = [LAYER_TYPES[i % 2] for i in range(n_layers)]  # transformers': sliding first, alternating
+        layer_types = raw.get("layer_types", default_types)
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= set(LAYER_TYPES):
+            raise ValueError(
+                f"layer_types must list {n_layers} entries, each one of {LAYER_TYPES}; got {layer_types!r}"
+            )
+        hf.read.append("layer_types")
+        rope = hf.rope()
+        if hf.rope_section().opt("rope_theta") is None and raw.get("rope_theta") is None:
+            rope = dataclasses.replace(rope, theta=DEFAULT_ROPE_THETA)
+        return GptOssConfig(
+            family=cls.model_type,
+            d_model=hf.integer("hidden_size", at_least=1),
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
+            d_head=hf.head_dim(),
+            d_vocab=hf.integer("vocab_size", at_least=1),
+            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
+            rope=rope,
+            max_position_embeddings=hf.integer("max_position_embeddings", 131072, at_least=1),
+            qkv_bias=hf.flag("attention_bias", True),
+            o_bias=hf.flag("attention_bias", True),
+            attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types),
+            moe_layers=(True,) * n_layers,
+            n_experts=n_experts,
+            top_k=(top_k,) * n_layers,
+            d_expert=hf.integer("intermediate_size", at_least=1),
+            swiglu_alpha=hf.number("swiglu_alpha", 1.702),
+            swiglu_limit=hf.number("swiglu_limit", 7.0, above=0),
+            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
+            fields_read=tuple(hf.read),
+            fields_ignored=tuple(f for f in ("hidden_act",) if f in raw),  # the experts' activation is fixed
+        )
+
+
+# transformers' layouts of the fused experts (the Hub's bfloat16 copies use them too)
+GPT_OSS_LAYOUTS = (TransposedInterleaved(), Transposed(), Interleaved(), AS_STORED)
+
+
+def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    experts = f"{src}.mlp.experts"
+    fused = FusedExperts(
+        f"{experts}.gate_up_proj", f"{experts}.down_proj", f"{experts}.gate_up_proj_bias", f"{experts}.down_proj_bias",
+        GPT_OSS_LAYOUTS,
+    )
+    return attention_projections(cfg, src, dst) + [
+        Weight(f"{dst}.attn.sinks", (f"{src}.self_attn.sinks",)),
+        Reference(f"{dst}.attn.hook_z", f"{src}.self_attn.o_proj", "in"),
+        Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.router.weight",)),
+        Weight(f"{dst}.mlp.router.bias", (f"{src}.mlp.router.bias",)),
+        ExpertStack(f"{dst}.mlp.experts", cfg.n_experts, cfg.d_expert, (), fused),
+        Reference(f"{dst}.mlp.hook_router_logits", f"{src}.mlp.router", "out.0"),
+        Reference(f"{dst}.mlp.hook_expert_weights", f"{src}.mlp.router", "out.1"),
+        Reference(f"{dst}.mlp.hook_expert_indices", f"{src}.mlp.router", "out.2"),
+        Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
+    ]
