@@ -47,7 +47,7 @@ def make_corpus(folder: Path, n_tokens: int, seed: int = 0) -> None:
 
 def plain_forward_seconds(model, corpus: Path, seq_len: int, batch_size: int) -> tuple[float, int]:
     """The forward alone over the trace's windows, batched and padded the same way."""
-    from moelens.trace import pad_windows
+    from moelens.traces.run import pad_windows
     from moelens.traces.sources import file_documents, resolve_files, windows
 
     files, _ = resolve_files(corpus)
@@ -64,7 +64,7 @@ def plain_forward_seconds(model, corpus: Path, seq_len: int, batch_size: int) ->
 
 def trace_seconds(model, corpus: Path, out: Path, seq_len: int, batch_size: int, windows_per_part: int | None) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process: every thread, so Parquet's compression threads count)."""
-    from moelens.trace import trace
+    from moelens.traces import trace
 
     shutil.rmtree(out, ignore_errors=True)
     start, cpu = time.perf_counter(), time.process_time()

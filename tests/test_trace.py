@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import moelens.trace as trace_module
+import moelens.traces.run as trace_module
 from moelens import HookedTransformer
 from moelens.cli import main
 from moelens.defaults import default_checkpoint
-from moelens.trace import TraceMismatch, trace
+from moelens.traces import TraceMismatch, trace
 from moelens.traces import manifest as manifest_module
 from moelens.traces.parts import PartWriter, schema
 from moelens.traces.sources import describe_files, windows
@@ -281,7 +281,7 @@ def test_resume_after_sigkill(model_path, corpus, reference, tmp_path):
             time.sleep(0.3)
             return real(self)
         parts.PartWriter.commit = slow
-        from moelens.trace import trace
+        from moelens.traces import trace
         trace({str(model_path)!r}, {str(corpus)!r}, {str(out)!r}, seq_len=32, batch_size=3, windows_per_part=4, progress=False)
     """)
     for wanted in (1, 2):
@@ -406,8 +406,8 @@ def test_two_ranks_run_the_forward_and_rank_0_alone_writes(model_path, corpus, r
     out = tmp_path / "t"
     script = textwrap.dedent(f"""
         import sys, torch, torch.distributed as dist
-        from moelens.trace import trace
-        import moelens.trace as module
+        from moelens.traces import trace
+        import moelens.traces.run as module
         rank = int(sys.argv[1])
         if rank == 1:  # rank 1 must neither read nor write the folder
             def refuse(*args, **kwargs):

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from moelens.analysis.traces import (
+from moelens.traces.analysis import (
     Trace,
     builtin_class,
     delta_experts,
@@ -43,7 +43,7 @@ ROWS = [
 
 
 def write_trace(folder: Path, rows, logits=None, files=None, model_id="m", complete=True) -> Path:
-    """A trace folder as moelens.trace writes it: one part and its manifest."""
+    """A trace folder as moelens.traces.run writes it: one part and its manifest."""
     folder.mkdir(parents=True)
     out = {name: [] for name in schema(logits is not None).names}
     for i, (doc, start, pos, token, routing) in enumerate(rows):
@@ -239,7 +239,7 @@ def model(tmp_path_factory):
 
 def test_on_a_real_trace_the_numbers_are_those_of_the_in_memory_analyses(model, tmp_path):
     from moelens.analysis import coactivations, expert_usage
-    from moelens.trace import trace
+    from moelens.traces import trace
 
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 256, (int(n),), generator=gen) for n in (17, 30, 5, 24)]

@@ -1,11 +1,11 @@
 """Corpus-scale routing traces: every real token's experts and weights at every mixture layer, in Parquet.
 
-    from moelens.trace import trace
+    from moelens.traces import trace
     trace("tiny-qwen2-moe", [Path("corpus/")], "traces/corpus", seq_len=1024)
 
 DIR then holds part-NNNNNN.parquet files (one row per real token per mixture layer; see
 moelens.traces.parts.schema) and manifest.json (model, config, data hashes, settings, completed parts).
-Query it with DuckDB (``read_parquet('DIR/*.parquet')``) or moelens.analysis.traces.
+Query it with DuckDB (``read_parquet('DIR/*.parquet')``) or moelens.traces.analysis.
 
 Parts are deterministic: part k holds windows [k * windows_per_part, (k + 1) * windows_per_part) of the
 data. A run killed at any moment and started again with the same arguments continues after the last

@@ -1,4 +1,4 @@
-"""Analyses of routing traces (moelens.trace), computed out of core with DuckDB over the Parquet parts.
+"""Analyses of routing traces (moelens.traces.run), computed out of core with DuckDB over the Parquet parts.
 
 Every function takes a trace as a folder path or a Trace, reads only the parts its manifest records, and
 never loads the trace in memory: DuckDB aggregates (spilling to disk where it must), and per-token numbers
