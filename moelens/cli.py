@@ -128,15 +128,18 @@ def trace(args: argparse.Namespace) -> int:
     from moelens.traces.run import trace as run_trace
 
     path = args.model or defaults.DEFAULT
-    model = HookedTransformer.from_pretrained(path, dtype=DTYPES[args.dtype], device=args.device)
-    summary = run_trace(
-        model, [Path(p) for p in args.data], args.out, seq_len=args.seq_len, batch_size=args.batch_size,
+    summary = run_trace(  # loads the model itself, once the arguments and the device are checked
+        path, [Path(p) for p in args.data], args.out, seq_len=args.seq_len, batch_size=args.batch_size,
         max_tokens=args.max_tokens, router_logits=args.router_logits, windows_per_part=args.windows_per_part,
-        model_name=path, command=args.argv, progress=args.progress,
+        dtype=DTYPES[args.dtype], device=args.device, command=args.argv, progress=args.progress,
     )
-    if summary.skipped_files:
-        shown = ", ".join(summary.skipped_files[:5]) + (", ..." if len(summary.skipped_files) > 5 else "")
-        print(f"left out {len(summary.skipped_files)} files of the given folders (hidden, or not a text suffix): {shown}")
+    if summary.left_out:
+        reasons: dict[str, list[str]] = {}
+        for item in summary.left_out:
+            reasons.setdefault(item.reason, []).append(item.path)
+        for reason, paths in reasons.items():
+            shown = ", ".join(paths[:5]) + (", ..." if len(paths) > 5 else "")
+            print(f"left out {len(paths)} of the given folders' entries ({reason}): {shown}")
     if summary.already_complete:
         if not args.progress:  # with progress on, the trace said so itself
             print(f"{summary.out}: trace already complete ({summary.n_tokens} tokens, {summary.n_rows} rows)")

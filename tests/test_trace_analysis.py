@@ -1,5 +1,6 @@
 """Analyses over routing traces, each against a tiny trace built by hand with numbers worked out by hand."""
 
+import hashlib
 import json
 import math
 import re
@@ -53,15 +54,19 @@ def write_trace(folder: Path, rows, logits=None, files=None, model_id="m", compl
             if logits is not None:
                 out["router_logits"].append(logits[layer])
     table = pa.Table.from_pydict(out, schema=schema(logits is not None))
-    pq.write_table(table, folder / "part-000000.parquet")
+    part = folder / "part-000000.parquet"
+    pq.write_table(table, part)
     manifest = {
         "format": FORMAT, "model": {"name": model_id, "family": "qwen2_moe", "dtype": "float32", "config_sha256": model_id, "weights_fingerprint": model_id},
         "settings": {"seq_len": 3, "router_logits": logits is not None, "windows_per_part": 8, "max_tokens": None, "layers": [0, 1]},
         "data": {"kind": "files", "files": files} if files else {"kind": "iterable", "type": "builtins.list"},
         "config": {"router_scoring": "softmax"}, "layers": [0, 1], "n_experts": 4, "top_k": {"0": 2, "1": 2},
-        "parts": {"0": {"file": "part-000000.parquet", "tokens": len(rows), "rows": table.num_rows, "windows": 3}},
+        "parts": {"0": {"file": "part-000000.parquet", "first_window": 0, "windows": 3, "tokens": len(rows), "rows": table.num_rows,
+                        "data_sha256": "0" * 64, "size": part.stat().st_size, "sha256": hashlib.sha256(part.read_bytes()).hexdigest()}},
         "complete": complete,
     }
+    if complete:
+        manifest["totals"] = {"parts": 1, "docs": 2, "windows": 3, "tokens": len(rows), "rows": table.num_rows}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
