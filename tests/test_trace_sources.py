@@ -318,3 +318,41 @@ def test_windows_cut_pieces_at_seq_len_across_piece_boundaries():
 
     got = list(windows(["doc"], Given(), 4, d_vocab=100))
     assert [(w.start, w.tokens.tolist()) for w in got] == [(0, [0, 1, 2, 3]), (4, [4, 5, 6, 7]), (8, [8, 9, 10, 11]), (12, [12, 13, 14, 15]), (16, [16])]
+
+
+class CharTokens:
+    """A made-up tokenizer backend: one token per character (its code point), except that a newline and the
+    character after it are one token where ``joins(position of the newline in the text)`` says so."""
+
+    truncation = padding = None
+
+    def __init__(self, joins):
+        self.joins = joins
+
+    def get_added_tokens_decoder(self):
+        return {}
+
+    def encode(self, text, add_special_tokens=True):
+        ids, offsets, i = [], [], 0
+        while i < len(text):
+            n = 2 if text[i] == "\n" and i + 1 < len(text) and self.joins(i) else 1
+            ids.append(sum(ord(c) for c in text[i : i + n]) % 1000)
+            offsets.append((i, i + n))
+            i += n
+
+        class Encoding:
+            pass
+
+        encoding = Encoding()
+        encoding.ids, encoding.offsets, encoding.special_tokens_mask = ids, offsets, [0] * len(ids)
+        return encoding
+
+
+def test_a_cut_a_token_spans_is_not_taken_and_a_tokenizer_that_reaches_far_is_refused():
+    text = "\n".join("line %d" % i for i in range(40))
+    always = MoeTokenizer(CharTokens(lambda i: True), None, None, None)  # every newline cut is spanned: no cut
+    got = list(DocumentTokenizer(always, piece_chars=20, context_chars=4).ids(text.replace(" ", "_")))
+    assert len(got) == 3 and np.concatenate(got).tolist() == always.encode(text.replace(" ", "_"))
+    near_start = MoeTokenizer(CharTokens(lambda i: i < 10), None, None, None)  # depends on where the text starts
+    with pytest.raises(tokenize.TokenizerLocality, match="a token spans a newline cut"):
+        list(DocumentTokenizer(near_start, piece_chars=30, context_chars=4).ids(text.replace(" ", "_")))

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from moelens.traces import jsonl
+from moelens.traces.tokenize import TokenizerLocality
 
 TEXT_SUFFIXES = frozenset(
     ".txt .text .md .markdown .rst .tex .jsonl .json .csv .tsv .yaml .yml .toml .html .xml .css "
@@ -330,7 +331,7 @@ def windows(
         else:
             pieces = iter([np.asarray(document, dtype=np.int64)])
         held, start = np.zeros(0, dtype=np.int64), 0
-        for ids in pieces:
+        for ids in _naming(doc, pieces):
             if ids.size and (ids.min() < 0 or ids.max() >= d_vocab):
                 bad = int(ids[(ids < 0) | (ids >= d_vocab)][0])
                 raise ValueError(f"document {doc}: token id {bad} is outside the model's vocabulary [0, {d_vocab})")
@@ -349,3 +350,11 @@ def windows(
             yield Window(doc, start, held, position() if position else 0)
             if budget == 0:
                 return
+
+
+def _naming(doc: int, pieces: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+    """The pieces, with the document named in a tokenizer's refusal."""
+    try:
+        yield from pieces
+    except TokenizerLocality as err:
+        raise TokenizerLocality(f"document {doc}: {err}") from None

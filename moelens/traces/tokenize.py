@@ -37,7 +37,7 @@ PIECE_CHARS = 1 << 16  # characters tokenized at a time, about
 CONTEXT_CHARS = 512  # characters of context on either side of a piece
 
 
-class TokenizerLocality(RuntimeError):
+class TokenizerLocality(ValueError):
     """The tokenizer's tokens near a newline depend on text far from it: a long document cannot be cut."""
 
 
