@@ -5,8 +5,9 @@ manifest), ``Trace`` and the ``trace_*`` analyses read it out of core, ``trace_r
     trace(model, [Path("corpus/")], "traces/corpus", seq_len=1024)
     print(trace_expert_load(Trace("traces/corpus")))
 
-Modules: run (the trace itself), sources (files, folders, iterables -> windows), parts (Parquet parts),
-manifest (what a trace was made from), analysis (DuckDB analyses), report (``moelens trace-report``).
+Modules: run (the trace itself), sources (files, folders, iterables -> documents -> windows), jsonl (JSONL
+lines of any length), tokenize (long documents in exact pieces), parts (Parquet parts), manifest (what a
+trace was made from, and the folder's lock), analysis (DuckDB analyses), report (``moelens trace-report``).
 
 The writer needs pyarrow (the ``trace`` extra) at import: ``trace``, ``TraceSummary`` and ``pad_windows``
 are loaded from moelens.traces.run on first use, so that importing this package (the CLI does) needs no

@@ -52,7 +52,7 @@ class Trace:
         self.top_k: dict[int, int] = {int(layer): int(k) for layer, k in manifest["top_k"].items()}
         self.has_router_logits: bool = bool(manifest["settings"]["router_logits"])
         self.parts: list[Path] = [self.path / manifest["parts"][k]["file"] for k in sorted(manifest["parts"], key=int)]
-        for k, part in manifest["parts"].items():  # the cheap check: a part truncated or replaced has another size
+        for part in manifest["parts"].values():  # the cheap check: a part truncated or replaced has another size
             path = self.path / part["file"]
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: recorded in {MANIFEST} but missing: re-run the trace command to trace it again")

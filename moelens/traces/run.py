@@ -10,7 +10,9 @@ Query it with DuckDB (``read_parquet('DIR/*.parquet')``) or moelens.traces.analy
 Parts are deterministic: part k holds windows [k * windows_per_part, (k + 1) * windows_per_part) of the
 data. A run killed at any moment and started again with the same arguments continues after the last
 recorded part and ends with exactly the rows of an uninterrupted run; another model, data or settings is
-refused, naming what changed. Under torch.distributed every rank runs the forward; rank 0 alone writes.
+refused, naming what changed. A re-run checks every recorded part's size and sha256 and traces a damaged
+or missing one again. A run holds DIR's lock while it writes: a second one stops at once. Under
+torch.distributed every rank runs the forward; rank 0 alone writes (and holds the lock).
 """
 
 from __future__ import annotations
