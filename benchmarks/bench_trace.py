@@ -4,8 +4,9 @@
 
 1. Trace throughput against a plain no-grad forward (return_type=None) over the very same windows, batches
    and padding: the ratio is the share of the forward's speed the trace keeps (target >= 0.8).
-2. Peak RSS of tracing 1x and 4x the corpus, each in a fresh process (target: flat, i.e. the trace holds
-   no more than a part's rows however large the corpus).
+2. Peak RSS of tracing 1x and 4x the corpus, and 4x as one document on a single line, each in a fresh
+   process (target: flat, i.e. the trace holds no more than a part's rows and a piece of a document
+   however large the corpus or its documents).
 
 Uses the embedded default model (tiny-qwen2-moe) and a synthetic corpus of random-word text files.
 """
@@ -45,13 +46,23 @@ def make_corpus(folder: Path, n_tokens: int, seed: int = 0) -> None:
         i += 1
 
 
+def make_one_line(folder: Path, n_tokens: int, seed: int = 2) -> None:
+    """One document of random words on a single line, about n_tokens bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(letters[gen.integers(0, 26, size=int(gen.integers(1, 9)))]) for _ in range(n_tokens // 5 + 1)]
+    (folder / "one_line.txt").write_text(" ".join(words)[:n_tokens])
+
+
 def plain_forward_seconds(model, corpus: Path, seq_len: int, batch_size: int) -> tuple[float, int]:
     """The forward alone over the trace's windows, batched and padded the same way."""
-    from moelens.trace import pad_windows
-    from moelens.traces.sources import file_documents, resolve_files, windows
+    from moelens.traces.run import pad_windows
+    from moelens.traces.sources import FileDocuments, resolve_files, windows
+    from moelens.traces.tokenize import DocumentTokenizer
 
     files, _ = resolve_files(corpus)
-    all_windows = list(windows(file_documents(files), model.tokenizer.encode, seq_len, model.cfg.d_vocab))
+    all_windows = list(windows(FileDocuments(files), DocumentTokenizer(model.tokenizer), seq_len, model.cfg.d_vocab))
     pad = model.tokenizer.pad_token_id
     batches = [pad_windows(all_windows[i : i + batch_size], pad) for i in range(0, len(all_windows), batch_size)]
     n_tokens = sum(len(w.tokens) for w in all_windows)
@@ -64,7 +75,7 @@ def plain_forward_seconds(model, corpus: Path, seq_len: int, batch_size: int) ->
 
 def trace_seconds(model, corpus: Path, out: Path, seq_len: int, batch_size: int, windows_per_part: int | None) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process: every thread, so Parquet's compression threads count)."""
-    from moelens.trace import trace
+    from moelens.traces import trace
 
     shutil.rmtree(out, ignore_errors=True)
     start, cpu = time.perf_counter(), time.process_time()
@@ -106,6 +117,7 @@ def main() -> None:
         root = Path(tmp)
         make_corpus(root / "x1", args.tokens)
         make_corpus(root / "x4", 4 * args.tokens, seed=1)
+        make_one_line(root / "x4-one-line", 4 * args.tokens)
 
         plain_forward_seconds(model, root / "x1", args.seq_len, args.batch_size)  # warm-up
         plains, traces = [], []
@@ -113,7 +125,7 @@ def main() -> None:
             seconds, n_tokens = plain_forward_seconds(model, root / "x1", args.seq_len, args.batch_size)
             plains.append(seconds)
             traces.append(trace_seconds(model, root / "x1", root / "out", args.seq_len, args.batch_size, args.windows_per_part))
-        print(f"model {DEFAULT}, {n_tokens} tokens, seq_len {args.seq_len}, batch {args.batch_size}, "
+        print(f"model {args.model}, {n_tokens} tokens, seq_len {args.seq_len}, batch {args.batch_size}, "
               f"{args.windows_per_part} windows per part, {args.threads} thread(s), fastest of {args.repeats}")
         for i, clock in enumerate(("wall clock", "CPU time")):  # CPU time: robust where other processes share the cores
             plain, traced = min(p[i] for p in plains), min(t[i] for t in traces)
@@ -121,7 +133,7 @@ def main() -> None:
                   f"tokens/s, ratio {plain / traced:.2f}x")
 
         rss = {}
-        for scale in ("x1", "x4"):
+        for scale in ("x1", "x4", "x4-one-line"):
             run = subprocess.run(
                 [sys.executable, __file__, "--child-corpus", str(root / scale), "--child-out", str(root / f"rss-{scale}"),
                  "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--threads", str(args.threads),
@@ -131,9 +143,11 @@ def main() -> None:
             rss[scale] = json.loads(run.stdout.strip().splitlines()[-1])
             tokens = sum(p["tokens"] for p in json.loads((root / f"rss-{scale}" / "manifest.json").read_text())["parts"].values())
             size = sum(p.stat().st_size for p in (root / f"rss-{scale}").glob("*.parquet"))
-            print(f"peak RSS tracing {scale[1:]}x corpus ({tokens} tokens, {size / 2**20:.1f} MiB of Parquet): "
+            what = scale[1:].replace("-one-line", "x corpus as one single-line document") if "one-line" in scale else f"{scale[1:]}x corpus"
+            print(f"peak RSS tracing {what} ({tokens} tokens, {size / 2**20:.1f} MiB of Parquet): "
                   f"{rss[scale]['peak_rss'] / 2**20:.0f} MiB")
-        print(f"peak RSS 4x / 1x: {rss['x4']['peak_rss'] / rss['x1']['peak_rss']:.2f}")
+        print(f"peak RSS 4x / 1x: {rss['x4']['peak_rss'] / rss['x1']['peak_rss']:.2f}; "
+              f"4x on one line / 1x: {rss['x4-one-line']['peak_rss'] / rss['x1']['peak_rss']:.2f}")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,13 @@ import torch
 
 from moelens import defaults
 from moelens.analysis import plot_routing, routing_table
-from moelens.analysis.trace_report import trace_report as write_report_of
-from moelens.analysis.traces import Trace
 from moelens.loaders import read_config
 from moelens.loaders.errors import CheckpointError
 from moelens.locate import resolve
 from moelens.models import HookedTransformer
 from moelens.plan import parse_size, plan as make_plan, to_json_text
 from moelens.tokenizer import MoeTokenizer
+from moelens.traces import Trace, trace_report as write_report_of
 from moelens.verify import ReferenceUnavailable, verify as run_verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -126,18 +125,21 @@ def plan(args: argparse.Namespace) -> int:
 
 def trace(args: argparse.Namespace) -> int:
     # the trace extra (pyarrow): imported only when a trace is asked for, so the other commands run without it
-    from moelens.trace import trace as run_trace
+    from moelens.traces.run import trace as run_trace
 
     path = args.model or defaults.DEFAULT
-    model = HookedTransformer.from_pretrained(path, dtype=DTYPES[args.dtype], device=args.device)
-    summary = run_trace(
-        model, [Path(p) for p in args.data], args.out, seq_len=args.seq_len, batch_size=args.batch_size,
+    summary = run_trace(  # loads the model itself, once the arguments and the device are checked
+        path, [Path(p) for p in args.data], args.out, seq_len=args.seq_len, batch_size=args.batch_size,
         max_tokens=args.max_tokens, router_logits=args.router_logits, windows_per_part=args.windows_per_part,
-        model_name=path, command=args.argv, progress=args.progress,
+        dtype=DTYPES[args.dtype], device=args.device, command=args.argv, progress=args.progress,
     )
-    if summary.skipped_files:
-        shown = ", ".join(summary.skipped_files[:5]) + (", ..." if len(summary.skipped_files) > 5 else "")
-        print(f"left out {len(summary.skipped_files)} files of the given folders (hidden, or not a text suffix): {shown}")
+    if summary.left_out:
+        reasons: dict[str, list[str]] = {}
+        for item in summary.left_out:
+            reasons.setdefault(item.reason, []).append(item.path)
+        for reason, paths in reasons.items():
+            shown = ", ".join(paths[:5]) + (", ..." if len(paths) > 5 else "")
+            print(f"left out {len(paths)} of the given folders' entries ({reason}): {shown}")
     if summary.already_complete:
         if not args.progress:  # with progress on, the trace said so itself
             print(f"{summary.out}: trace already complete ({summary.n_tokens} tokens, {summary.n_rows} rows)")
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     p.set_defaults(run=plan)
     p = sub.add_parser(
-        "trace", help="routing of every token of a corpus into Parquet (resumable; query with DuckDB or moelens.analysis.traces)"
+        "trace", help="routing of every token of a corpus into Parquet (resumable; query with DuckDB or moelens.traces)"
     )
     p.add_argument("model", nargs="?", help=f"Hub id, local folder or embedded default name (default: {defaults.DEFAULT})")
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help="text files (one document each), .jsonl "

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "moelens"
 # Imported inside a function on purpose: they import optional dependencies (triton; pyarrow, the trace extra).
-OPTIONAL_MODULES = {"moelens.kernels.triton_experts", "moelens.trace"}
+OPTIONAL_MODULES = {"moelens.kernels.triton_experts", "moelens.traces.run"}
 
 
 def module_name(path: Path) -> str:
@@ -129,6 +129,7 @@ def under(prefix: str) -> list[str]:
         ("moelens.kernels", ("moelens.models", "moelens.loaders", "moelens.pretrained")),
         ("moelens.hooks", ("moelens.cache", "moelens.cache_analysis", "moelens.models")),
         ("moelens.sitemap", ("moelens.models", "moelens.loaders")),
+        ("moelens.analysis", ("moelens.traces", "moelens.cli")),  # traces build on the analyses
     ],
 )
 def test_lower_layers_never_reach_higher_ones(layer, forbidden):

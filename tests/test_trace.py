@@ -16,14 +16,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import moelens.trace as trace_module
+import moelens.traces.run as trace_module
 from moelens import HookedTransformer
 from moelens.cli import main
 from moelens.defaults import default_checkpoint
-from moelens.trace import TraceMismatch, trace
+from moelens.traces import TraceMismatch, trace
 from moelens.traces import manifest as manifest_module
 from moelens.traces.parts import PartWriter, schema
-from moelens.traces.sources import describe_files, windows
+from moelens.traces import Trace
+from moelens.traces.sources import HIDDEN, NOT_REGULAR, NOT_TEXT, OUTPUT_FOLDER, LeftOut, describe_files, windows
 
 pytest.importorskip("duckdb")
 
@@ -145,7 +146,7 @@ def test_texts_are_tokenized_whole_and_files_folders_and_jsonl_are_read_in_order
     (corpus / ".hidden.txt").write_text("secret")
     (corpus / "image.png").write_bytes(b"\x89PNG")
     summary = trace(model, corpus, tmp_path / "t", seq_len=4, progress=False)
-    assert summary.skipped_files == [str((corpus / ".hidden.txt").resolve()), str((corpus / "image.png").resolve())]
+    assert summary.left_out == [LeftOut(str(corpus / ".hidden.txt"), HIDDEN), LeftOut(str(corpus / "image.png"), NOT_TEXT)]
     table = read(tmp_path / "t")
     layer0 = table.filter(pa.compute.equal(table["layer"], 0))
     texts = {}
@@ -281,7 +282,7 @@ def test_resume_after_sigkill(model_path, corpus, reference, tmp_path):
             time.sleep(0.3)
             return real(self)
         parts.PartWriter.commit = slow
-        from moelens.trace import trace
+        from moelens.traces import trace
         trace({str(model_path)!r}, {str(corpus)!r}, {str(out)!r}, seq_len=32, batch_size=3, windows_per_part=4, progress=False)
     """)
     for wanted in (1, 2):
@@ -406,8 +407,8 @@ def test_two_ranks_run_the_forward_and_rank_0_alone_writes(model_path, corpus, r
     out = tmp_path / "t"
     script = textwrap.dedent(f"""
         import sys, torch, torch.distributed as dist
-        from moelens.trace import trace
-        import moelens.trace as module
+        from moelens.traces import trace
+        import moelens.traces.run as module
         rank = int(sys.argv[1])
         if rank == 1:  # rank 1 must neither read nor write the folder
             def refuse(*args, **kwargs):
@@ -437,3 +438,240 @@ def test_under_torch_distributed_rank_0_writes(model, tmp_path):
     finally:
         dist.destroy_process_group()
     assert summary.n_tokens == sum(len(d) for d in token_docs(3)) and read(tmp_path / "t").num_rows > 0
+
+
+# ---- the data folder: the trace's own folder inside it, symlinks, FIFOs ----------------------------------
+
+
+def test_a_trace_into_its_own_data_folder_leaves_itself_out_and_resumes(model, corpus, reference, tmp_path):
+    """--out inside --data: the trace's files (manifest.json is a .json) must never count as data, or a
+    killed run could never resume ("data file added")."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in corpus.iterdir():
+        (data / f.name).write_text(f.read_text())
+    out = data / "traces" / "t"
+    started(model, data, out)
+    summary = finish_and_compare(model, data, out, reference)
+    assert summary.left_out == [LeftOut(str(out), OUTPUT_FOLDER)]
+
+
+def test_a_symlinked_folder_is_traced_and_a_fifo_is_listed(model, tmp_path):
+    data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    data.mkdir()
+    elsewhere.mkdir()
+    (data / "a.txt").write_text("alpha")
+    (elsewhere / "b.txt").write_text("beta")
+    (data / "more").symlink_to(elsewhere)
+    os.mkfifo(data / "pipe.txt")
+    summary = trace(model, data, tmp_path / "t", seq_len=8, progress=False)
+    files = json.loads((tmp_path / "t" / "manifest.json").read_text())["data"]["files"]
+    assert [Path(f["path"]).name for f in files] == ["a.txt", "b.txt"]
+    assert summary.left_out == [LeftOut(str(data / "pipe.txt"), NOT_REGULAR)]
+
+
+# ---- damaged parts -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["truncated", "copied over", "deleted"])
+def test_a_damaged_part_is_found_named_and_traced_again(model, corpus, reference, tmp_path, capsys, damage):
+    out = tmp_path / "t"
+    trace(model, corpus, out, **RESUME)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert all(p["size"] == (out / p["file"]).stat().st_size for p in manifest["parts"].values())
+    part = out / "part-000002.parquet"
+    if damage == "truncated":
+        part.write_bytes(part.read_bytes()[:-100])
+    elif damage == "copied over":
+        part.write_bytes((out / "part-000001.parquet").read_bytes())
+    else:
+        part.unlink()
+    if damage != "copied over":  # a reader sees a wrong size or a missing file at once
+        with pytest.raises((ValueError, FileNotFoundError), match="part-000002.parquet"):
+            Trace(out)
+    summary = trace(model, corpus, out, **RESUME)
+    assert not summary.already_complete and summary.parts_written == 1 and len(summary.redone) == 1
+    assert "part-000002.parquet" in summary.redone[0] and "part-000002.parquet" in capsys.readouterr().err
+    assert read(out).equals(reference)
+    assert Trace(out).n_tokens == reference.num_rows // len(model.cfg.moe_layer_indices)
+    assert trace(model, corpus, out, **RESUME).already_complete
+
+
+def test_a_part_recorded_without_a_hash_is_checked_by_its_rows_and_then_hashed(model, corpus, reference, tmp_path):
+    """Traces written before parts had hashes: their parts are checked by the Parquet footer's row count."""
+    out = tmp_path / "t"
+    trace(model, corpus, out, **RESUME)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for p in manifest["parts"].values():
+        del p["size"], p["sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert trace(model, corpus, out, **RESUME).already_complete
+    assert all("sha256" in p for p in json.loads((out / "manifest.json").read_text())["parts"].values())
+
+
+# ---- two runs into one folder -------------------------------------------------------------------------
+
+
+def test_a_second_run_into_a_folder_in_use_stops_with_one_line(model_path, corpus, tmp_path, capsys):
+    import fcntl
+
+    out = tmp_path / "t"
+    out.mkdir()
+    with open(out / "trace.lock", "a") as held:  # as a running trace holds it
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        argv = ["trace", str(model_path), "--data", str(corpus), "--out", str(out), "--no-progress"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{out} is being written by another moelens trace" in err
+        assert sorted(p.name for p in out.iterdir()) == ["trace.lock"]  # nothing written or deleted
+    assert main(argv) == 0  # once the other run is gone
+
+
+def test_two_processes_tracing_one_folder_at_once_one_refuses_the_other_finishes(model_path, corpus, reference, tmp_path):
+    out = tmp_path / "t"
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from moelens.traces import parts
+        real = parts.PartWriter.commit
+        def slow(self):  # keep the folder in use until the test lets go
+            while not os.path.exists({str(tmp_path / "release")!r}):
+                time.sleep(0.05)
+            return real(self)
+        parts.PartWriter.commit = slow
+        from moelens.cli import main
+        sys.exit(main(["trace", {str(model_path)!r}, "--data", {str(corpus)!r}, "--out", {str(out)!r}, "--seq-len", "32",
+                       "--batch-size", "3", "--windows-per-part", "4", "--no-progress"]))
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (out / "manifest.json").exists():
+        time.sleep(0.02)
+    second = subprocess.run([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True, timeout=120)
+    (tmp_path / "release").touch()
+    first_err = first.communicate(timeout=120)[1]
+    assert first.returncode == 0, first_err
+    assert second.returncode == 2 and second.stderr.count("\n") == 1 and "is being written by another moelens trace" in second.stderr
+    assert read(out).equals(reference)
+
+
+# ---- one-line errors -------------------------------------------------------------------------------------
+
+
+def cli_error(capsys, argv) -> str:
+    try:
+        status = main(argv)
+    except SystemExit as exit:  # argparse's own refusal
+        status = exit.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, no traceback
+    return err
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 7, reason="this machine has a cuda:7")
+def test_a_device_this_machine_lacks_is_one_line(model_path, corpus, tmp_path, capsys):
+    err = cli_error(capsys, ["trace", str(model_path), "--data", str(corpus), "--out", str(tmp_path / "t"), "--device", "cuda:7"])
+    assert "device: cuda:7" in err
+    assert "device: 'nonsense'" in cli_error(capsys, ["trace", str(model_path), "--data", str(corpus), "--out", str(tmp_path / "t"), "--device", "nonsense"])
+
+
+@pytest.mark.parametrize("value", [str(2**63), str(10**30), "0", "-1"])
+def test_windows_per_part_out_of_range_is_one_line(model_path, corpus, tmp_path, capsys, value):
+    err = cli_error(capsys, ["trace", str(model_path), "--data", str(corpus), "--out", str(tmp_path / "t"), "--windows-per-part", value])
+    assert "windows_per_part must be a positive integer up to 2**63 - 1" in err or "--windows-per-part" in err
+
+
+def edit_manifest(out: Path, edit) -> None:
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m.pop("parts"), "parts should be"),
+    (lambda m: m["parts"].update({"0": "part-000000.parquet"}), "parts['0'] should be"),
+    (lambda m: m["parts"]["0"].update(file="../part-000000.parquet"), "parts['0'].file should be 'part-000000.parquet', got '../part-000000.parquet'"),
+    (lambda m: m["parts"]["0"].update(file="/etc/passwd"), "parts['0'].file should be"),
+    (lambda m: m["parts"]["0"].update(tokens="many"), "parts['0'].tokens should be a count"),
+])
+def test_a_damaged_manifest_is_one_line_naming_the_field(model_path, corpus, tmp_path, capsys, edit, field):
+    out = tmp_path / "t"
+    started(str(model_path), corpus, out)  # by path, as the command gives it
+    edit_manifest(out, edit)
+    argv = ["trace", str(model_path), "--data", str(corpus), "--out", str(out), "--seq-len", "32", "--batch-size", "3",
+            "--windows-per-part", "4", "--no-progress"]
+    err = cli_error(capsys, argv)
+    assert f"{out / 'manifest.json'}: {field}" in err
+    err = cli_error(capsys, ["trace-report", str(out), "--out", str(tmp_path / "r.html")])
+    assert f"{out / 'manifest.json'}: {field}" in err
+
+
+def test_a_folder_named_like_a_temporary_file_is_one_line(model_path, corpus, tmp_path, capsys):
+    out = tmp_path / "t"
+    started(str(model_path), corpus, out)  # by path, as the command gives it
+    (out / "part-000001.parquet.tmp").mkdir()
+    err = cli_error(capsys, ["trace", str(model_path), "--data", str(corpus), "--out", str(out), "--seq-len", "32",
+                             "--batch-size", "3", "--windows-per-part", "4", "--no-progress"])
+    assert f"out: {out / 'part-000001.parquet.tmp'} is a folder, not a temporary file of a trace" in err
+
+
+# ---- a long document in bounded pieces, through trace() ----------------------------------------------------
+
+
+def test_a_one_line_megabyte_document_is_tokenized_in_pieces_and_read_only_as_far_as_max_tokens(model, tmp_path, monkeypatch):
+    lengths = []
+    backend = model.tokenizer.tokenizer
+
+    class Recording:
+        def encode(self, text, *args, **kwargs):
+            lengths.append(len(text))
+            return backend.encode(text, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+    monkeypatch.setattr(model.tokenizer, "tokenizer", Recording())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "big.txt").write_text("lorem ipsum dolor sit amet " * 40_000)  # 1 MB, one line
+    summary = trace(model, tmp_path / "data", tmp_path / "t", seq_len=16, max_tokens=64, progress=False)
+    assert summary.n_tokens == 64
+    assert max(lengths) < 100_000  # pieces of 2**16 characters and their contexts, of a 1,080,000-character line
+    table = read(tmp_path / "t")
+    first = table.filter(pa.compute.equal(table["layer"], model.cfg.moe_layer_indices[0]))
+    assert first["token"].to_pylist() == backend.encode("lorem ipsum dolor sit amet " * 20, add_special_tokens=True).ids[:64]
+
+
+# ---- the progress bar's total --------------------------------------------------------------------------
+
+
+class Bar:
+    made = []
+
+    def __init__(self, total=None, **kwargs):
+        self.total, self.n, self.kwargs = total, 0, kwargs
+        Bar.made.append(self)
+
+    def update(self, n):
+        self.n += n
+
+    def set_postfix_str(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_the_progress_bar_has_a_total_where_the_size_of_the_data_is_known(model, corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(trace_module, "tqdm", Bar)
+    Bar.made.clear()
+    trace(model, corpus, tmp_path / "files", seq_len=32, progress=True)
+    size = sum(f.stat().st_size for f in corpus.iterdir())
+    assert (Bar.made[-1].total, Bar.made[-1].n, Bar.made[-1].kwargs["unit"]) == (size, size, "B")  # bytes read
+    trace(model, corpus, tmp_path / "capped", seq_len=32, max_tokens=50, progress=True)
+    assert (Bar.made[-1].total, Bar.made[-1].n, Bar.made[-1].kwargs["unit"]) == (50, 50, "tok")
+    docs = token_docs(4)
+    trace(model, docs, tmp_path / "ids", seq_len=32, progress=True)
+    assert Bar.made[-1].total == Bar.made[-1].n == sum(len(d) for d in docs)
+    trace(model, iter(docs), tmp_path / "stream", seq_len=32, progress=True)
+    assert Bar.made[-1].total is None  # a stream of unknown length: tokens without a total

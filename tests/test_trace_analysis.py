@@ -1,5 +1,6 @@
 """Analyses over routing traces, each against a tiny trace built by hand with numbers worked out by hand."""
 
+import hashlib
 import json
 import math
 import re
@@ -10,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from moelens.analysis.traces import (
+from moelens.traces.analysis import (
     Trace,
     builtin_class,
     delta_experts,
@@ -43,7 +44,7 @@ ROWS = [
 
 
 def write_trace(folder: Path, rows, logits=None, files=None, model_id="m", complete=True) -> Path:
-    """A trace folder as moelens.trace writes it: one part and its manifest."""
+    """A trace folder as moelens.traces.run writes it: one part and its manifest."""
     folder.mkdir(parents=True)
     out = {name: [] for name in schema(logits is not None).names}
     for i, (doc, start, pos, token, routing) in enumerate(rows):
@@ -53,15 +54,19 @@ def write_trace(folder: Path, rows, logits=None, files=None, model_id="m", compl
             if logits is not None:
                 out["router_logits"].append(logits[layer])
     table = pa.Table.from_pydict(out, schema=schema(logits is not None))
-    pq.write_table(table, folder / "part-000000.parquet")
+    part = folder / "part-000000.parquet"
+    pq.write_table(table, part)
     manifest = {
         "format": FORMAT, "model": {"name": model_id, "family": "qwen2_moe", "dtype": "float32", "config_sha256": model_id, "weights_fingerprint": model_id},
         "settings": {"seq_len": 3, "router_logits": logits is not None, "windows_per_part": 8, "max_tokens": None, "layers": [0, 1]},
         "data": {"kind": "files", "files": files} if files else {"kind": "iterable", "type": "builtins.list"},
         "config": {"router_scoring": "softmax"}, "layers": [0, 1], "n_experts": 4, "top_k": {"0": 2, "1": 2},
-        "parts": {"0": {"file": "part-000000.parquet", "tokens": len(rows), "rows": table.num_rows, "windows": 3}},
+        "parts": {"0": {"file": "part-000000.parquet", "first_window": 0, "windows": 3, "tokens": len(rows), "rows": table.num_rows,
+                        "data_sha256": "0" * 64, "size": part.stat().st_size, "sha256": hashlib.sha256(part.read_bytes()).hexdigest()}},
         "complete": complete,
     }
+    if complete:
+        manifest["totals"] = {"parts": 1, "docs": 2, "windows": 3, "tokens": len(rows), "rows": table.num_rows}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
@@ -239,7 +244,7 @@ def model(tmp_path_factory):
 
 def test_on_a_real_trace_the_numbers_are_those_of_the_in_memory_analyses(model, tmp_path):
     from moelens.analysis import coactivations, expert_usage
-    from moelens.trace import trace
+    from moelens.traces import trace
 
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 256, (int(n),), generator=gen) for n in (17, 30, 5, 24)]

@@ -8,8 +8,7 @@ pytest.importorskip("duckdb")
 pytest.importorskip("matplotlib")
 
 from moelens.analysis.plots import plot_selectivity, plot_subset_load  # noqa: E402
-from moelens.analysis.trace_report import trace_report  # noqa: E402
-from moelens.analysis.traces import trace_selectivity, trace_subset_load  # noqa: E402
+from moelens.traces import trace_report, trace_selectivity, trace_subset_load  # noqa: E402
 from moelens.cli import main  # noqa: E402
 from test_trace_analysis import hand  # noqa: E402,F401  (the hand-built trace, two folders a/ and b/)
 
@@ -81,7 +80,7 @@ def test_subset_plot_shows_folders_relative_to_the_one_they_share(hand):
 
 
 def test_top_tokens_print_one_line_each_with_newlines_shown(hand):
-    from moelens.analysis.traces import trace_top_tokens
+    from moelens.traces import trace_top_tokens
 
     text = {10: "a\n", 11: "\t", 12: "b"}
     top = trace_top_tokens(hand, layer=0, expert=3, k=2, decode=lambda ids: "".join(text[i] for i in ids))

@@ -22,8 +22,7 @@ from train_tiny_moe import new_model  # the training script's own initialisation
 
 import moelens
 from moelens import defaults
-from moelens.analysis import trace_consecutive, trace_report, trace_selectivity
-from moelens.trace import trace
+from moelens.traces import trace, trace_consecutive, trace_report, trace_selectivity
 
 NAME = "tiny-code-moe"
 

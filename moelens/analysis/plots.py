@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from moelens.analysis.routing import RoutingTable
-from moelens.analysis.traces import Selectivity, SubsetLoad
 from moelens.analysis.usage import ExpertUsage
+
+if TYPE_CHECKING:  # annotations only: moelens.traces builds on moelens.analysis, never the reverse
+    from moelens.traces.analysis import Selectivity, SubsetLoad
 
 MAX_ANNOTATED_CELLS = 600  # beyond this the numbers would overlap; the colors still tell the story
 

@@ -1,27 +1,71 @@
 """DIR/manifest.json: what a trace was made from (model, data, settings) and which parts are complete.
 
 It is replaced whole (temporary file, fsync, os.replace), so a reader sees the old or the new one, never a mix.
-A part counts only once the manifest records it: anything else in DIR is left over from a killed run.
+A part counts only once the manifest records it, with its size and sha256: anything else in DIR is left over
+from a killed run. A run holds DIR/trace.lock (an exclusive flock) while it writes, so two runs never write
+one folder at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (two runs into one folder are then the user's to avoid)
+    fcntl = None
+
 FORMAT = "moelens-trace/1"
 MANIFEST = "manifest.json"
 PART = "part-{:06d}.parquet"
+LOCK = "trace.lock"
 TEMP_SUFFIX = ".tmp"  # every temporary file a trace writes ends with it
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class TraceMismatch(ValueError):
     """The trace in DIR was made from another model, data or settings than this run's."""
+
+
+class FolderBusy(OSError):
+    """Another run holds the trace folder's lock."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """Hold DIR/trace.lock exclusively (flock: released when the process ends, however it ends)."""
+    if fcntl is None:
+        yield
+        return
+    with open(folder / LOCK, "a") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderBusy(
+                f"out: {folder} is being written by another moelens trace (it holds {folder / LOCK}): wait for it to "
+                "end, or trace into another folder"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def jsonable(value):
@@ -111,7 +155,64 @@ def read_manifest(folder: Path) -> dict | None:
         raise ValueError(f"{path}: not a trace manifest ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    check_manifest(path, manifest)
     return manifest
+
+
+def check_manifest(path: Path, manifest: dict) -> None:
+    """Refuse a manifest that moelens did not write as it is (damaged or edited), naming the field at fault:
+    every field a run or a reader uses has its type, and every part's file is the part's own name in DIR."""
+
+    def bad(field: str, expected: str, value) -> ValueError:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        return ValueError(f"{path}: {field} should be {expected}, got {shown}: the manifest is damaged or edited")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for key, kind, expected in (("model", dict, "an object"), ("settings", dict, "an object"), ("data", dict, "an object"),
+                                ("layers", list, "a list of layer indices"), ("top_k", dict, "an object"),
+                                ("parts", dict, "an object {part index: part}"), ("complete", bool, "true or false")):
+        if not isinstance(manifest.get(key), kind):
+            raise bad(key, expected, manifest.get(key, "nothing"))
+    if not all(count(layer) for layer in manifest["layers"]):
+        raise bad("layers", "a list of layer indices", manifest["layers"])
+    if not count(manifest.get("n_experts")):
+        raise bad("n_experts", "a count", manifest.get("n_experts", "nothing"))
+    if not isinstance(manifest["settings"].get("router_logits"), bool):
+        raise bad("settings.router_logits", "true or false", manifest["settings"].get("router_logits", "nothing"))
+    if not all(key.isdigit() and count(k) for key, k in manifest["top_k"].items()):
+        raise bad("top_k", "an object {layer: k}", manifest["top_k"])
+    data = manifest["data"]
+    if data.get("kind") not in ("files", "iterable"):
+        raise bad("data.kind", "'files' or 'iterable'", data.get("kind", "nothing"))
+    if data.get("kind") == "files":
+        files = data.get("files")
+        if not isinstance(files, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("path"), str) and count(f.get("first_doc")) and count(f.get("n_docs")) for f in files
+        ):
+            raise bad("data.files", "a list of {path, size, sha256, first_doc, n_docs}", files)
+    for key, part in manifest["parts"].items():
+        field = f"parts[{key!r}]"
+        if not key.isdigit():
+            raise bad("parts", "keyed by part index", key)
+        if not isinstance(part, dict):
+            raise bad(field, "an object {file, windows, tokens, rows, ...}", part)
+        if part.get("file") != PART.format(int(key)):  # also refuses any name that leads out of DIR
+            raise bad(f"{field}.file", repr(PART.format(int(key))), part.get("file", "nothing"))
+        for name in ("first_window", "windows", "tokens", "rows"):
+            if not count(part.get(name)):
+                raise bad(f"{field}.{name}", "a count", part.get(name, "nothing"))
+        if not isinstance(part.get("data_sha256"), str):
+            raise bad(f"{field}.data_sha256", "a sha256", part.get("data_sha256", "nothing"))
+        if "size" in part and not count(part["size"]):
+            raise bad(f"{field}.size", "a size in bytes", part["size"])
+        if "sha256" in part and not (isinstance(part["sha256"], str) and _SHA256.fullmatch(part["sha256"])):
+            raise bad(f"{field}.sha256", "a sha256 (64 hex digits)", part["sha256"])
+    if manifest["complete"]:
+        totals = manifest.get("totals")
+        if not isinstance(totals, dict) or not all(count(totals.get(k)) for k in ("parts", "tokens", "rows")):
+            raise bad("totals", "an object {parts, docs, windows, tokens, rows}", totals)
 
 
 def check_same_run(folder: Path, old: dict, new: dict) -> None:

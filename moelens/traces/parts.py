@@ -1,19 +1,20 @@
 """Parquet parts of a trace: the schema, rows from one batch's routing, and crash-safe part files.
 
 A part is written under a temporary name, fsynced and renamed into place only when complete, so a part
-file that exists is whole. Row groups are flushed as they fill: memory stays bounded whatever a part holds.
+file that exists is whole; its size and sha256 go into the manifest with it. Row groups are flushed as they fill: memory stays bounded whatever a part holds.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moelens.traces.manifest import TEMP_SUFFIX, fsync_dir
+from moelens.traces.manifest import TEMP_SUFFIX, file_sha256, fsync_dir
 
 ROW_GROUP_ROWS = 1 << 20
 
@@ -91,12 +92,22 @@ class PartWriter:
             self.rows += self.pending_rows
         self.pending, self.pending_rows = [], 0
 
-    def commit(self) -> int:
-        """Finish the file, make it durable and rename it into place; returns its row count."""
+    def commit(self) -> Committed:
+        """Finish the file, make it durable and rename it into place; returns its rows, size and sha256."""
         self._flush()
         self.writer.close()
         with open(self.temp, "rb+") as fh:
             os.fsync(fh.fileno())
+        committed = Committed(self.rows, self.temp.stat().st_size, file_sha256(self.temp))
         os.replace(self.temp, self.final)
         fsync_dir(self.final.parent)
-        return self.rows
+        return committed
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A part as written: what the manifest records of it, so that a re-run or a reader can check it."""
+
+    rows: int
+    size: int  # bytes
+    sha256: str

@@ -2,7 +2,7 @@
 routing, selectivity by token class, and each expert's top tokens in context (``moelens trace-report``).
 
 Written as one HTML file with its plots (PNG) in a folder beside it, or as PNGs and a text summary in a
-folder. Every number comes from the trace analyses in moelens.analysis.traces; nothing here computes its own.
+folder. Every number comes from the trace analyses in moelens.traces.analysis; nothing here computes its own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from moelens.analysis.plots import plot_selectivity, plot_subset_load
-from moelens.analysis.traces import (
+from moelens.traces.analysis import (
     TraceLike,
     as_trace,
     trace_consecutive,

@@ -1,4 +1,4 @@
-"""Analyses of routing traces (moelens.trace), computed out of core with DuckDB over the Parquet parts.
+"""Analyses of routing traces (moelens.traces.run), computed out of core with DuckDB over the Parquet parts.
 
 Every function takes a trace as a folder path or a Trace, reads only the parts its manifest records, and
 never loads the trace in memory: DuckDB aggregates (spilling to disk where it must), and per-token numbers
@@ -29,7 +29,8 @@ BUILTIN_CLASSES = ("whitespace", "punctuation", "digits", "word", "other")
 
 
 class Trace:
-    """A trace folder: its manifest and the Parquet parts the manifest records.
+    """A trace folder: its manifest and the Parquet parts the manifest records (each checked to have the size
+    the manifest records: a truncated or replaced part is refused; a re-run of the trace checks sha256 too).
 
     layers: the traced mixture layers; n_experts; top_k: {layer: k}; has_router_logits; complete (a run
     killed before the end leaves an incomplete trace: re-run the same command to finish it)."""
@@ -51,6 +52,15 @@ class Trace:
         self.top_k: dict[int, int] = {int(layer): int(k) for layer, k in manifest["top_k"].items()}
         self.has_router_logits: bool = bool(manifest["settings"]["router_logits"])
         self.parts: list[Path] = [self.path / manifest["parts"][k]["file"] for k in sorted(manifest["parts"], key=int)]
+        for part in manifest["parts"].values():  # the cheap check: a part truncated or replaced has another size
+            path = self.path / part["file"]
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: recorded in {MANIFEST} but missing: re-run the trace command to trace it again")
+            if "size" in part and path.stat().st_size != part["size"]:
+                raise ValueError(
+                    f"{path}: {path.stat().st_size} bytes, {MANIFEST} records {part['size']}: the part is damaged (truncated "
+                    "or replaced); re-run the trace command to trace it again"
+                )
 
     @property
     def n_tokens(self) -> int:
