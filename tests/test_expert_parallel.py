@@ -19,6 +19,7 @@ import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
 from moelens import HookedTransformer
+from moelens.kernels import expert_parallel
 from moelens.kernels.expert_parallel import ExpertParallelError, content_hash, expert_range
 from moelens.loaders.expert_reader import ExpertReader
 
@@ -281,14 +282,22 @@ def test_ranks_that_diverge_raise_on_every_rank_naming_what_differed(tmp_path):
             assert "expert_parallel_timeout=2 s" in message and TIMEOUT_S <= seconds < STALL_S, (message, seconds)
 
 
-def test_content_hash_sees_every_bit_and_ignores_nothing():
-    x = torch.randn(3, 5)
+def test_content_hash_sees_every_bit_and_ignores_nothing(monkeypatch):
+    x = torch.randn(6, 5)
     h = content_hash(x)
     assert content_hash(x.clone()) == h and content_hash(x.t().contiguous().t()) == h  # bytes, not layout
-    for i in range(x.numel()):
-        flipped = x.clone().view(-1)
-        flipped.view(torch.int32)[i] ^= 1  # one ulp in one element
-        assert content_hash(flipped.view(3, 5)) != h
-    assert content_hash(x.flip(0)) != h  # same values, other positions
-    assert content_hash(x.to(torch.bfloat16)) != content_hash(x.to(torch.float16))
-    assert content_hash(torch.zeros(2**20 + 3)) == 0 and content_hash(torch.ones(2**20 + 3)) != 0  # chunked
+    for i in range(x.numel()):  # one bit of one element: always seen
+        flipped = x.clone()
+        flipped.view(-1).view(torch.int32)[i] ^= 1
+        assert content_hash(flipped) != h, i
+    signs, swapped = x.clone(), x.clone()
+    signs[0, :2] = torch.tensor([1.5, -1.5])
+    swapped[0, :2] = torch.tensor([-1.5, 1.5])  # values that differ in the sign bit only, trading places
+    assert content_hash(signs) != content_hash(swapped)
+    assert content_hash(x.flip(0)) != h and content_hash(x.flip(1)) != h  # same values, other positions
+    for t in (x.to(torch.bfloat16), x.double(), torch.tensor([3, 1, 4]), torch.tensor(2.5)):
+        changed = t.clone()
+        changed.view(-1)[-1] += 1
+        assert content_hash(changed) != content_hash(t), t.dtype
+    monkeypatch.setattr(expert_parallel, "HASH_CHUNK", 10)  # two rows at a time: chunking changes nothing
+    assert content_hash(x) == h

