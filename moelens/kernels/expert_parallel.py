@@ -152,7 +152,7 @@ def _shown(field: str, value: int) -> str:
     if field == "dtype":
         return str(_DTYPES[value]).removeprefix("torch.") if 0 <= value < len(_DTYPES) else f"dtype #{value}"
     if field in ("routing", "inputs"):
-        return f"hash {value & (2**64 - 1):016x}"
+        return f"hash {value & 0xFFFFFFFF:08x}"
     if field == "hooks":
         return ", ".join(s for i, s in enumerate(HOOK_SITES) if value >> i & 1) or "none"
     return str(value)
