@@ -239,6 +239,8 @@ def diverge_worker(rank: int, world: int, port: int, path: str, out_dir: str) ->
     torch.set_num_threads(THREADS)
     model = HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True)
     results = diverging_scenarios(rank, model)
+    if rank == 1:  # loading takes each rank its own time, longer than the timeout apart: still loads
+        time.sleep(TIMEOUT_S * 1.5)
     timed = HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True, expert_parallel_timeout=TIMEOUT_S)
     results["stall"] = stall(rank, timed)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -206,9 +206,21 @@ class ExpertExchange:
         """Join (or initialise, see init_process_group) the default group and make this model's groups: a
         collective call, which every rank makes in the same order (from_pretrained does)."""
         rank, world = init_process_group(device)
+        # the new groups' rendezvous waits at most the timeout too, and loading takes each rank its own time:
+        # meet on the default group (its own timeout) first
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+        else:
+            dist.barrier()
         timeout = datetime.timedelta(seconds=timeout_s)
-        check_group = dist.new_group(backend="gloo", timeout=timeout)
-        group = check_group if dist.get_backend() == "gloo" else dist.new_group(timeout=timeout)
+        try:
+            check_group = dist.new_group(backend="gloo", timeout=timeout)
+            group = check_group if dist.get_backend() == "gloo" else dist.new_group(timeout=timeout)
+        except RuntimeError as err:
+            raise ExpertParallelError(
+                f"expert_parallel: rank {rank} could not set up the model's exchange group with the other ranks within "
+                f"expert_parallel_timeout={timeout_s:g} s ({err})"
+            ) from err
         return cls(rank, world, timeout_s, group, check_group)
 
     def all_gather(self, tensor: torch.Tensor, layer: int, what: str, group=None) -> list[torch.Tensor]:
