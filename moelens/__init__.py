@@ -3,6 +3,7 @@
 from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.hooks import HookedRootModule, HookPoint
+from moelens.kernels.expert_parallel import ExpertParallelError
 from moelens.kv_cache import KVCache
 from moelens.loaders import CheckpointError, CheckpointWarning
 from moelens.models import (
@@ -22,6 +23,7 @@ __all__ = [
     "ActivationCache",
     "CheckpointError",
     "CheckpointWarning",
+    "ExpertParallelError",
     "FAMILIES",
     "HookPoint",
     "HookedDeepseekV3",

@@ -17,7 +17,7 @@ from moelens.dtypes import parse_dtype
 from moelens.experts.spec import ExpertTensors
 from moelens.families import family_for
 from moelens.fold import untie
-from moelens.kernels.expert_parallel import ExpertShard, expert_range, init_process_group
+from moelens.kernels.expert_parallel import ExpertExchange, ExpertShard, check_timeout, expert_range
 from moelens.kernels.offload import ExpertCache, OffloadedExperts
 from moelens.loaders import read_config
 from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
@@ -75,6 +75,7 @@ def load(
     plan_batch=None,
     plan_seq=None,
     expert_prefetch=None,
+    expert_parallel_timeout=None,
 ):
     # TransformerLens's arguments: refuse what moelens cannot do, map its placement onto device / device_map
     refuse_unsupported(
@@ -109,6 +110,9 @@ def load(
             raise ValueError(
                 f"expert_parallel cannot go with {', '.join(clash)} yet: each rank holds its experts whole on `device`"
             )
+    elif expert_parallel_timeout is not None:
+        raise ValueError("expert_parallel_timeout is how long expert-parallel ranks wait for each other: it needs expert_parallel")
+    parallel_timeout_s = check_timeout(expert_parallel_timeout)
     folder = resolve(name_or_path, revision)
     hf = read_config(folder)
     model_type = hf.get("model_type")
@@ -160,7 +164,7 @@ def load(
         prefetch = expert_offload == "disk" if expert_prefetch is None else bool(expert_prefetch)
         offloaded = offload_experts(model, files, keys, expert_offload, cache, device_for, prefetch)
     elif expert_parallel:
-        offloaded = shard_experts(model, files, keys, device)
+        offloaded = shard_experts(model, files, keys, device, parallel_timeout_s)
     materialize(model, device_for)
     model.tie_weights()
     if on_meta:
@@ -346,11 +350,13 @@ def route(router, x: torch.Tensor) -> torch.Tensor:
     return router.choose(router.choice_scores(router.scores(router.logits(x))))
 
 
-def shard_experts(model, files, keys, device: torch.device) -> dict[str, torch.Tensor]:
+def shard_experts(model, files, keys, device: torch.device, timeout_s: float) -> dict[str, torch.Tensor]:
     """Expert parallelism: give every mixture layer (built "sharded") only this rank's experts
     (kernels.expert_parallel), read expert by expert from the checkpoint's files; returns meta slots for the
-    full stacks, so that fill() checks their shapes and reads nothing of the other ranks' experts."""
-    rank, world = init_process_group(device)
+    full stacks, so that fill() checks their shapes and reads nothing of the other ranks' experts. The layers
+    exchange through one ExpertExchange (checked fingerprints, timeout_s)."""
+    exchange = ExpertExchange.create(device, timeout_s)
+    rank, world = exchange.rank, exchange.world
     lo, hi = expert_range(model.cfg.n_experts, world, rank)
     reader = expert_reader(model, files, keys)
     slots: dict[str, torch.Tensor] = {}
@@ -359,7 +365,9 @@ def shard_experts(model, files, keys, device: torch.device) -> dict[str, torch.T
         stacks = ExpertTensors.stack(own) if own else ExpertTensors(
             *(torch.empty((0, *shape[1:]), dtype=model.cfg.dtype) for shape in reader.shapes.values())
         )
-        block.mlp.experts.attach_shard(ExpertShard(layer, model.cfg.n_experts, stacks.to(device), rank=rank, world=world))
+        block.mlp.experts.attach_shard(ExpertShard(
+            layer, model.cfg.n_experts, stacks.to(device), rank=rank, world=world, exchange=exchange
+        ))
         for name, shape in reader.shapes.items():
             slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shape, dtype=model.cfg.dtype, device="meta")
     return slots

@@ -1,9 +1,12 @@
 """Expert parallelism moves experts between processes, never math: 2 and 4 gloo ranks on CPU, every family,
 bit for bit the single-process resident model (logits, every hook, a re-routing hook, greedy generate),
-and each rank reads only its own experts from the checkpoint."""
+and each rank reads only its own experts from the checkpoint. Ranks that diverge (hooks, batch, weights,
+sampling, an exception caught on one rank) get an ExpertParallelError on every rank naming what differed,
+and a rank that stalls one naming the timeout and the layer."""
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -17,7 +20,8 @@ import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
 from moelens import HookedTransformer
-from moelens.kernels.expert_parallel import expert_range
+from moelens.kernels import expert_parallel
+from moelens.kernels.expert_parallel import ExpertParallelError, content_hash, expert_range
 from moelens.loaders.expert_reader import ExpertReader
 
 CHECKPOINTS = {  # family/variant -> builder; "fused" stores each layer's experts as one [E, ...] tensor
@@ -145,11 +149,159 @@ def test_expert_parallel_arguments_are_checked(paths, monkeypatch):
         ({"device_map": {"embed": "cpu", "blocks.0-2": "cpu", "ln_final": "cpu", "unembed": "cpu"}}, "device_map"),
         ({"expert_offload": "disk"}, "expert_offload"),
         ({"experts_backend": "triton"}, "torch path"),
+        ({"expert_parallel_timeout": 0}, "positive number of seconds"),
+        ({"expert_parallel_timeout": float("nan")}, "positive number of seconds"),
     ]:
         with pytest.raises(ValueError, match=match):
             HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True, **kwargs)
+    with pytest.raises(ValueError, match="it needs expert_parallel"):
+        HookedTransformer.from_pretrained(path, progress=False, expert_parallel_timeout=10)
     if not dist.is_initialized():
         for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             monkeypatch.delenv(var, raising=False)
         with pytest.raises(RuntimeError, match="torchrun"):
             HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True)
+
+
+# ---- ranks that diverge ------------------------------------------------------------------------------------
+DIVERGE_WORLD = 3  # rank 1 diverges; rank 2 agrees with rank 0 and must raise all the same
+
+
+def diverging_scenarios(rank: int, model) -> dict:
+    """Each scenario run by every rank, in order: ("ok", logits) or ("error", message) per rank."""
+    double = lambda t, hook: t * 2  # noqa: E731
+    last = model.cfg.n_experts - 1
+    forwards = {
+        # a hook on rank 1 only that changes what rank 1's experts compute for every rank
+        "hook_on_one_rank": lambda: model.run_with_hooks(TOKENS, fwd_hooks=[("blocks.0.mlp.experts.hook_post", double)] if rank == 1 else []),
+        # a hook that only reads, on rank 1 only: nothing differs, nothing is refused
+        "cache_on_one_rank": lambda: model.run_with_cache(TOKENS)[0] if rank == 1 else model(TOKENS),
+        "rerouting_hook_on_one_rank": lambda: model.run_with_hooks(
+            TOKENS, fwd_hooks=[("blocks.1.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, last))] if rank == 1 else []
+        ),
+        "other_batch_shape": lambda: model(TOKENS[:1] if rank == 1 else TOKENS),
+        "other_tokens": lambda: model(TOKENS.flip(-1) if rank == 1 else TOKENS),
+        "other_weights": lambda: other_weights_on_rank_1(rank, model),
+        "other_sampling_seed": lambda: (torch.manual_seed(rank == 1), model.generate(TOKENS[:, :4], max_new_tokens=6, do_sample=True))[1],
+        "exception_caught_on_one_rank": lambda: caught_then_forward(rank, model),
+        "after_all_that": lambda: model(TOKENS),  # the group is still usable
+    }
+    out = {}
+    for name, forward in forwards.items():
+        try:
+            out[name] = ("ok", forward())
+        except ExpertParallelError as err:
+            out[name] = ("error", str(err))
+    return out
+
+
+def other_weights_on_rank_1(rank: int, model):
+    """Rank 1's embedding scaled, as if it had loaded another checkpoint of the same shapes."""
+    W_E = model.embed.weight
+    kept = W_E.detach().clone()
+    with torch.no_grad():
+        if rank == 1:
+            W_E.mul_(1.5)
+        try:
+            return model(TOKENS)
+        finally:
+            W_E.copy_(kept)
+
+
+def caught_then_forward(rank: int, model):
+    """Rank 1's forward raises in a hook before layer 1 and rank 1 carries on with the next forward, while the
+    others are still in the first one (waiting at layer 1's exchange)."""
+    if rank == 1:
+        def fail(t, hook):
+            raise KeyError("a hook failed on rank 1")
+        try:
+            model.run_with_hooks(TOKENS, fwd_hooks=[("blocks.1.hook_resid_pre", fail)])
+        except KeyError:
+            pass
+    return model(TOKENS)
+
+
+def stall(rank: int, model) -> tuple[str, str, float]:
+    """Rank 1 sleeps past the timeout before layer 0's first exchange; every rank must raise."""
+    dist.barrier()  # all start the forward together
+    start = time.monotonic()
+    sleep = lambda t, hook: time.sleep(STALL_S)  # noqa: E731
+    try:
+        model.run_with_hooks(TOKENS, fwd_hooks=[("blocks.0.hook_resid_pre", sleep)] if rank == 1 else [])
+    except ExpertParallelError as err:
+        return "error", str(err), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+TIMEOUT_S, STALL_S = 2.0, 6.0
+
+
+def diverge_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(THREADS)
+    model = HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True)
+    results = diverging_scenarios(rank, model)
+    if rank == 1:  # loading takes each rank its own time, longer than the timeout apart: still loads
+        time.sleep(TIMEOUT_S * 1.5)
+    timed = HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True, expert_parallel_timeout=TIMEOUT_S)
+    results["stall"] = stall(rank, timed)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ranks_that_diverge_raise_on_every_rank_naming_what_differed(tmp_path):
+    path = str(tiny.build_qwen2_moe(tmp_path / "qwen2_moe", seed=0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        ref = HookedTransformer.from_pretrained(path, progress=False)(TOKENS)
+    finally:
+        torch.set_num_threads(threads)
+    mp.spawn(diverge_worker, args=(DIVERGE_WORLD, free_port(), path, str(tmp_path)), nprocs=DIVERGE_WORLD, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DIVERGE_WORLD)]
+    expected = {  # scenario -> what every rank's error must say (the cause, then each differing field)
+        "hook_on_one_rank": ["layer 0's down exchange", "the experts' input rows differ", "ranks 0, 2: hash",
+                             "routed experts' sites: ranks 0, 2: none; rank 1: post"],
+        "rerouting_hook_on_one_rank": ["layer 1's gate_up exchange", "the routing differs", "routing: ranks 0, 2: hash"],
+        "other_batch_shape": ["layer 0's gate_up exchange", "different batch shapes", "tokens: ranks 0, 2: 40; rank 1: 20"],
+        # other inputs to the experts: the routing differs too, or only the rows
+        "other_tokens": ["layer 0's gate_up exchange", "inputs: ranks 0, 2: hash"],
+        "other_weights": ["layer 0's gate_up exchange", "inputs: ranks 0, 2: hash"],
+        "other_sampling_seed": ["gate_up exchange", "inputs: ranks 0, 2: hash"],
+        "exception_caught_on_one_rank": ["an expert exchange", "different layers", "layer: ranks 0, 2: 1; rank 1: 0"],
+    }
+    for rank, results in enumerate(ranks):
+        for name, parts in expected.items():
+            status, message = results[name]
+            assert status == "error", f"rank {rank}, {name}: no error"
+            for part in parts:
+                assert part in message, f"rank {rank}, {name}: {part!r} not in {message!r}"
+        for name in ("cache_on_one_rank", "after_all_that"):
+            status, logits = results[name]
+            assert status == "ok" and torch.equal(logits, ref), f"rank {rank}, {name}"
+        status, message, seconds = results["stall"]
+        assert status == "error", f"rank {rank}: the stall raised nothing"
+        assert "layer 0's gate_up exchange (the check before it) failed on rank" in message, message
+        if rank != 1:  # the others waited the timeout for rank 1, then gave up; rank 1 woke to a closed group
+            assert "expert_parallel_timeout=2 s" in message and TIMEOUT_S <= seconds < STALL_S, (message, seconds)
+
+
+def test_content_hash_sees_every_bit_and_ignores_nothing(monkeypatch):
+    x = torch.randn(6, 5)
+    h = content_hash(x)
+    assert content_hash(x.clone()) == h and content_hash(x.t().contiguous().t()) == h  # bytes, not layout
+    for i in range(x.numel()):  # one bit of one element: always seen
+        flipped = x.clone()
+        flipped.view(-1).view(torch.int32)[i] ^= 1
+        assert content_hash(flipped) != h, i
+    signs, swapped = x.clone(), x.clone()
+    signs[0, :2] = torch.tensor([1.5, -1.5])
+    swapped[0, :2] = torch.tensor([-1.5, 1.5])  # values that differ in the sign bit only, trading places
+    assert content_hash(signs) != content_hash(swapped)
+    assert content_hash(x.flip(0)) != h and content_hash(x.flip(1)) != h  # same values, other positions
+    for t in (x.to(torch.bfloat16), x.double(), torch.tensor([3, 1, 4]), torch.tensor(2.5)):
+        changed = t.clone()
+        changed.view(-1)[-1] += 1
+        assert content_hash(changed) != content_hash(t), t.dtype
+    monkeypatch.setattr(expert_parallel, "HASH_CHUNK", 10)  # two rows at a time: chunking changes nothing
+    assert content_hash(x) == h

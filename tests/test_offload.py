@@ -1,5 +1,7 @@
 """Expert offload moves weights, never math: every family, both modes, bit for bit the resident model."""
 
+import os
+import struct
 import threading
 import time
 import warnings
@@ -7,9 +9,11 @@ import warnings
 import pytest
 import torch
 from conftest import FAMILIES
+from safetensors.torch import load_file, save_file
 
 from moelens import HookedTransformer
 from moelens.kernels.offload import ExpertCache, OffloadedExperts, PrefetchJob
+from moelens.loaders.errors import CheckpointError
 
 MODES = ["cpu", "disk"]
 
@@ -114,6 +118,75 @@ def test_offload_arguments_are_checked(checkpoints, qwen_model):
         load(path, expert_offload="disk", expert_cache_bytes=-1)
     with pytest.raises(ValueError, match="resident"):
         qwen_model.expert_cache_stats()
+
+
+# ---- the checkpoint changing under a disk-offloaded model -------------------------------------------------
+
+
+def is_expert(key: str) -> bool:
+    return ".mlp.experts." in key
+
+
+# what a rewrite of the file does to every routed expert; before the reads were checked, "shape" broadcast a
+# row into each slot and "dtype" cast, both giving other logits without an error
+REWRITES = {
+    "shape": lambda t: t.update({k: v[..., :1, :].contiguous() for k, v in t.items() if is_expert(k)}),
+    "dtype": lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items() if is_expert(k)}),
+    "missing": lambda t: [t.pop(k) for k in [k for k in t if is_expert(k)]],
+}
+
+
+@pytest.mark.parametrize(
+    "variant, change, prefetch",
+    [("base", "shape", False), ("fused", "shape", True), ("base", "dtype", False), ("base", "missing", False),
+     ("fused", "truncated", False)],
+)
+def test_a_checkpoint_file_changed_after_loading_is_an_error_naming_it(copy_checkpoint, tokens, variant, change, prefetch):
+    folder = copy_checkpoint("qwen2_moe", variant)
+    path = folder / "model.safetensors"
+    model = load(folder, expert_offload="disk", expert_cache_bytes=0, expert_prefetch=prefetch)
+    assert torch.equal(model(tokens), load(folder)(tokens))  # the unchanged file reads as loaded
+    if change == "truncated":
+        os.truncate(path, path.stat().st_size // 2)
+    else:
+        tensors = load_file(path)
+        REWRITES[change](tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the prefetch thread's failure, counted and warned
+        with pytest.raises(CheckpointError) as info:
+            model(tokens)
+    assert f"{path} changed after the model was loaded" in str(info.value)
+    assert "size" in str(info.value)  # each rewrite here changes the size
+
+
+def edit_header_in_place(path, old: bytes, new: bytes) -> None:
+    """Replace old by new (as long) in a safetensors file's JSON header, keeping its size, inode and mtime."""
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = f.read(n)
+        assert old in header and len(old) == len(new)
+        f.seek(8)
+        f.write(header.replace(old, new))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [(b'"dtype":"F32"', b'"dtype":"I32"', "is now I32"),  # before: the float bits read as integers and cast
+     (b"up_proj", b"up_prox", "cannot read expert")],  # before: safetensors' own error
+)
+def test_a_change_that_keeps_the_file_identity_is_caught_by_the_header_check(copy_checkpoint, tokens, old, new, expected):
+    folder = copy_checkpoint("qwen2_moe")
+    path = folder / "model.safetensors"
+    model = load(folder, expert_offload="disk", expert_cache_bytes=0, expert_prefetch=False)
+    edit_header_in_place(path, old, new)
+    with pytest.raises(CheckpointError, match=expected) as info:
+        model(tokens)
+    assert str(path) in str(info.value) and "model.layers." in str(info.value)
 
 
 # ---- prefetch ----------------------------------------------------------------------------------------

@@ -3,16 +3,27 @@
 Reads only that expert's bytes: a per-expert tensor whole, or row e of a fused [E, ...] tensor through a
 safetensors slice. Each read opens and closes its file, so no mapped page of the checkpoint stays in the
 process between reads.
+
+The files are read long after the model was loaded, so every read first checks that they are still the files
+the load checked: each file's identity (size, modification time, inode) is recorded when the reader is made
+and compared before and after each read, and each tensor's dtype and shape in the header it is read through
+against those the load checked. A file that changed is a CheckpointError naming it, never an expert silently
+broadcast or cast into its slot. The bytes themselves are not hashed: a rewrite that keeps the size, the
+inode, the modification time and the header (e.g. one that restores the time) goes unseen.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from moelens.loaders.checkpoint import Target
+from moelens.loaders.errors import CheckpointError
 from moelens.loaders.safetensors_files import SafetensorsFiles
 
 
@@ -25,12 +36,36 @@ def expert_param(target: Target, params: tuple[str, ...]) -> tuple[int, str] | N
     return None
 
 
+@dataclass(frozen=True)
+class FileIdentity:
+    """What says a file is still the one that was checked, without reading it: one stat() call."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileIdentity:
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            raise CheckpointError(f"{path}: the offloaded experts are read from this file, which is gone ({err})") from err
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+    def differences(self, now: FileIdentity) -> str:
+        """'size 100 -> 50, mtime_ns ...': the fields that differ in `now`."""
+        fields = ("size", "mtime_ns", "inode", "device")
+        return ", ".join(f"{f} {getattr(self, f)} -> {getattr(now, f)}" for f in fields if getattr(self, f) != getattr(now, f))
+
+
 class ExpertReader:
     def __init__(
         self, files: SafetensorsFiles, keys: dict[str, Target], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
     ) -> None:
         """shapes: the experts' stacked parameters' names and shapes [E, ...], in parameter order
-        (ExpertSpec.shapes()), the same in every mixture layer."""
+        (ExpertSpec.shapes()), the same in every mixture layer. The files' identities are recorded here: make
+        the reader right after the load has checked the files' headers."""
         self.files, self.shapes, self.dtype = files, shapes, dtype
         self.params = tuple(shapes)
         self.sources: dict[tuple[int, str], list[tuple[str, Target]]] = defaultdict(list)
@@ -38,6 +73,18 @@ class ExpertReader:
             where = expert_param(target, self.params)
             if where is not None:
                 self.sources[where].append((key, target))
+        paths = {files.location[key] for sources in self.sources.values() for key, _ in sources}
+        self.identity: dict[Path, FileIdentity] = {path: FileIdentity.of(path) for path in sorted(paths)}
+
+    def check_unchanged(self, path: Path) -> None:
+        """CheckpointError when `path` is not the file whose identity was recorded."""
+        now = FileIdentity.of(path)
+        if now != self.identity[path]:
+            raise CheckpointError(
+                f"{path} changed after the model was loaded ({self.identity[path].differences(now)}); the offloaded "
+                "experts are read from it when routed to, and would no longer be the checkpoint the load checked. "
+                "Load the model again (or use expert_offload='cpu', which reads the experts once)"
+            )
 
     def read(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         """One expert's tensors (gate_up [2I, H], down [H, I], biases where the spec has them), in the model's
@@ -50,8 +97,25 @@ class ExpertReader:
                 if fused or target.index[0] == expert:
                     by_file[self.files.location[key]].append((key, param, fused, target.index[1:], target.layout))
         for path, reads in by_file.items():
-            with safe_open(path, framework="pt") as f:
-                for key, param, fused, rows, layout in reads:
-                    tensor = f.get_slice(key)[expert] if fused else f.get_tensor(key)
-                    out[param][rows].copy_(layout.load(tensor))
+            self.check_unchanged(path)
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for key, param, fused, rows, layout in reads:
+                        stored = f.get_slice(key)
+                        self._check_header(path, key, stored.get_dtype(), tuple(stored.get_shape()))
+                        tensor = stored[expert] if fused else f.get_tensor(key)
+                        out[param][rows].copy_(layout.load(tensor))
+            except CheckpointError:
+                raise
+            except Exception as err:  # safetensors' own error types: a truncated file, a key no longer there, ...
+                raise CheckpointError(f"{path}: cannot read expert {expert} of layer {layer} from it ({err})") from err
+            self.check_unchanged(path)  # not rewritten while it was being read
         return tuple(out[param] for param in self.params)
+
+    def _check_header(self, path: Path, key: str, dtype: str, shape: tuple[int, ...]) -> None:
+        loaded = self.files.dtypes[key], self.files.shapes[key]
+        if (dtype, shape) != loaded:
+            raise CheckpointError(
+                f"{path}: tensor {key!r} is now {dtype} {list(shape)}, but was {loaded[0]} {list(loaded[1])} when the "
+                "model was loaded; the file changed since. Load the model again"
+            )

@@ -147,6 +147,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         expert_cache_bytes: int | None = None,
         expert_parallel: bool = False,
         expert_prefetch: bool | None = None,
+        expert_parallel_timeout: float | None = None,
         plan_batch: int | None = None,
         plan_seq: int | None = None,
         **from_pretrained_kwargs,
@@ -222,6 +223,10 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         holds only experts [r*E//N, (r+1)*E//N) of each layer; the rest is replicated, and every rank's
         logits, hooks and caches are bit for bit one process's (see moelens.kernels.expert_parallel). Torch
         experts backend only; not with fold_ln, device_map or expert_offload; no backward through experts.
+        The ranks must run the same forwards on the same inputs with hooks that change the same values: each
+        expert exchange is checked first, and a difference is an ExpertParallelError on every rank naming it.
+        expert_parallel_timeout: seconds a rank waits for the others at an expert exchange before raising
+        ExpertParallelError naming the layer (None: 300; torch's own default would be 30 minutes).
         """
         if "torch_dtype" in from_pretrained_kwargs:  # TransformerLens: torch_dtype, when given, wins
             dtype = from_pretrained_kwargs.pop("torch_dtype")
@@ -244,7 +249,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices,
             first_n_layers=first_n_layers, checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value,
             hf_model=hf_model, n_devices=n_devices, move_to_device=move_to_device, plan_batch=plan_batch,
-            plan_seq=plan_seq, expert_prefetch=expert_prefetch,
+            plan_seq=plan_seq, expert_prefetch=expert_prefetch, expert_parallel_timeout=expert_parallel_timeout,
         )
         model.set_experts_backend(experts_backend)
         model._set_pretrained_cfg(model_name, tokenizer, default_prepend_bos, default_padding_side)
