@@ -45,4 +45,5 @@ VARIANTS = {
     ("gpt_oss", "base"): lambda d: build_gpt_oss(d, seed=0),
     ("gpt_oss", "full_only"): lambda d: build_gpt_oss(d, seed=1, layer_types=["full_attention"] * 3),
     ("gpt_oss", "sharded"): lambda d: build_gpt_oss(d, seed=2, max_shard_size="100KB"),
+    ("gpt_oss", "fused"): lambda d: build_gpt_oss(d, seed=3),  # transformers saves gpt-oss's experts fused already
 }
