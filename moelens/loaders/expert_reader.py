@@ -1,7 +1,7 @@
 """One routed expert's weights, read from the checkpoint's files when it is needed (expert_offload="disk").
 
 Reads only that expert's bytes: a per-expert tensor whole, or row e of a fused [E, ...] tensor through a
-safetensors slice. Each read opens and closes its file, so no mapped page of the checkpoint stays in the
+safetensors slice (a quantized one with its scales, dequantized). Each read opens and closes its file, so no mapped page of the checkpoint stays in the
 process between reads.
 """
 
@@ -37,17 +37,30 @@ class ExpertReader:
                 self.sources[where].append((key, target))
 
     def read(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of one expert, in the model's dtype, on the CPU."""
+        """(gate_up [2I, H], down [H, I]) of one expert, in the model's dtype, on the CPU (a quantized
+        checkpoint's expert dequantized from its stored tensors: row `expert` of each, where fused)."""
         out = {param: torch.empty(self.shapes[layer, param][1:], dtype=self.dtype) for param in EXPERT_PARAMS}
+        wanted = [
+            (key, param, target)
+            for param in EXPERT_PARAMS
+            for key, target in self.sources[layer, param]
+            if target.index == () or target.index[0] == expert
+        ]
+        sliced: dict[str, bool] = {}  # every stored tensor to read -> whether it is a fused stack's (read row `expert`)
+        for key, _, target in wanted:
+            sliced.update({k: target.index == () for k in (target.stored.keys if target.stored else (key,))})
         by_file: dict = defaultdict(list)
-        for param in EXPERT_PARAMS:
-            for key, target in self.sources[layer, param]:
-                fused = target.index == ()
-                if fused or target.index[0] == expert:
-                    by_file[self.files.location[key]].append((key, param, fused, target.index[1:]))
-        for path, reads in by_file.items():
+        for key in sliced:
+            by_file[self.files.location[key]].append(key)
+        tensors: dict[str, torch.Tensor] = {}
+        for path, keys in by_file.items():
             with safe_open(path, framework="pt") as f:
-                for key, param, fused, rows in reads:
-                    tensor = f.get_slice(key)[expert] if fused else f.get_tensor(key)
-                    out[param][rows].copy_(tensor)
+                for key in keys:
+                    tensors[key] = f.get_slice(key)[expert] if sliced[key] else f.get_tensor(key)
+        for key, param, target in wanted:
+            if target.stored is None:
+                tensor = tensors[key]
+            else:
+                tensor = target.stored.dequantize(tuple(tensors[k] for k in target.stored.keys), self.dtype)
+            out[param][target.index[1:]].copy_(tensor)
         return out["W_gate_up"], out["W_down"]
