@@ -17,8 +17,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
-from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.loaders.quantized import Format, Fp8Blocks, Stored
+from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.sitemap import ExpertStack, PackedWeight, SiteMap
 
 # Buffers some exporters write that are recomputed from the config.
