@@ -24,6 +24,7 @@ from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.expert_reader import ExpertReader
 from moelens.loaders.files import brief
+from moelens.loaders.quantized import stored_format
 from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.locate import resolve  # also pretrained.resolve, for callers that import it from here
 from moelens.placement import device_of, parse_device_map, parse_max_memory
@@ -120,12 +121,7 @@ def load(
         raise CheckpointError(
             f"{folder / 'config.json'}: model_type = {brief(model_type)}; expected a string naming the family"
         )
-    if "quantization_config" in hf:  # the weights would be read as stored integers or fp8 codes
-        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
-        raise CheckpointError(
-            f"{folder / 'config.json'} has a quantization_config (quant_method {method!r}): moelens loads float weights "
-            "only; use an unquantised (e.g. bfloat16) copy of the checkpoint"
-        )
+    fmt = stored_format(hf, folder / "config.json")  # quantized weights are dequantized as they are read
     family = family_for(model_type, folder / "config.json")
     if not issubclass(family, cls):
         raise TypeError(f"{folder} holds a {hf.get('model_type')} model; {cls.__name__} cannot load it")
@@ -143,7 +139,7 @@ def load(
     )
     tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
     files = SafetensorsFiles(folder)
-    keys = key_map(family.site_map(cfg), files)
+    keys = key_map(family.site_map(cfg), files, fmt)
     if cfg.tie_word_embeddings and any(t.param == "unembed.weight" for t in keys.values()):
         # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)

@@ -28,6 +28,18 @@ class Weight:
 
 
 @dataclass(frozen=True)
+class PackedWeight:
+    """A moelens parameter stored as several checkpoint tensors that a quantized format combines into it
+    (gpt-oss's MXFP4 experts: `<name>_blocks`, `<name>_scales`). keys: the stored tensors in the format's
+    order; method: the quant_method whose dequantization makes the parameter (moelens.loaders.quantized), which
+    config.json's quantization_config must name."""
+
+    param: str
+    keys: tuple[str, ...]
+    method: str
+
+
+@dataclass(frozen=True)
 class PerExpertKeys:
     """One spelling of the routed experts as separate tensors; "{e}" stands for the expert's index."""
 
@@ -131,7 +143,7 @@ class Reference:
 
 @dataclass(frozen=True)
 class SiteMap:
-    weights: tuple[Weight | ExpertStack, ...]
+    weights: tuple[Weight | ExpertStack | PackedWeight, ...]
     references: tuple[Reference, ...]
     # checkpoint keys the family's published checkpoints carry that the model does not use (DeepSeek-V3's
     # multi-token-prediction layer, which transformers skips too); any other key the map lacks is an error

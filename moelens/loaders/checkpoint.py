@@ -2,11 +2,14 @@
 
 The site map (moelens.sitemap) lists every parameter with the spellings of its checkpoint tensor; this
 module picks the spelling the files use, layer by layer (the routed experts per-expert or in transformers'
-fused layout), checks names and shapes against the headers, and copies.
+fused layout), checks names and shapes against the headers, and copies. A quantized checkpoint's tensor
+(moelens.loaders.quantized) keeps its key; its Target says how it is stored (the weight with its scale, or a
+PackedWeight's blocks and scales), and the fill dequantizes it into the slot's dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -15,8 +18,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
+from moelens.loaders.quantized import Format, Fp8Blocks, Stored
 from moelens.loaders.safetensors_files import SafetensorsFiles
-from moelens.sitemap import AS_STORED, ExpertStack, Layout, SiteMap
+from moelens.sitemap import AS_STORED, ExpertStack, Layout, PackedWeight, SiteMap
 
 # Buffers some exporters write that are recomputed from the config.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -26,12 +30,16 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 @dataclass(frozen=True)
 class Target:
-    """Where a checkpoint tensor goes: a parameter (or buffer), the index within it, and the layout the
-    tensor is stored in (mapped onto the parameter's as it is read)."""
+    """Where a checkpoint tensor goes: a parameter (or buffer), the index within it, the layout the tensor is
+    stored in (mapped onto the parameter's as it is read), and how a quantized tensor is stored.
+
+    stored: its tensors, format and dense shape; None for a tensor read as it is. Kept here, not in fill(), so
+    that a caller can read the stored tensors and keep them quantized."""
 
     param: str
     index: tuple = ()
     layout: Layout = AS_STORED
+    stored: Stored | None = None
 
 
 def _expert_keys(stack: ExpertStack, present: set[str] | SafetensorsFiles) -> dict[str, Target]:
@@ -60,6 +68,9 @@ def expected_keys(site_map: SiteMap, present: set[str] | SafetensorsFiles = froz
         if isinstance(entry, ExpertStack):
             keys.update(_expert_keys(entry, present))
             continue
+        if isinstance(entry, PackedWeight):  # its first key; key_map adds how the rest combine with it
+            keys[entry.keys[0]] = Target(entry.param)
+            continue
         found = next((k for k in entry.keys if k in present), None)
         if found is not None or entry.required:
             keys[found or entry.keys[0]] = Target(entry.param)
@@ -71,23 +82,68 @@ def _list(keys: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def key_map(site_map: SiteMap, files: SafetensorsFiles) -> dict[str, Target]:
-    """Check the checkpoint's keys against the site map (headers only); returns key -> target."""
+def key_map(site_map: SiteMap, files: SafetensorsFiles, fmt: Format | None = None) -> dict[str, Target]:
+    """Check the checkpoint's keys against the site map (headers only); returns key -> target.
+
+    fmt: the stored format config.json's quantization_config describes (moelens.loaders.quantized.stored_format);
+    with it, each quantized tensor's target carries how it is stored, its companions checked and expected."""
     keys = expected_keys(site_map, files)
+    packed = [e for e in site_map.weights if isinstance(e, PackedWeight)]
     present = [
         k for k in files.keys() if not k.endswith(IGNORED_SUFFIXES) and not k.startswith(site_map.ignored_prefixes or ("\0",))
     ]
-    missing = [k for k in keys if k not in files]
+    missing = [k for k in [*keys, *(k for e in packed for k in e.keys[1:])] if k not in files]
     if missing:
         raise CheckpointError(f"checkpoint {files.folder} is missing {len(missing)} tensor(s): {_list(missing)}")
-    unexpected = [k for k in present if k not in keys]
+    keys = _with_storage(site_map, files, keys, fmt)
+    companions = {k for t in keys.values() if t.stored is not None for k in t.stored.keys[1:]}
+    unexpected = [k for k in present if k not in keys and k not in companions]
     if unexpected:
         where = sorted({files.location[k].name for k in unexpected})
+        hint = "does config.json describe these weights?"
+        if fmt is None and any(k.endswith("_scale_inv") for k in unexpected):
+            hint = "fp8 scales, but config.json has no quantization_config saying how they are stored"
         raise CheckpointError(
             f"checkpoint {files.folder} has {len(unexpected)} unexpected tensor(s) in {', '.join(where)}: "
-            f"{_list(unexpected)} (does config.json describe these weights?)"
+            f"{_list(unexpected)} ({hint})"
         )
     return keys
+
+
+def _with_storage(site_map: SiteMap, files: SafetensorsFiles, keys: dict[str, Target], fmt: Format | None) -> dict[str, Target]:
+    """keys, each quantized one's target carrying how it is stored (checked from the headers)."""
+    stored: dict[str, Stored] = {}
+    for entry in site_map.weights:
+        if isinstance(entry, PackedWeight):
+            if fmt is None or fmt.method != entry.method:
+                said = "has no quantization_config" if fmt is None else f"says quant_method {fmt.method!r}"
+                raise CheckpointError(
+                    f"{files.folder / 'config.json'} {said}, but {entry.param} is stored as {entry.method} "
+                    f"({', '.join(map(repr, entry.keys))})"
+                )
+            stored[entry.keys[0]] = fmt.packed(entry.keys, files)
+    if isinstance(fmt, Fp8Blocks):
+        for key in keys:
+            if key not in stored and (found := fmt.stored(key, files)) is not None:
+                stored[key] = found
+        _check_fused_blocks(site_map, stored, files)
+    return {k: dataclasses.replace(t, stored=stored[k]) if k in stored else t for k, t in keys.items()}
+
+
+def _check_fused_blocks(site_map: SiteMap, stored: dict[str, Stored], files: SafetensorsFiles) -> None:
+    """A fused fp8 gate_up [E, 2 * d_expert, d_model] whose d_expert the block does not divide has two readings
+    (a block grid over the fused rows, or gate's and up's grids stacked, as transformers' fused fp8 experts hold
+    them): refused rather than guessed. Per-expert keys, and every published checkpoint (d_expert a multiple of
+    128), have one."""
+    for stack in site_map.expert_stacks():
+        found = stored.get(stack.fused.gate_up)
+        if found is not None and isinstance(found.format, Fp8Blocks) and stack.d_expert % found.format.block[0]:
+            raise CheckpointError(
+                f"{files.location[stack.fused.gate_up].name}: fused fp8 {stack.fused.gate_up!r} stacks gate and up "
+                f"rows of {stack.d_expert} each, which blocks of {found.format.block[0]} rows do not divide: its scale "
+                f"{found.keys[1]!r} {files.shapes[found.keys[1]]} could be a grid over the fused rows or gate's and "
+                "up's grids stacked. Store the experts per expert (the Hub's layout), where each is unambiguous"
+            )
 
 
 def slot_map(model: nn.Module, keys: dict[str, Target]) -> dict[str, torch.Tensor]:
@@ -102,21 +158,28 @@ def slot_map(model: nn.Module, keys: dict[str, Target]) -> dict[str, torch.Tenso
 def check_shapes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Target]) -> None:
     """Every checkpoint tensor's shape, from the headers, against its slot: fail before reading any data."""
     wrong = {key: t.layout.stored_shape(tuple(slots[t.param][t.index].shape)) for key, t in keys.items()}
-    wrong = {key: shape for key, shape in wrong.items() if files.shapes[key] != shape}
+    wrong = {key: shape for key, shape in wrong.items() if dense_shape(files, key, keys[key]) != shape}
     if wrong:
         key, expected = next(iter(wrong.items()))
         more = f" ({len(wrong) - 1} more tensor(s) mismatch too: {_list(list(wrong)[1:], 3)})" if len(wrong) > 1 else ""
+        stored = keys[key].stored
+        how = "" if stored is None else f" (dequantized from {stored.format.method}: {', '.join(map(repr, stored.keys))})"
         raise CheckpointError(
-            f"{files.location[key].name}: tensor {key!r} has shape {files.shapes[key]}, but the config "
-            f"({files.folder / 'config.json'}) needs {expected} for {keys[key].param}{more}"
+            f"{files.location[key].name}: tensor {key!r} has shape {dense_shape(files, key, keys[key])}{how}, but the "
+            f"config ({files.folder / 'config.json'}) needs {expected} for {keys[key].param}{more}"
         )
+
+
+def dense_shape(files: SafetensorsFiles, key: str, target: Target) -> tuple[int, ...]:
+    """The shape a key's tensor has once read: as stored, or dequantized."""
+    return files.shapes[key] if target.stored is None else target.stored.shape
 
 
 def warn_cast_dtypes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Target]) -> None:
     """One warning per file and stored dtype that is not a float type: its values are cast, maybe changed."""
     groups: dict[tuple[str, str], list[str]] = {}
-    for key in keys:
-        if files.dtypes[key] not in FLOAT_DTYPES:
+    for key, target in keys.items():
+        if target.stored is None and files.dtypes[key] not in FLOAT_DTYPES:
             groups.setdefault((files.location[key].name, files.dtypes[key]), []).append(key)
     for (name, stored), group in groups.items():
         cast_to = slots[keys[group[0]].param].dtype
@@ -148,7 +211,8 @@ def fill(
     check_finite: bool = True,
     offloaded: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Copy each checkpoint tensor into its slot, one tensor in memory at a time.
+    """Copy each checkpoint tensor into its slot, one tensor in memory at a time (a quantized one with its
+    companions, dequantized into the slot's dtype).
 
     check_finite: count the NaN and Inf values of each tensor once in its slot (after the cast, so that an
     overflow shows too) and warn, once, about every tensor that holds any.
@@ -159,20 +223,30 @@ def fill(
     check_shapes(slots, files, keys)
     warn_cast_dtypes(slots, files, keys)
     to_read = [k for k, t in keys.items() if not slots[t.param].is_meta]
+    plain = [k for k in to_read if keys[k].stored is None]
+    quantized = [keys[k].stored.keys for k in to_read if keys[k].stored is not None]
     not_finite: list[str] = []
     bar = tqdm(total=len(to_read), desc="loading", unit="tensor", disable=None if progress is None else not progress)
+
+    def settle(key: str, tensor: torch.Tensor) -> None:
+        target = keys[key]
+        slot = slots[target.param][target.index]
+        if target.stored is not None:  # on the slot's device: the same bits anywhere (float32 products, one cast)
+            tensor = target.stored.dequantize(tuple(t.to(slot.device) for t in tensor), slot.dtype)
+        slot.copy_(target.layout.load(tensor))
+        if check_finite and (bad := not_finite_count(slot)):
+            nan = int(torch.isnan(slot).sum())
+            not_finite.append(
+                f"{key!r} in {files.location[key].name}: {nan} NaN and {bad - nan} Inf of {slot.numel()} "
+                f"values as {slot.dtype}"
+            )
+        bar.update()
+
     with torch.no_grad():
-        for key, tensor in files.read(to_read):
-            target = keys[key]
-            slot = slots[target.param][target.index]
-            slot.copy_(target.layout.load(tensor))
-            if check_finite and (bad := not_finite_count(slot)):
-                nan = int(torch.isnan(slot).sum())
-                not_finite.append(
-                    f"{key!r} in {files.location[key].name}: {nan} NaN and {bad - nan} Inf of {slot.numel()} "
-                    f"values as {slot.dtype}"
-                )
-            bar.update()
+        for key, tensor in files.read(plain):
+            settle(key, tensor)
+        for group, tensors in files.read_groups(quantized):
+            settle(group[0], tensors)
     bar.close()
     if not_finite:
         more = f"; and {len(not_finite) - 8} more" if len(not_finite) > 8 else ""

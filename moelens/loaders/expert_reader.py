@@ -1,8 +1,8 @@
 """One routed expert's weights, read from the checkpoint's files when it is needed (expert_offload="disk").
 
 Reads only that expert's bytes: a per-expert tensor whole, or row e of a fused [E, ...] tensor through a
-safetensors slice. Each read opens and closes its file, so no mapped page of the checkpoint stays in the
-process between reads.
+safetensors slice (a quantized one with its scales, dequantized). Each read opens and closes its file, so no
+mapped page of the checkpoint stays in the process between reads.
 
 The files are read long after the model was loaded, so every read first checks that they are still the files
 the load checked: each file's identity (size, modification time, inode) is recorded when the reader is made
@@ -73,7 +73,10 @@ class ExpertReader:
             where = expert_param(target, self.params)
             if where is not None:
                 self.sources[where].append((key, target))
-        paths = {files.location[key] for sources in self.sources.values() for key, _ in sources}
+        paths = {
+            files.location[k] for sources in self.sources.values() for key, target in sources
+            for k in (target.stored.keys if target.stored else (key,))
+        }
         self.identity: dict[Path, FileIdentity] = {path: FileIdentity.of(path) for path in sorted(paths)}
 
     def check_unchanged(self, path: Path) -> None:
@@ -88,28 +91,41 @@ class ExpertReader:
 
     def read(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         """One expert's tensors (gate_up [2I, H], down [H, I], biases where the spec has them), in the model's
-        dtype, on the CPU."""
+        dtype, on the CPU: a quantized checkpoint's dequantized from its stored tensors (row `expert` of each,
+        where fused), then mapped from the stored layout."""
         out = {param: torch.empty(self.shapes[param][1:], dtype=self.dtype) for param in self.params}
+        wanted = [
+            (key, param, target)
+            for param in self.params
+            for key, target in self.sources[layer, param]
+            if target.index == () or target.index[0] == expert
+        ]
+        sliced: dict[str, bool] = {}  # every stored tensor to read -> whether it is a fused stack's (read row `expert`)
+        for key, _, target in wanted:
+            sliced.update({k: target.index == () for k in (target.stored.keys if target.stored else (key,))})
         by_file: dict = defaultdict(list)
-        for param in self.params:
-            for key, target in self.sources[layer, param]:
-                fused = target.index == ()
-                if fused or target.index[0] == expert:
-                    by_file[self.files.location[key]].append((key, param, fused, target.index[1:], target.layout))
-        for path, reads in by_file.items():
+        for key in sliced:
+            by_file[self.files.location[key]].append(key)
+        tensors: dict[str, torch.Tensor] = {}
+        for path, keys in by_file.items():
             self.check_unchanged(path)
             try:
                 with safe_open(path, framework="pt") as f:
-                    for key, param, fused, rows, layout in reads:
+                    for key in keys:
                         stored = f.get_slice(key)
                         self._check_header(path, key, stored.get_dtype(), tuple(stored.get_shape()))
-                        tensor = stored[expert] if fused else f.get_tensor(key)
-                        out[param][rows].copy_(layout.load(tensor))
+                        tensors[key] = stored[expert] if sliced[key] else f.get_tensor(key)
             except CheckpointError:
                 raise
             except Exception as err:  # safetensors' own error types: a truncated file, a key no longer there, ...
                 raise CheckpointError(f"{path}: cannot read expert {expert} of layer {layer} from it ({err})") from err
             self.check_unchanged(path)  # not rewritten while it was being read
+        for key, param, target in wanted:
+            if target.stored is None:
+                tensor = tensors[key]
+            else:
+                tensor = target.stored.dequantize(tuple(tensors[k] for k in target.stored.keys), self.dtype)
+            out[param][target.index[1:]].copy_(target.layout.load(tensor))
         return tuple(out[param] for param in self.params)
 
     def _check_header(self, path: Path, key: str, dtype: str, shape: tuple[int, ...]) -> None:

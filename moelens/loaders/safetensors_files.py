@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -117,3 +118,28 @@ class SafetensorsFiles:
                 raise
             except Exception as err:
                 raise CheckpointError(f"{path}: cannot read its tensors ({err})") from err
+
+    def read_groups(self, groups: list[tuple[str, ...]]) -> Iterator[tuple[tuple[str, ...], tuple[torch.Tensor, ...]]]:
+        """Yield (group, its tensors) with a group's tensors together (a quantized weight and its scale, which
+        may sit in different files): groups in the order of their first key's file, every file a chunk of
+        READ_CHUNK_BYTES touches opened for that chunk and closed after it."""
+        ordered = sorted(groups, key=lambda g: str(self.location[g[0]]))
+        chunks: list[list[tuple[str, ...]]] = []
+        size = 0
+        for group in ordered:
+            if not chunks or self.location[chunks[-1][0][0]] != self.location[group[0]] or size >= READ_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(group)
+            size += sum(self.nbytes[k] for k in group)
+        for chunk in chunks:
+            paths = sorted({self.location[k] for group in chunk for k in group}, key=str)
+            try:
+                with ExitStack() as stack:
+                    handles = {path: stack.enter_context(safe_open(path, framework="pt")) for path in paths}
+                    for group in chunk:
+                        yield group, tuple(handles[self.location[k]].get_tensor(k) for k in group)
+            except CheckpointError:
+                raise
+            except Exception as err:
+                raise CheckpointError(f"{', '.join(str(p) for p in paths)}: cannot read their tensors ({err})") from err
