@@ -16,30 +16,6 @@ import torch
 
 
 @dataclass(frozen=True)
-class Weight:
-    """A moelens parameter (or buffer) read whole from one checkpoint tensor.
-
-    keys: the spellings of that tensor, tried in order (the Hub's and transformers' may differ).
-    required=False: absent is allowed, the parameter is then left as the model built it (a tied head)."""
-
-    param: str
-    keys: tuple[str, ...]
-    required: bool = True
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """A moelens parameter stored as several checkpoint tensors that a quantized format combines into it
-    (gpt-oss's MXFP4 experts: `<name>_blocks`, `<name>_scales`). keys: the stored tensors in the format's
-    order; method: the quant_method whose dequantization makes the parameter (moelens.loaders.quantized), which
-    config.json's quantization_config must name."""
-
-    param: str
-    keys: tuple[str, ...]
-    method: str
-
-
-@dataclass(frozen=True)
 class PerExpertKeys:
     """One spelling of the routed experts as separate tensors; "{e}" stands for the expert's index."""
 
@@ -80,6 +56,14 @@ class Interleaved(Layout):
         return torch.cat([stored[..., 0::2], stored[..., 1::2]], dim=-1)
 
 
+class InterleavedRows(Layout):
+    """Stored gate and up rows interleaved (gate 0, up 0, gate 1, ...), moelens's gate rows first (gpt-oss's
+    MXFP4 gate_up_proj, [E, 2*d_expert, d_model] once dequantized)."""
+
+    def load(self, stored: torch.Tensor) -> torch.Tensor:
+        return torch.cat([stored[..., 0::2, :], stored[..., 1::2, :]], dim=-2)
+
+
 class TransposedInterleaved(Layout):
     """Stored [..., d_model, 2*d_expert] with gate and up columns interleaved, moelens's [..., 2*d_expert,
     d_model] gate rows first (gpt-oss's gate_up_proj)."""
@@ -90,6 +74,33 @@ class TransposedInterleaved(Layout):
 
     def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (*shape[:-2], shape[-1], shape[-2])
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A moelens parameter (or buffer) read whole from one checkpoint tensor.
+
+    keys: the spellings of that tensor, tried in order (the Hub's and transformers' may differ).
+    required=False: absent is allowed, the parameter is then left as the model built it (a tied head).
+    layout: how the stored tensor maps onto the parameter."""
+
+    param: str
+    keys: tuple[str, ...]
+    required: bool = True
+    layout: Layout = AS_STORED
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A moelens parameter stored as several checkpoint tensors that a quantized format combines into it
+    (gpt-oss's MXFP4 experts: `<name>_blocks`, `<name>_scales`). keys: the stored tensors in the format's
+    order; method: the quant_method whose dequantization makes the parameter (moelens.loaders.quantized), which
+    config.json's quantization_config must name."""
+
+    param: str
+    keys: tuple[str, ...]
+    method: str
+    layout: Layout = AS_STORED  # how the dense tensor the format makes maps onto the parameter
 
 
 @dataclass(frozen=True)

@@ -295,3 +295,46 @@ def test_embedded_default(tmp_path, monkeypatch):
     assert type(model) is HookedGptOss and model.cfg.d_vocab == 260
     report = compare(model, load_reference(default_checkpoint("tiny-gpt-oss")), torch.randint(0, 260, (2, 20)))
     assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0
+
+
+# ---- the published MXFP4 experts -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    return tiny_gpt_oss.to_mxfp4(tiny_gpt_oss.build_gpt_oss(tmp_path_factory.mktemp("gpt_oss_mxfp4") / "ckpt", seed=4))
+
+
+def test_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(mxfp4):
+    """First, transformers' own dequantizing load reads the files back to the values written out by hand;
+    then moelens's parameters are those values in moelens's layout, and the logits match transformers'."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    ref = GptOssForCausalLM.from_pretrained(mxfp4, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    with safe_open(mxfp4 / "model.safetensors", "pt") as f:
+        blocks, scales = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_blocks"), f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_scales")
+        down = tiny_gpt_oss.dequantize_mxfp4_by_hand(f.get_tensor("model.layers.1.mlp.experts.down_proj_blocks"), f.get_tensor("model.layers.1.mlp.experts.down_proj_scales"))
+    gate_up = tiny_gpt_oss.dequantize_mxfp4_by_hand(blocks, scales)  # [E, 2 * d_expert interleaved, d_model]
+    assert torch.equal(ref.model.layers[1].mlp.experts.gate_up_proj, gate_up.transpose(1, 2))
+    assert torch.equal(ref.model.layers[1].mlp.experts.down_proj, down.transpose(1, 2))
+    model = HookedTransformer.from_pretrained(mxfp4, progress=False)
+    experts = model.blocks[1].mlp.experts
+    assert torch.equal(experts.W_gate_up, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
+    assert torch.equal(experts.W_down, down)
+    report = compare(model, ref, tokens())
+    assert report.index_mismatches == 0 and report.max_logit_diff <= 1e-5, report
+
+
+def test_mxfp4_experts_offloaded_and_bfloat16(mxfp4):
+    """Offloaded to disk, each expert is dequantized from its own rows of the blocks and scales: the same bits
+    as the resident model's, in float32 and bfloat16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        resident = HookedTransformer.from_pretrained(mxfp4, dtype=dtype, progress=False)
+        offloaded = HookedTransformer.from_pretrained(mxfp4, dtype=dtype, progress=False, expert_offload="disk", expert_cache_bytes=0)
+        assert torch.equal(offloaded(tokens()), resident(tokens()))
+
+
+def test_mxfp4_blocks_of_the_wrong_shape_name_their_key(mxfp4, tmp_path):
+    folder = shutil.copytree(mxfp4, tmp_path / "ckpt")
+    _rewrite(folder, lambda t: t.update({"model.layers.2.mlp.experts.down_proj_scales": torch.zeros(8, 64, 2, dtype=torch.uint8)}))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.down_proj_scales"):
+        HookedTransformer.from_pretrained(folder, progress=False)

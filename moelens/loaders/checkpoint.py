@@ -69,11 +69,11 @@ def expected_keys(site_map: SiteMap, present: set[str] | SafetensorsFiles = froz
             keys.update(_expert_keys(entry, present))
             continue
         if isinstance(entry, PackedWeight):  # its first key; key_map adds how the rest combine with it
-            keys[entry.keys[0]] = Target(entry.param)
+            keys[entry.keys[0]] = Target(entry.param, layout=entry.layout)
             continue
         found = next((k for k in entry.keys if k in present), None)
         if found is not None or entry.required:
-            keys[found or entry.keys[0]] = Target(entry.param)
+            keys[found or entry.keys[0]] = Target(entry.param, layout=entry.layout)
     return keys
 
 

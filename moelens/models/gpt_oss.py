@@ -33,7 +33,10 @@ from moelens.models.components import Components, SparseMoe, TopKRouter
 from moelens.models.components.norm import CastAfterWeightRMSNorm
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
 from moelens.models.sites import Entry, attention_projections, decoder_site_map
-from moelens.sitemap import AS_STORED, ExpertStack, FusedExperts, Interleaved, Reference, SiteMap, Transposed, TransposedInterleaved, Weight
+from moelens.sitemap import (
+    AS_STORED, ExpertStack, FusedExperts, Interleaved, InterleavedRows, PackedWeight, Reference, SiteMap, Transposed,
+    TransposedInterleaved, Weight,
+)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_ROPE_THETA = 150000.0  # transformers' GptOssConfig default
@@ -43,6 +46,8 @@ DEFAULT_ROPE_THETA = 150000.0  # transformers' GptOssConfig default
 class GptOssConfig(MoeConfig):
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # the routed experts' weights stored as MXFP4 blocks and scales (the published checkpoints), else dense
+    mxfp4_experts: bool = False
 
     def expert_spec(self) -> ExpertSpec:
         return ExpertSpec(self.n_experts, self.d_model, self.d_expert, ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit), bias=True)
@@ -142,30 +147,51 @@ class HookedGptOss(HookedTransformer):
             d_expert=hf.integer("intermediate_size", at_least=1),
             swiglu_alpha=hf.number("swiglu_alpha", 1.702),
             swiglu_limit=hf.number("swiglu_limit", 7.0, above=0),
+            mxfp4_experts=quant_method(raw) == "mxfp4",
             tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in ("hidden_act",) if f in raw),  # the experts' activation is fixed
         )
 
 
-# transformers' layouts of the fused experts (the Hub's bfloat16 copies use them too)
-GPT_OSS_LAYOUTS = (TransposedInterleaved(), Transposed(), Interleaved(), AS_STORED)
-
-
-def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
-    experts = f"{src}.mlp.experts"
-    fused = FusedExperts(
-        f"{experts}.gate_up_proj", f"{experts}.down_proj", f"{experts}.gate_up_proj_bias", f"{experts}.down_proj_bias",
-        GPT_OSS_LAYOUTS,
-    )
+def _layer_sites(cfg: GptOssConfig, layer: int, src: str, dst: str) -> list[Entry]:
     return attention_projections(cfg, src, dst) + [
         Weight(f"{dst}.attn.sinks", (f"{src}.self_attn.sinks",)),
         Reference(f"{dst}.attn.hook_z", f"{src}.self_attn.o_proj", "in"),
         Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.router.weight",)),
         Weight(f"{dst}.mlp.router.bias", (f"{src}.mlp.router.bias",)),
-        ExpertStack(f"{dst}.mlp.experts", cfg.n_experts, cfg.d_expert, (), fused),
+        *(_mxfp4_experts(cfg, src, dst) if cfg.mxfp4_experts else [_dense_experts(cfg, src, dst)]),
         Reference(f"{dst}.mlp.hook_router_logits", f"{src}.mlp.router", "out.0"),
         Reference(f"{dst}.mlp.hook_expert_weights", f"{src}.mlp.router", "out.1"),
         Reference(f"{dst}.mlp.hook_expert_indices", f"{src}.mlp.router", "out.2"),
         Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
     ]
+
+
+def _dense_experts(cfg: GptOssConfig, src: str, dst: str) -> ExpertStack:
+    """transformers' layouts of the fused experts (the Hub's bfloat16 copies use them too)."""
+    experts = f"{src}.mlp.experts"
+    fused = FusedExperts(
+        f"{experts}.gate_up_proj", f"{experts}.down_proj", f"{experts}.gate_up_proj_bias", f"{experts}.down_proj_bias",
+        (TransposedInterleaved(), Transposed(), Interleaved(), AS_STORED),
+    )
+    return ExpertStack(f"{dst}.mlp.experts", cfg.n_experts, cfg.d_expert, (), fused)
+
+
+def _mxfp4_experts(cfg: GptOssConfig, src: str, dst: str) -> list[Entry]:
+    """The published checkpoints' experts: <name>_blocks [E, rows, cols / 32, 16] and <name>_scales [E, rows,
+    cols / 32], rows and cols in moelens's orientation once dequantized (gate and up rows interleaved); the
+    biases as in transformers' layout."""
+    experts, ours = f"{src}.mlp.experts", f"{dst}.mlp.experts"
+    packed = {name: (f"{experts}.{name}_blocks", f"{experts}.{name}_scales") for name in ("gate_up_proj", "down_proj")}
+    return [
+        PackedWeight(f"{ours}.W_gate_up", packed["gate_up_proj"], "mxfp4", InterleavedRows()),
+        PackedWeight(f"{ours}.W_down", packed["down_proj"], "mxfp4"),
+        Weight(f"{ours}.b_gate_up", (f"{experts}.gate_up_proj_bias",), layout=Interleaved()),
+        Weight(f"{ours}.b_down", (f"{experts}.down_proj_bias",)),
+    ]
+
+
+def quant_method(raw: dict) -> str | None:
+    qc = raw.get("quantization_config")
+    return qc.get("quant_method") if isinstance(qc, dict) else None
