@@ -70,7 +70,8 @@ class SinkAttention(SlidingWindowAttention):
 
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         b, _, n_q, _ = scores.shape
-        sinks = self.hook_sink_scores(self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n_q, 1))
+        # its own memory (an expanded view cannot be edited in place), one logit per head and query
+        sinks = self.hook_sink_scores(self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n_q, 1).contiguous())
         combined = torch.cat([scores, sinks.to(scores.dtype)], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         return F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
