@@ -8,6 +8,7 @@ from moelens.loaders import CheckpointError, CheckpointWarning
 from moelens.models import (
     FAMILIES,
     HookedDeepseekV3,
+    HookedGlm4Moe,
     HookedHunyuanMoe,
     HookedMixtral,
     HookedOlmoe,
@@ -24,6 +25,7 @@ __all__ = [
     "FAMILIES",
     "HookPoint",
     "HookedDeepseekV3",
+    "HookedGlm4Moe",
     "HookedHunyuanMoe",
     "HookedMixtral",
     "HookedOlmoe",
