@@ -109,7 +109,7 @@ def test_correction_bias_changes_the_choice(models):
     for layer in model.cfg.moe_layer_indices:
         unbiased = cache["router_scores", layer].topk(3).indices.sort(-1).values
         chosen = cache["expert_indices", layer].sort(-1).values
-        assert (unbiased != chosen).any(-1).float().mean() > 0.2
+        assert (unbiased != chosen).any(-1).float().mean() > 0.5
 
 
 def test_components():
