@@ -42,13 +42,14 @@ def build_glm4_moe(
     folder: Path, seed: int = 0, max_shard_size: str | None = None, bias_scale: float = 0.3, **overrides
 ) -> Path:
     """save_pretrained writes the Hub's per-expert spelling (mlp.experts.E.gate_proj ...). The correction bias
-    is large enough to change the chosen experts for most tokens, and (drawn from seed + 2000) leaves expert 0
-    reachable in every layer of the base variant: the generic in-place edit test raises its router logit and
-    needs the edit to matter."""
+    is large enough to change the chosen experts for most tokens. It is drawn from seed + 3000: a draw under
+    which the base variant's experts stay reachable where the generic tests need them (they raise expert 0's
+    router logit, push expert 5's until it is chosen, mean-ablate the least used expert of one batch on
+    another); under some draws a bias far below the others' keeps an expert out of every choice."""
     from transformers import Glm4MoeForCausalLM
 
     model = tiny.new_model(Glm4MoeForCausalLM, glm4_moe_config(**overrides), seed)
-    gen = torch.Generator().manual_seed(seed + 2000)
+    gen = torch.Generator().manual_seed(seed + 3000)
     with torch.no_grad():
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
