@@ -9,6 +9,7 @@ from moelens.loaders import CheckpointError, CheckpointWarning
 from moelens.models import (
     FAMILIES,
     HookedDeepseekV3,
+    HookedGlm4Moe,
     HookedGptOss,
     HookedHunyuanMoe,
     HookedMixtral,
@@ -27,6 +28,7 @@ __all__ = [
     "FAMILIES",
     "HookPoint",
     "HookedDeepseekV3",
+    "HookedGlm4Moe",
     "HookedGptOss",
     "HookedHunyuanMoe",
     "HookedMixtral",

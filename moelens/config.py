@@ -361,13 +361,17 @@ class HFConfig:
         params, scaling = self.section("rope_parameters"), self.section("rope_scaling")
         return HFConfig({**scaling.raw, **params.raw}, {**scaling.parents, **params.parents})
 
-    def rope(self) -> RopeConfig:
-        """Rotary settings from either spelling: rope_theta + rope_scaling (Hub) or rope_parameters (transformers)."""
+    def rope(self, partial_rotary_factor: float = 1.0) -> RopeConfig:
+        """Rotary settings from either spelling: rope_theta + rope_scaling (Hub) or rope_parameters (transformers).
+        partial_rotary_factor: the family's default where config.json gives none (in either place)."""
         rope = self.rope_section()
         theta = rope.number("rope_theta", self.number("rope_theta", 10000.0, above=0), above=0)
         kind = rope.text("rope_type", rope.text("type", "default"))
         partial = rope.number(
-            "partial_rotary_factor", self.number("partial_rotary_factor", 1.0, above=0, at_most=1), above=0, at_most=1
+            "partial_rotary_factor",
+            self.number("partial_rotary_factor", partial_rotary_factor, above=0, at_most=1),
+            above=0,
+            at_most=1,
         )
         if kind == "default":
             return RopeConfig(theta=theta, partial_rotary_factor=partial)

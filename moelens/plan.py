@@ -579,8 +579,9 @@ def check_tokens(**sizes: int) -> None:
 
 def needs_of(cfg, family, components: dict[str, Count], layers: list[LayerCount], batch: int, seq: int) -> Needs:
     """What the placements weigh, from the model's counts (count_model) and a forward of batch x seq tokens."""
-    acts = activation_terms(cfg, batch, seq, family.components.router.float32_weight)
-    kv = kv_cache_bytes(cfg, batch, seq, family.components.attention.cached_per_token(cfg))
+    classes = family.components_for(cfg)
+    acts = activation_terms(cfg, batch, seq, classes.router.float32_weight)
+    kv = kv_cache_bytes(cfg, batch, seq, classes.attention.cached_per_token(cfg))
     embed_bytes = components["embeddings"].bytes
     final_norm = cfg.d_model * torch.tensor([], dtype=cfg.dtype).element_size()
     return Needs(
@@ -692,9 +693,9 @@ def plan(
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head wins, as the loader does
     cfg = dataclasses.replace(cfg, dtype=dtype)
     components, layers = count_model(build_meta_model(cfg, family))
-    float32_router = family.components.router.float32_weight
+    float32_router = family.components_for(cfg).router.float32_weight
     acts = activation_terms(cfg, batch, seq, float32_router)
-    kv_per_token = family.components.attention.cached_per_token(cfg)
+    kv_per_token = family.components_for(cfg).attention.cached_per_token(cfg)
     kv = kv_cache_bytes(cfg, batch, seq, kv_per_token)
     needs = needs_of(cfg, family, components, layers, batch, seq)
     return Plan(

@@ -9,6 +9,7 @@ import pytest
 
 import tiny
 import tiny_deepseek_v3
+import tiny_glm4_moe
 import tiny_gpt_oss
 import tiny_mixtral
 import tiny_olmoe
@@ -22,6 +23,7 @@ BUILDERS = {
     "qwen2_moe": tiny.build_qwen2_moe, "hunyuan_v1_moe": tiny.build_hunyuan, "solar_open": tiny.build_solar,
     "qwen3_moe": tiny_qwen3_moe.build_qwen3_moe, "mixtral": tiny_mixtral.build_mixtral, "olmoe": tiny_olmoe.build_olmoe,
     "deepseek_v3": tiny_deepseek_v3.build_deepseek_v3, "gpt_oss": tiny_gpt_oss.build_gpt_oss,
+    "glm4_moe": tiny_glm4_moe.build_glm4_moe,
 }
 
 

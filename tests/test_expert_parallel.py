@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 import tiny
 import tiny_deepseek_v3
+import tiny_glm4_moe
 import tiny_gpt_oss
 import tiny_mixtral
 import tiny_olmoe
@@ -33,6 +34,7 @@ CHECKPOINTS = {  # family/variant -> builder; "fused" stores each layer's expert
     "mixtral": lambda d: tiny_mixtral.build_mixtral(d, seed=0),
     "olmoe": lambda d: tiny_olmoe.build_olmoe(d, seed=0),
     "deepseek_v3": lambda d: tiny_deepseek_v3.build_deepseek_v3(d, seed=0),  # a dense first block
+    "glm4_moe": lambda d: tiny_glm4_moe.build_glm4_moe(d, seed=0),  # q/k norm, partial rotary, a dense first block
     "gpt_oss": lambda d: tiny_gpt_oss.build_gpt_oss(d, seed=0),  # expert biases, transposed interleaved layout
 }
 # CPU GEMMs round differently with other intra-op thread counts (an environment property, not expert

@@ -5,6 +5,7 @@ from __future__ import annotations
 from moelens.families import FAMILIES, family_for
 from moelens.models.base import HookedTransformer
 from moelens.models.deepseek_v3 import HookedDeepseekV3
+from moelens.models.glm4_moe import HookedGlm4Moe
 from moelens.models.gpt_oss import HookedGptOss
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
 from moelens.models.mixtral import HookedMixtral
@@ -16,4 +17,5 @@ from moelens.models.solar_open import HookedSolarOpen
 __all__ = [
     "FAMILIES", "HookedDeepseekV3", "HookedGptOss", "HookedHunyuanMoe", "HookedMixtral", "HookedOlmoe", "HookedQwen2Moe",
     "HookedQwen3Moe", "HookedSolarOpen", "HookedTransformer", "family_for",
+    "HookedGlm4Moe",
 ]

@@ -77,8 +77,9 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         self.embed = Embed(cfg.d_vocab, cfg.d_model)
         self.hook_embed = HookPoint("batch pos d_model", "token embeddings")
         self.rotary = Rotary(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, layer, self.components) for layer in range(cfg.n_layers))
-        self.ln_final = self.components.norm(cfg.d_model, cfg.norm_eps)
+        components = self.components_for(cfg)
+        self.blocks = nn.ModuleList(Block(cfg, layer, components) for layer in range(cfg.n_layers))
+        self.ln_final = components.norm(cfg.d_model, cfg.norm_eps)
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         self.hook_logits = HookPoint("batch pos d_vocab", "logits")
         self.tie_weights()
@@ -98,6 +99,12 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     @classmethod
     def config_from_hf(cls, hf: dict) -> MoeConfig:  # pragma: no cover - every family overrides
         raise NotImplementedError(f"{cls.__name__} does not define config_from_hf")
+
+    @classmethod
+    def components_for(cls, cfg: MoeConfig) -> Components:
+        """The classes this config's blocks are built from: the family's `components`, unless its configs
+        choose between behaviours (a family whose config.json turns a q/k norm on or off)."""
+        return cls.components
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:  # pragma: no cover - every family overrides

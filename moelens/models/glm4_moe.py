@@ -1,0 +1,126 @@
+"""HookedGlm4Moe: GLM-4.5, GLM-4.5-Air, GLM-4.6 (model_type glm4_moe).
+
+What is special about the family: the rotary turns only the first partial_rotary_factor of each head's dims
+(0.5 when config.json says nothing, as transformers; rotate-half layout within them, the rest pass through);
+q, k and v biased where attention_bias (o_proj never); where use_qk_norm (GLM-4.5, not GLM-4.5-Air), a
+per-head RMSNorm of queries and keys before the rotary, so hook_q / hook_k hold the projections and
+hook_rot_q / hook_rot_k the normed, rotated heads; the first first_k_dense_replace blocks are dense MLPs
+(intermediate_size wide), the rest mixtures: DeepSeek-V3's float32 sigmoid router (SigmoidGroupedTopK:
+e_score_correction_bias added only to choose, among the topk_group best of n_group groups, weights
+renormalised when norm_topk_prob, times routed_scaling_factor, float32) and a shared expert
+(moe_intermediate_size * n_shared_experts wide) added after the routed experts, ungated.
+
+Like transformers, the model is the num_hidden_layers blocks: the Hub checkpoint's multi-token-prediction
+layers (model.layers.92 of GLM-4.5, model.layers.46 of GLM-4.5-Air; num_nextn_predict_layers of them) are
+not part of it, and loading passes over their keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from moelens.config import HFConfig, MoeConfig
+from moelens.models.base import HookedTransformer
+from moelens.models.components import Attention, Components, SharedExpertMoe, SigmoidGroupedTopK
+from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
+from moelens.models.sites import (
+    Entry, attention_projections, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts,
+)
+from moelens.sitemap import Reference, SiteMap, Weight
+
+
+@dataclass(frozen=True)
+class Glm4MoeConfig(MoeConfig):
+    """MoeConfig plus whether queries and keys are normed (use_qk_norm) and how many multi-token-prediction
+    layers the checkpoint stores after the last block (not run; see site_map)."""
+
+    qk_norm: bool = False
+    mtp_layers: int = 0
+
+
+class HookedGlm4Moe(HookedTransformer):
+    model_type = "glm4_moe"
+    # without the q/k norm (GLM-4.5-Air, transformers' default); components_for picks the normed attention
+    components = Components(attention=Attention, moe=SharedExpertMoe, router=SigmoidGroupedTopK)
+
+    @classmethod
+    def components_for(cls, cfg: Glm4MoeConfig) -> Components:
+        if cfg.qk_norm:
+            return dataclasses.replace(cls.components, attention=QKNormBeforeRotaryAttention)
+        return cls.components
+
+    @classmethod
+    def site_map(cls, cfg: Glm4MoeConfig) -> SiteMap:
+        # the Hub checkpoint's multi-token-prediction layers follow the last block; transformers skips them too
+        mtp = tuple(f"model.layers.{i}." for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_layers))
+        return decoder_site_map(cfg, _layer_sites, mtp)
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> Glm4MoeConfig:
+        hf = HFConfig(raw)
+        n_layers = hf.integer("num_hidden_layers", at_least=1)
+        n_heads = hf.integer("num_attention_heads", at_least=1)
+        # absent fields take transformers' Glm4MoeConfig defaults (GLM-4.5-Air's sizes)
+        first_dense = hf.integer("first_k_dense_replace", 1, at_least=0)
+        moe_layers = tuple(i >= first_dense for i in range(n_layers))
+        any_moe = any(moe_layers)
+        n_experts = hf.integer("n_routed_experts", 128, at_least=1)
+        top_k = hf.integer("num_experts_per_tok", 8, at_least=1, at_most=n_experts) if any_moe else 0
+        n_group, topk_group = hf.integer("n_group", 1, at_least=1), hf.integer("topk_group", 1, at_least=1)
+        if any_moe:
+            SigmoidGroupedTopK.check_groups(n_experts, top_k, n_group, topk_group)
+        d_expert = hf.integer("moe_intermediate_size", 1408, at_least=1)
+        # transformers 5 saves num_nextn_predict_layers (num_mtp_layers is its attribute name); absent: none stored
+        mtp_layers = hf.integer("num_nextn_predict_layers", None, at_least=0)
+        if mtp_layers is None:
+            mtp_layers = hf.integer("num_mtp_layers", 0, at_least=0)
+        return Glm4MoeConfig(
+            family=cls.model_type,
+            d_model=hf.integer("hidden_size", at_least=1),
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=hf.integer("num_key_value_heads", 8, at_least=1),
+            d_head=hf.head_dim(),
+            d_vocab=hf.integer("vocab_size", at_least=1),
+            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
+            rope=hf.rope(partial_rotary_factor=0.5),
+            max_position_embeddings=hf.integer("max_position_embeddings", 131072, at_least=1),
+            qkv_bias=hf.flag("attention_bias", False),  # q, k, v only: transformers' o_proj has no bias
+            act_fn=hf.text("hidden_act", "silu"),
+            d_mlp=hf.integer("intermediate_size", 10944, at_least=1) if first_dense else 0,
+            moe_layers=moe_layers,
+            n_experts=n_experts if any_moe else 0,
+            top_k=tuple(top_k if m else 0 for m in moe_layers),
+            d_expert=d_expert if any_moe else 0,
+            d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1) if any_moe else 0,
+            norm_topk_prob=hf.flag("norm_topk_prob", True),
+            routed_scaling_factor=hf.number("routed_scaling_factor", 1.0),
+            n_group=n_group if any_moe else 1,
+            topk_group=topk_group if any_moe else 1,
+            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
+            qk_norm=hf.flag("use_qk_norm", False),
+            mtp_layers=mtp_layers,
+            fields_read=tuple(hf.read),
+        )
+
+
+def _layer_sites(cfg: Glm4MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    attn = f"{src}.self_attn"
+    entries = attention_projections(cfg, src, dst) + [Reference(f"{dst}.attn.hook_z", f"{attn}.o_proj", "in")]
+    if cfg.qk_norm:
+        entries += [
+            Weight(f"{dst}.attn.q_norm.weight", (f"{attn}.q_norm.weight",)),
+            Weight(f"{dst}.attn.k_norm.weight", (f"{attn}.k_norm.weight",)),
+        ]
+    if not cfg.moe_layers[layer]:
+        return entries + dense_mlp(src, dst)
+    return entries + [
+        Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
+        Weight(f"{dst}.mlp.router.e_score_correction_bias", (f"{src}.mlp.gate.e_score_correction_bias",)),
+        routed_experts(cfg, (f"{src}.mlp.experts",), dst),
+        *gated_mlp(f"{src}.mlp.shared_experts", f"{dst}.mlp.shared_expert"),
+        *router_references(dst, f"{src}.mlp.gate"),
+        Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
+        Reference(f"{dst}.mlp.shared_expert.hook_out", f"{src}.mlp.shared_experts"),
+    ]
