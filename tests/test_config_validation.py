@@ -9,6 +9,7 @@ import pytest
 
 import tiny
 import tiny_deepseek_v3
+import tiny_minimax_m2
 import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
@@ -21,6 +22,7 @@ BUILDERS = {
     "qwen2_moe": tiny.build_qwen2_moe, "hunyuan_v1_moe": tiny.build_hunyuan, "solar_open": tiny.build_solar,
     "qwen3_moe": tiny_qwen3_moe.build_qwen3_moe, "mixtral": tiny_mixtral.build_mixtral, "olmoe": tiny_olmoe.build_olmoe,
     "deepseek_v3": tiny_deepseek_v3.build_deepseek_v3,
+    "minimax_m2": tiny_minimax_m2.build_minimax_m2,
 }
 
 

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 import tiny
 import tiny_deepseek_v3
+import tiny_minimax_m2
 import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
@@ -28,6 +29,7 @@ CHECKPOINTS = {  # family/variant -> builder; "fused" stores each layer's expert
     "mixtral": lambda d: tiny_mixtral.build_mixtral(d, seed=0),
     "olmoe": lambda d: tiny_olmoe.build_olmoe(d, seed=0),
     "deepseek_v3": lambda d: tiny_deepseek_v3.build_deepseek_v3(d, seed=0),  # a dense first block
+    "minimax_m2": lambda d: tiny_minimax_m2.build_minimax_m2(d, seed=0),
 }
 # CPU GEMMs round differently with other intra-op thread counts (an environment property, not expert
 # parallelism's: one process differs from itself), so the ranks and the reference all run on one thread

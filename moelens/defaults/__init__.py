@@ -30,6 +30,7 @@ CONFIGS = {
     "tiny-qwen3-moe": "tiny_qwen3_moe.json",
     "tiny-olmoe": "tiny_olmoe.json",
     "tiny-deepseek-v3": "tiny_deepseek_v3.json",
+    "tiny-minimax-m2": "tiny_minimax_m2.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

@@ -6,6 +6,7 @@ from moelens.families import FAMILIES, family_for
 from moelens.models.base import HookedTransformer
 from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
+from moelens.models.minimax_m2 import HookedMiniMaxM2
 from moelens.models.mixtral import HookedMixtral
 from moelens.models.olmoe import HookedOlmoe
 from moelens.models.qwen2_moe import HookedQwen2Moe
@@ -15,4 +16,5 @@ from moelens.models.solar_open import HookedSolarOpen
 __all__ = [
     "FAMILIES", "HookedDeepseekV3", "HookedHunyuanMoe", "HookedMixtral", "HookedOlmoe", "HookedQwen2Moe",
     "HookedQwen3Moe", "HookedSolarOpen", "HookedTransformer", "family_for",
+    "HookedMiniMaxM2",
 ]
