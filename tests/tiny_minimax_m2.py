@@ -22,13 +22,13 @@ def minimax_m2_config(**overrides):
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,  # its own size: heads x head_dim is twice hidden_size, as in MiniMax-M2 (48 x 128 vs 3072)
         num_local_experts=8,
         num_experts_per_tok=3,
         max_position_embeddings=256,
         bos_token_id=None,
         eos_token_id=2,
-        rotary_dim=8,  # half of each head, as MiniMax-M2's 64 of 128
+        rotary_dim=16,  # half of each head, as MiniMax-M2's 64 of 128
         rope_theta=1000.0,
     )
     kwargs.update(overrides)
@@ -113,6 +113,6 @@ VARIANTS = {
     ("minimax_m2", "hub_config"): lambda d: hub_config(build_minimax_m2(d, seed=4)),
     # the rotary over whole heads, one kv head per query head, a tied head, top-1
     ("minimax_m2", "full_rotary_tied"): lambda d: build_minimax_m2(
-        d, seed=5, rotary_dim=16, num_key_value_heads=4, tie_word_embeddings=True, num_experts_per_tok=1
+        d, seed=5, rotary_dim=32, num_key_value_heads=4, tie_word_embeddings=True, num_experts_per_tok=1
     ),
 }
