@@ -36,9 +36,10 @@ def minimax_m2_config(**overrides):
 
 
 def build_minimax_m2(
-    folder: Path, seed: int = 0, max_shard_size: str | None = None, bias_scale: float = 0.3, **overrides
+    folder: Path, seed: int = 0, max_shard_size: str | None = None, bias_scale: float = 0.15, **overrides
 ) -> Path:
-    """A correction bias large enough to change the chosen experts for many tokens. transformers 5's
+    """A correction bias large enough to change the chosen experts for many tokens, small enough that every
+    expert stays reachable (a sigmoid is at most 1: a bias far below the others' shuts an expert out). transformers 5's
     save_pretrained writes the Hub's spelling: block_sparse_moe.{gate, e_score_correction_bias, experts.E.w1/w2/w3}."""
     from transformers import MiniMaxM2ForCausalLM
 
