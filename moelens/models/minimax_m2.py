@@ -12,8 +12,8 @@ e_score_correction_bias, experts w1 gate / w3 up / w2 down); transformers 5 call
 transformers' MiniMaxM2 reads none of MiniMax's own switches: it always builds the model that use_qk_norm true,
 qk_norm_type "per_layer", scoring_func "sigmoid", use_routing_bias true, shared_intermediate_size 0 and an
 attn_type_list of 1s (full attention) describe, so any other value is refused here rather than run as that
-model. The multi-token-prediction modules (num_mtp_modules, stored as model.layers.N.. after the last block)
-are not part of the model, as in transformers.
+model. The multi-token-prediction modules are not part of the model, as in transformers: num_mtp_modules
+layers stored after the last block (model.layers.N, N+1, ...) are skipped, any other extra tensor refused.
 
 The published checkpoint is block-scaled fp8 (quantization_config quant_method "fp8", weight_block_size
 [128, 128]): self_attn.{q,k,v,o}_proj.weight and every block_sparse_moe.experts.E.{w1,w2,w3}.weight are
