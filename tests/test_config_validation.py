@@ -11,6 +11,7 @@ import tiny
 import tiny_deepseek_v3
 import tiny_glm4_moe
 import tiny_gpt_oss
+import tiny_minimax_m2
 import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
@@ -24,6 +25,7 @@ BUILDERS = {
     "qwen3_moe": tiny_qwen3_moe.build_qwen3_moe, "mixtral": tiny_mixtral.build_mixtral, "olmoe": tiny_olmoe.build_olmoe,
     "deepseek_v3": tiny_deepseek_v3.build_deepseek_v3, "gpt_oss": tiny_gpt_oss.build_gpt_oss,
     "glm4_moe": tiny_glm4_moe.build_glm4_moe,
+    "minimax_m2": tiny_minimax_m2.build_minimax_m2,
 }
 
 

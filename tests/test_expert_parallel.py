@@ -17,6 +17,7 @@ import tiny
 import tiny_deepseek_v3
 import tiny_glm4_moe
 import tiny_gpt_oss
+import tiny_minimax_m2
 import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
@@ -36,6 +37,7 @@ CHECKPOINTS = {  # family/variant -> builder; "fused" stores each layer's expert
     "deepseek_v3": lambda d: tiny_deepseek_v3.build_deepseek_v3(d, seed=0),  # a dense first block
     "glm4_moe": lambda d: tiny_glm4_moe.build_glm4_moe(d, seed=0),  # q/k norm, partial rotary, a dense first block
     "gpt_oss": lambda d: tiny_gpt_oss.build_gpt_oss(d, seed=0),  # expert biases, transposed interleaved layout
+    "minimax_m2": lambda d: tiny_minimax_m2.build_minimax_m2(d, seed=0),
 }
 # CPU GEMMs round differently with other intra-op thread counts (an environment property, not expert
 # parallelism's: one process differs from itself), so the ranks and the reference all run on one thread

@@ -7,10 +7,11 @@ from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert
 from moelens import HookedTransformer
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.components.router_float32_weights import SoftmaxTopKFloat32Weights
+from moelens.models.minimax_m2 import SigmoidTopKFloat32Weights
 
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
-# the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral)
-FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxTopKFloat32Weights)
+# the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral, MiniMax-M2)
+FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxTopKFloat32Weights, SigmoidTopKFloat32Weights)
 
 
 def moe_layers(model):
@@ -53,7 +54,7 @@ def test_router_rules(family_models, family, tokens):
         logits, w, idx = cache["router_logits", layer], cache["expert_weights", layer], cache["expert_indices", layer]
         k = model.cfg.top_k[layer]
         router = model.blocks[layer].mlp.router
-        if isinstance(router, SigmoidGroupedTopK):
+        if router.scoring == "sigmoid":  # MiniMax-M2's is one group of all experts, unscaled
             scores = logits.float().sigmoid()
             bias = model.blocks[layer].mlp.router.e_score_correction_bias
             biased = (scores + bias).unflatten(-1, (model.cfg.n_group, -1))
@@ -108,7 +109,7 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     idx, w = cache["expert_indices", layer], cache["expert_weights", layer]
     assert torch.equal(idx.sort(-1).values, torch.tensor(sorted(forced[:k])).expand_as(idx))
     new_logits = torch.tensor([4.0 - r for r in range(k)])
-    if isinstance(model.blocks[layer].mlp.router, SigmoidGroupedTopK):  # (the bias is small next to the forced gap)
+    if model.blocks[layer].mlp.router.scoring == "sigmoid":  # (the bias is small next to the forced gap)
         expected = torch.sigmoid(new_logits)
         expected = expected / expected.sum() if model.cfg.norm_topk_prob else expected
         expected = expected * model.cfg.routed_scaling_factor

@@ -62,7 +62,7 @@ def hf_component(name: str) -> str:
         return "norms"
     if ".self_attn." in name:
         return "attention"
-    if ".mlp.gate." in name:  # gate.weight, gate.wg.weight, gate.e_score_correction_bias
+    if ".mlp.gate." in name or name.endswith(".mlp.e_score_correction_bias"):  # MiniMax's bias sits beside the gate
         return "routers"
     if ".mlp.experts." in name:
         return "routed_experts"

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import tiny
 import tiny_deepseek_v3
+import tiny_minimax_m2
 import tiny_mixtral
 import tiny_qwen3_moe
 from safetensors.torch import load_file, save_file
@@ -267,6 +268,8 @@ ALIGNED = {
     # bfloat16 scales (some publishers); small blocks over Qwen3's 96, 48, 64 and 32
     "qwen3_moe": (lambda d: tiny_qwen3_moe.build_qwen3_moe(d, seed=6), (16, 16), torch.bfloat16),
     "mixtral": (lambda d: tiny_mixtral.build_mixtral(d, seed=7), (32, 32), torch.float32),
+    # MiniMax-M2 publishes fp8 per-expert w1 / w3 / w2 and attention projections, the router unquantized
+    "minimax_m2": (lambda d: tiny_minimax_m2.build_minimax_m2(d, seed=11), (32, 32), torch.float32),
 }
 
 

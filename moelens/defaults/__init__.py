@@ -32,6 +32,7 @@ CONFIGS = {
     "tiny-deepseek-v3": "tiny_deepseek_v3.json",
     "tiny-glm4-moe": "tiny_glm4_moe.json",
     "tiny-gpt-oss": "tiny_gpt_oss.json",
+    "tiny-minimax-m2": "tiny_minimax_m2.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

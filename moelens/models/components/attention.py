@@ -132,6 +132,8 @@ class Attention(nn.Module):
             # The heads of a kv group share its keys: fold them into the query axis instead of repeating
             # keys and values ([b, kv, group*q, d] @ [b, kv, d, k]).
             n_q, n_k = q.shape[2], k.shape[2]
+            if group > 1:  # laid out as transformers' repeat_kv leaves them: bf16 GEMMs round by memory layout
+                k, v = k.contiguous(), v.contiguous()
             q_grouped = q.reshape(b, self.n_kv_heads, group * n_q, self.d_head)
             scores = torch.matmul(q_grouped, k.transpose(2, 3)).mul_(self.scale).view(b, self.n_heads, n_q, n_k)
             # in place: these are the largest tensors of the block. finfo.min, not -inf: a row with nothing

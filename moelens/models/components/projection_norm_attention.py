@@ -1,5 +1,6 @@
 """Attention whose queries and keys are RMS-normed over the whole projection (every head together), before the
-split into heads and the rotary, and optionally clamped with the values to [-clip_qkv, clip_qkv] (OLMoE).
+split into heads and the rotary, and optionally clamped with the values to [-clip_qkv, clip_qkv] (OLMoE;
+MiniMax-M2 without the clamp).
 
 The norm's statistics mix the heads: a query head's normed value depends on every other head's raw projection,
 so the norm weight [n_heads * d_head] multiplies coordinates of the flat projection and does not fold into
@@ -35,7 +36,7 @@ class ProjectionQKNormAttention(Attention):
     """q = clamp(q_norm(q_proj(x))), k = clamp(k_norm(k_proj(x))), v = clamp(v_proj(x)): one RMSNorm over each
     token's whole query projection (weight [n_heads * d_head]) and one over its whole key projection (weight
     [n_kv_heads * d_head]), float32 inside as the other norms; then, where cfg.clip_qkv is set, q, k and v
-    clamped to [-clip_qkv, clip_qkv]; then the heads split and the rotary applied to q and k (OLMoE)."""
+    clamped to [-clip_qkv, clip_qkv]; then the heads split and the rotary applied to q and k (OLMoE, MiniMax-M2)."""
 
     # hook_q and hook_k are after the norms: W_Q / W_K are the projections before them
     linear_hooks = ("v",)
@@ -45,7 +46,7 @@ class ProjectionQKNormAttention(Attention):
         self.clip_qkv = cfg.clip_qkv
         self.q_norm = RMSNorm(cfg.n_heads * cfg.d_head, cfg.norm_eps, hooked=False)
         self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.d_head, cfg.norm_eps, hooked=False)
-        clamp = ", clamped to +-clip_qkv where set"
+        clamp = ", clamped to +-clip_qkv" if cfg.clip_qkv is not None else ""
         self.hook_q = HookPoint(
             "batch pos head d_head", f"query after q_norm over all heads together{clamp}; before the rotary"
         )
