@@ -32,7 +32,7 @@ from moelens.loaders.errors import CheckpointError
 from moelens.loaders.files import read_json_object
 from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
 from moelens.placement import parse_size
-from moelens.locate import resolve
+from moelens.locate import check_hub_id, check_not_empty, resolve
 
 COMPONENTS = (
     "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
@@ -76,6 +76,7 @@ def read_source(model: str | Path | dict, revision: str | None = None) -> Source
     if isinstance(model, dict):
         return Source(model, "config dict", None)
     name = str(model)
+    check_not_empty(name)
     path = Path(name).expanduser()
     if name in defaults.NAMES and not path.exists():  # a shipped default, or a tiny one built (a few kB of weights)
         folder = resolve(name)
@@ -84,8 +85,7 @@ def read_source(model: str | Path | dict, revision: str | None = None) -> Source
         return Source(read_config(path), str(path), path)
     if path.is_file():  # a config.json on its own
         return Source(read_json_object(path), str(path), None)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or not name:
-        raise FileNotFoundError(f"no checkpoint folder or config file at {path}")
+    check_hub_id(name, "no checkpoint folder or config file")  # a mistyped name or path never goes to the Hub
     config = hub_config(name, revision)
     # the snapshot folder the config sits in: weights already in the cache for that commit are there too
     return Source(read_json_object(config), f"{name} (Hub)", config.parent)
