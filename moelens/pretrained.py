@@ -19,6 +19,7 @@ from moelens.kernels.expert_parallel import ExpertShard, expert_range, init_proc
 from moelens.kernels.offload import ExpertCache, OffloadedExperts
 from moelens.loaders import read_config
 from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
+from moelens.loaders.config_sizes import check_raw_sizes, check_sizes
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.expert_reader import EXPERT_PARAMS, ExpertReader
 from moelens.load_options import LoadOptions
@@ -67,6 +68,8 @@ def load(cls, options: LoadOptions):
     family = family_for(model_type, folder / "config.json")
     if not issubclass(family, cls):
         raise TypeError(f"{folder} holds a {hf.get('model_type')} model; {cls.__name__} cannot load it")
+    files = SafetensorsFiles(folder)  # headers only: the sizes below are checked against them
+    check_raw_sizes(hf, files, folder / "config.json")
     try:
         cfg = family.config_from_hf(hf)
     except KeyError as err:
@@ -79,8 +82,9 @@ def load(cls, options: LoadOptions):
         cfg, dtype=dtype, original_architecture=first_architecture if isinstance(first_architecture, str) else None
     )
     tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
-    files = SafetensorsFiles(folder)
-    keys = key_map(family.site_map(cfg), files)
+    site_map = family.site_map(cfg)
+    check_sizes(cfg, site_map, files, folder / "config.json")  # before the key map lists every expert's tensors
+    keys = key_map(site_map, files)
     if cfg.tie_word_embeddings and any(t.param == "unembed.weight" for t in keys.values()):
         # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
@@ -88,6 +92,8 @@ def load(cls, options: LoadOptions):
         model = family.build(cfg)
     except ValueError as err:  # what the config asks for that no module can be built for (hidden_act, ...)
         raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
+    # every tensor's shape against the model built on meta, before any memory is allocated for it
+    check_shapes(dict(model.named_parameters()) | dict(model.named_buffers()), files, keys)
     # made before placing: device_map="auto" leaves room on the devices for its size
     cache_bytes = _default_cache_bytes(model) if options.expert_cache_bytes is None else options.expert_cache_bytes
     cache = ExpertCache(cache_bytes) if expert_offload else None
@@ -106,7 +112,7 @@ def load(cls, options: LoadOptions):
     materialize(model, device_for)
     model.tie_weights()
     if on_meta:
-        check_shapes(slot_map(model, keys), files, keys)
+        slot_map(model, keys)  # every parameter has its tensor (the shapes were checked above)
     else:
         fill(model, files, keys, progress=options.progress, check_finite=options.check_finite, offloaded=offloaded)
         if placed is not None and placed["unembed"] != placed["embed"] and model.unembed.weight is model.embed.weight:
