@@ -114,7 +114,8 @@ def verify(args: argparse.Namespace) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("moelens verify needs transformers: pip install 'moelens[test]'", file=sys.stderr)
+        print("moelens verify needs transformers: pip install transformers (or, in moelens's checkout, "
+              "pip install '.[test]')", file=sys.stderr)
         return 2
     status = 0
     for name in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
