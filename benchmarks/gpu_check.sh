@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One prepared device run for a session that is lent a GPU (fits the 10-minute command limit):
-#   run({"command": "bash benchmarks/gpu_check.sh", "timeout_s": 580})
-# 1. the Triton kernel tests compiled for real (not the interpreter), against the fp64 loop on the CPU;
+# The GPU checks, on a machine with an NVIDIA GPU (about 10 minutes), from the repository root:
+#   bash benchmarks/gpu_check.sh            # logs and tables in $OUT, else /tmp/gpu_check
+# 1. the Triton kernel tests compiled for the GPU (not the interpreter), against the float64 loop on the CPU;
 # 2. the routed-expert benchmark at the four flagship shapes (README table);
 # 3. expert offload: copy bandwidth, prefill/decode resident vs offloaded, logits bit for bit.
-# If step 1 passes, record the GPU's compute capability in moelens/kernels/experts.py VERIFIED_TRITON_ARCHS.
-# The device image has its own torch/triton/transformers; moelens runs from the checkout (PYTHONPATH).
+# If step 1 passes, add the GPU's compute capability to VERIFIED_TRITON_ARCHS in moelens/kernels/experts.py.
+# It uses the torch, triton and transformers installed on the machine; moelens runs from this checkout (PYTHONPATH).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET

@@ -27,7 +27,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 USER_ERRORS = (CheckpointError, ValueError, KeyError, TypeError, OSError)
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (as ArgumentDefaultsHelpFormatter), except where the help
+    already says it in words, or there is none to show (a flag, an option that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)  # the subcommands' parsers too
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         """Usage errors in one line, like every other user error."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
@@ -98,7 +113,8 @@ def verify(args: argparse.Namespace) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        print("moelens verify needs transformers: pip install 'moelens[test]'", file=sys.stderr)
+        print("moelens verify needs transformers: pip install transformers (or, in moelens's checkout, "
+              "pip install '.[test]')", file=sys.stderr)
         return 2
     status = 0
     for name in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
@@ -171,7 +187,7 @@ def _tokenizer(name: str):
     return MoeTokenizer.from_folder(folder, read_config(folder))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> Parser:
     parser = Parser(prog="moelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="per layer, the experts each token is routed to, and the next tokens")
@@ -180,30 +196,31 @@ def main(argv: list[str] | None = None) -> int:
         "trained), or one with random weights per family: " + ", ".join(defaults.CONFIGS)
     )
     p.add_argument("--prompt", default="The quick brown fox", help="text (or space-separated ids without tokenizer)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the weights and the forward")
     p.add_argument("--top", type=positive_int, default=5, help="how many next tokens to show")
-    p.add_argument("--plot", metavar="OUT.png", help="also write the routing plot [token x layer] (needs moelens[plot])")
+    p.add_argument("--plot", metavar="OUT.png", help="also write the routing plot [token x layer] (needs the plot extra; default: no plot)")
     p.set_defaults(run=inspect)
     p = sub.add_parser("verify", help="max logit and per-site differences against transformers")
     p.add_argument("model", help="Hub id, local folder or embedded default name")
-    p.add_argument("--dtype", choices=[*DTYPES, "both"], default="both")
-    p.add_argument("--seq-len", type=positive_int, default=24)
+    p.add_argument("--dtype", choices=[*DTYPES, "both"], default="both", help="compare in this dtype, or in each")
+    p.add_argument("--seq-len", type=positive_int, default=24, help="tokens of the random input both models run")
     p.set_defaults(run=verify)
     p = sub.add_parser(
         "plan", help="parameters, memory and a placement that fits, from config.json alone (no weights downloaded)"
     )
     p.add_argument("model", help="Hub id (only config.json is fetched), local folder, config.json or default name")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="dtype of the weights")
     gpus = p.add_mutually_exclusive_group()
     gpus.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 (memory from torch.cuda, "
-                      "else --gpu-memory)")
-    gpus.add_argument("--gpus", type=positive_int, help="plan for N GPUs of --gpu-memory each")
+                      "else --gpu-memory; default: cuda:0 .. cuda:N-1 for --gpus N)")
+    gpus.add_argument("--gpus", type=positive_int, help="plan for N GPUs of --gpu-memory each (default: one GPU "
+                      "when only --gpu-memory is given; no GPU option at all: the CPU only)")
     p.add_argument("--gpu-memory", type=size, help="memory of each GPU: 141GB (1e9 bytes), 80GiB (2**30 bytes); "
-                   "alone: one GPU. With no GPU option the plan is for the CPU only")
+                   "alone: one GPU (default: each --devices GPU's own, from torch.cuda)")
     p.add_argument("--cpu-memory", type=size, help="CPU memory (default: this machine's)")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences per forward (activations, KV cache)")
     p.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence (activations, KV cache)")
-    p.add_argument("--revision", help="Hub revision of config.json")
+    p.add_argument("--revision", help="Hub revision of config.json (default: the repo's default branch)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     p.set_defaults(run=plan)
     p = sub.add_parser(
@@ -215,11 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, metavar="DIR", help="trace folder: created, or resumed if it holds a partial trace")
     p.add_argument("--seq-len", type=positive_int, default=1024, help="tokens per window (each window is one forward)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="windows per forward")
-    p.add_argument("--max-tokens", type=positive_int, help="stop after exactly this many tokens")
+    p.add_argument("--max-tokens", type=positive_int, help="stop after exactly this many tokens (default: the whole corpus)")
     p.add_argument("--router-logits", action="store_true", help="also store each token's router logits [n_experts]")
     p.add_argument("--windows-per-part", type=positive_int, help="windows per Parquet part (default: 2**17 tokens' worth)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the weights and the forward")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(run=trace)
     p = sub.add_parser("trace-report", help="an HTML report (or PNGs) of a trace: load, subsets, selectivity, top tokens")
@@ -230,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--by", choices=["folder", "file"], default="folder", help="corpus subsets for the load heat map")
     p.add_argument("--top", type=positive_int, default=5, help="top tokens shown per expert")
     p.set_defaults(run=trace_report)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.argv = ["moelens", *(sys.argv[1:] if argv is None else argv)]
     try:
         return args.run(args)

@@ -244,6 +244,21 @@ class MoeConfig:
 
 _REQUIRED = object()  # default of the typed reads: the field must be present
 
+# The most moelens accepts for config.json's size fields: ten times and more what the largest published
+# models use (~100 layers, 512 experts, d_model 7168, 262k tokens), and low enough that reading a config and
+# building its model on the meta device (`moelens plan` does), per layer and per expert, stays within
+# seconds to a minute or two. A value past its bound is a mistake in config.json: 10**9 layers would cost
+# minutes and gigabytes before any other check could run.
+SIZE_BOUNDS = {
+    "num_hidden_layers": 2**10,
+    "num_experts": 2**14, "n_routed_experts": 2**14, "num_local_experts": 2**14, "n_shared_experts": 2**10,
+    "hidden_size": 2**17, "vocab_size": 2**22,
+    "intermediate_size": 2**20, "moe_intermediate_size": 2**20, "shared_expert_intermediate_size": 2**20,
+    "num_attention_heads": 2**12, "num_key_value_heads": 2**12,
+    "head_dim": 2**14, "attention_head_dim": 2**14, "v_head_dim": 2**14, "qk_rope_head_dim": 2**14,
+    "qk_nope_head_dim": 2**14, "q_lora_rank": 2**17, "kv_lora_rank": 2**17,
+}
+
 
 class HFConfig:
     """config.json, read field by field: records what was read, and names a missing or bad field clearly.
@@ -288,6 +303,7 @@ class HFConfig:
         value, present = self._value(name, default)
         if present:
             _check_integer(value, self.label(name), at_least, at_most)
+            _check_bound(value, name, self.label(name))
         return value
 
     def number(
@@ -324,6 +340,7 @@ class HFConfig:
             raise _bad(self.label(name), value, "a list of integers")
         for i, item in enumerate(value):
             _check_integer(item, f"{self.label(name)}[{i}]", at_least, at_most)
+            _check_bound(item, name, f"{self.label(name)}[{i}]")
         return list(value)
 
     def per_layer(self, name: str, n_layers: int, *, at_least: int | None = None, at_most: int | None = None):
@@ -406,6 +423,16 @@ def _check_integer(value, label: str, at_least: int | None, at_most: int | None)
     """Refuse anything but an int (a bool or a float is not one) within the bounds."""
     if isinstance(value, bool) or not isinstance(value, int) or not _within(value, at_least, None, at_most):
         raise _bad(label, value, _expected("an integer", at_least, None, at_most))
+
+
+def _check_bound(value: int, name: str, label: str) -> None:
+    """A size field past SIZE_BOUNDS: refused before anything is built from it."""
+    bound = SIZE_BOUNDS.get(name)
+    if bound is not None and value > bound:
+        raise ValueError(
+            f"{label} = {value:,}: more than moelens accepts for it ({bound:,}, far above any published model); "
+            "is config.json right?"
+        )
 
 
 def _finite(value: int | float) -> bool:

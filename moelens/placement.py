@@ -45,6 +45,22 @@ def parse_device_map(spec: Mapping[str, str | torch.device | int], n_layers: int
     return placed
 
 
+def check_available(device: torch.device, what: str) -> None:
+    """A device this machine has, else a ValueError naming `what`, the device and what there is. cpu is always
+    there (torch keeps "cpu:1" apart as a name, which tests use to stand for a second device); an accelerator
+    (cuda, xpu, mps, ...) needs its index below its type's device count here."""
+    if device.type in ("cpu", "meta"):
+        return
+    backend = getattr(torch, device.type, None)
+    count_of = getattr(backend, "device_count", None)
+    available = getattr(backend, "is_available", None)
+    count = count_of() if callable(count_of) and callable(available) and available() else 0
+    index = device.index or 0
+    if index >= count:
+        have = f"{count} {device.type} device(s), {device.type}:0 to {device.type}:{count - 1}" if count else f"no {device.type} device"
+        raise ValueError(f"{what} = {str(device)!r}: this machine has {have}")
+
+
 def _device(device, key: str) -> torch.device:
     try:
         return torch.device(device)

@@ -32,7 +32,7 @@ from moelens.loaders.errors import CheckpointError
 from moelens.loaders.files import read_json_object
 from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
 from moelens.placement import parse_size
-from moelens.locate import resolve
+from moelens.locate import check_hub_id, check_not_empty, resolve
 
 COMPONENTS = (
     "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
@@ -42,6 +42,10 @@ HEADROOM = 0.10  # of each device's memory, left free: allocator fragmentation, 
 # expert parallel (all-to-all of tokens per layer), then offload (expert weights cross PCIe every forward)
 PREFERENCE = ("one_device", "device_map", "expert_parallel", "expert_offload")
 DEFAULT_BATCH, DEFAULT_SEQ = 1, 2048  # the forward a plan reserves working memory and KV cache for
+# Beyond these a plan measures nothing real and building it costs minutes: the largest published models have
+# ~15k (mixture layer, expert) pairs (DeepSeek-V3 58 x 256, Kimi K2 60 x 384), each a module of the meta model
+MAX_GPUS = 2**12
+MAX_EXPERT_MODULES = 2**17
 
 
 # ---- sizes -----------------------------------------------------------------------------------------
@@ -76,6 +80,7 @@ def read_source(model: str | Path | dict, revision: str | None = None) -> Source
     if isinstance(model, dict):
         return Source(model, "config dict", None)
     name = str(model)
+    check_not_empty(name)
     path = Path(name).expanduser()
     if name in defaults.NAMES and not path.exists():  # a shipped default, or a tiny one built (a few kB of weights)
         folder = resolve(name)
@@ -84,8 +89,7 @@ def read_source(model: str | Path | dict, revision: str | None = None) -> Source
         return Source(read_config(path), str(path), path)
     if path.is_file():  # a config.json on its own
         return Source(read_json_object(path), str(path), None)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or not name:
-        raise FileNotFoundError(f"no checkpoint folder or config file at {path}")
+    check_hub_id(name, "no checkpoint folder or config file")  # a mistyped name or path never goes to the Hub
     config = hub_config(name, revision)
     # the snapshot folder the config sits in: weights already in the cache for that commit are there too
     return Source(read_json_object(config), f"{name} (Hub)", config.parent)
@@ -551,6 +555,10 @@ def gpu_devices(devices: Sequence[str] | str | None, gpus: int | None, gpu_memor
     memory = None if gpu_memory is None else parse_size(gpu_memory)
     if devices and gpus is not None:
         raise ValueError("give either devices (--devices) or a GPU count (--gpus), not both")
+    if gpus is not None and gpus > MAX_GPUS:
+        raise ValueError(f"gpus = {gpus:,}: moelens plans for at most {MAX_GPUS:,} GPUs")
+    if devices and len(devices) > MAX_GPUS:
+        raise ValueError(f"{len(devices):,} devices: moelens plans for at most {MAX_GPUS:,} GPUs")
     if not devices:
         if gpus is None and memory is None:
             return []
@@ -688,6 +696,13 @@ def plan(
         raise CheckpointError(f"{source.where}: config.json lacks the field {err.args[0]!r} that {family.__name__} needs") from err
     except ValueError as err:
         raise CheckpointError(f"{source.where}: config.json: {err}") from err
+    expert_modules = len(cfg.moe_layer_indices) * cfg.n_experts
+    if expert_modules > MAX_EXPERT_MODULES:
+        raise CheckpointError(
+            f"{source.where}: config.json: {len(cfg.moe_layer_indices):,} mixture layers x {cfg.n_experts:,} experts = "
+            f"{expert_modules:,} experts in all, more than moelens plans for ({MAX_EXPERT_MODULES:,}, far above any "
+            "published model); is config.json right?"
+        )
     on_disk = stored_weights(source.folder)
     if cfg.tie_word_embeddings and on_disk and on_disk.get("has_lm_head"):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head wins, as the loader does

@@ -13,23 +13,35 @@ from functools import partial
 
 import torch
 
-from moelens.dtypes import parse_dtype
 from moelens.experts.spec import ExpertTensors
 from moelens.families import family_for
 from moelens.fold import untie
-from moelens.kernels.expert_parallel import ExpertExchange, ExpertShard, check_timeout, expert_range
+from moelens.kernels.expert_parallel import ExpertExchange, ExpertShard, expert_range
 from moelens.kernels.offload import ExpertCache, OffloadedExperts
 from moelens.loaders import read_config
 from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
+from moelens.loaders.config_sizes import check_raw_sizes, check_sizes
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.expert_reader import ExpertReader
-from moelens.loaders.files import brief
 from moelens.loaders.quantized import stored_format
+from moelens.load_options import LoadOptions
+from moelens.loaders.files import brief
 from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.locate import resolve  # also pretrained.resolve, for callers that import it from here
-from moelens.placement import device_of, parse_device_map, parse_max_memory
-from moelens.plan import DEFAULT_BATCH, DEFAULT_SEQ, auto_device_map, check_tokens
+from moelens.placement import device_of, parse_device_map
+from moelens.plan import auto_device_map
 from moelens.tokenizer import MoeTokenizer
+
+
+def model_slots(model) -> dict[str, torch.Tensor]:
+    """Every tensor the checkpoint fills, by name: the model's parameters and buffers, and the routed experts'
+    stacks where they are not the model's (offloaded or sharded experts, as meta tensors of their shapes)."""
+    slots = dict(model.named_parameters()) | dict(model.named_buffers())
+    for layer, block in mixture_layers(model):
+        if block.mlp.experts.placement != "resident":
+            for name, shape in block.mlp.experts.spec.shapes().items():
+                slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shape, dtype=model.cfg.dtype, device="meta")
+    return slots
 
 
 def materialize(model: torch.nn.Module, device_for: Callable[[str], torch.device]) -> None:
@@ -49,72 +61,11 @@ def materialize(model: torch.nn.Module, device_for: Callable[[str], torch.device
                 module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device_for(where + name))
 
 
-def load(
-    cls,
-    name_or_path,
-    dtype=torch.float32,
-    device="cpu",
-    revision=None,
-    progress=None,
-    fold_ln=False,
-    center_unembed=False,
-    check_finite=True,
-    expert_offload=None,
-    expert_cache_bytes=None,
-    device_map=None,
-    max_memory=None,
-    expert_parallel=False,
-    center_writing_weights=False,
-    fold_value_biases=False,
-    refactor_factored_attn_matrices=False,
-    first_n_layers=None,
-    checkpoint_index=None,
-    checkpoint_value=None,
-    hf_model=None,
-    n_devices=1,
-    move_to_device=True,
-    plan_batch=None,
-    plan_seq=None,
-    expert_prefetch=None,
-    expert_parallel_timeout=None,
-):
-    # TransformerLens's arguments: refuse what moelens cannot do, map its placement onto device / device_map
-    refuse_unsupported(
-        center_writing_weights=center_writing_weights, fold_value_biases=fold_value_biases,
-        refactor_factored_attn_matrices=refactor_factored_attn_matrices, first_n_layers=first_n_layers,
-        checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value, hf_model=hf_model,
-    )
-    device, device_map, n_devices = tl_placement(device, device_map, n_devices, move_to_device)
-    dtype, device = parse_dtype(dtype), _parse_device(device)
-    on_meta = device.type == "meta"  # for inspection: the model's structure, no weights read
-    if on_meta and (fold_ln or center_unembed):
-        raise ValueError("fold_ln and center_unembed change weights, which a model on device='meta' does not have")
-    if expert_offload not in OFFLOAD_MODES:
-        raise ValueError(f"expert_offload must be one of {OFFLOAD_MODES}, got {expert_offload!r}")
-    if expert_offload and (fold_ln or on_meta):
-        raise ValueError(
-            "expert_offload cannot go with " + ("device='meta'" if on_meta else "fold_ln (it would rewrite the offloaded experts)")
-        )
-    if (device_map is not None or max_memory is not None) and on_meta:
-        raise ValueError("device_map places weights on devices; device='meta' builds a model without weights")
-    if max_memory is not None and device_map != "auto":
-        raise ValueError("max_memory is what device_map='auto' fills: pass device_map='auto' with it")
-    if expert_cache_bytes is not None and not expert_offload:
-        raise ValueError("expert_cache_bytes is the size of the offloaded experts' cache: it needs expert_offload")
-    if expert_prefetch and not expert_offload:
-        raise ValueError("expert_prefetch loads offloaded experts ahead of their layer: it needs expert_offload")
-    plan_tokens = _plan_tokens(plan_batch, plan_seq, device_map)
-    if expert_parallel:
-        clash = [name for name, on in [("fold_ln", fold_ln), ("device='meta'", on_meta), ("device_map", device_map is not None),
-                                       ("expert_offload", expert_offload)] if on]
-        if clash:
-            raise ValueError(
-                f"expert_parallel cannot go with {', '.join(clash)} yet: each rank holds its experts whole on `device`"
-            )
-    elif expert_parallel_timeout is not None:
-        raise ValueError("expert_parallel_timeout is how long expert-parallel ranks wait for each other: it needs expert_parallel")
-    parallel_timeout_s = check_timeout(expert_parallel_timeout)
-    folder = resolve(name_or_path, revision)
+def load(cls, options: LoadOptions):
+    """The model options.name_or_path holds, placed and loaded as the options (load_options, already checked) say."""
+    name_or_path, dtype, device, on_meta = options.name_or_path, options.dtype, options.device, options.on_meta
+    device_map, n_devices, expert_offload = options.device_map, options.n_devices, options.expert_offload
+    folder = resolve(name_or_path, options.revision)
     hf = read_config(folder)
     model_type = hf.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
@@ -125,6 +76,8 @@ def load(
     family = family_for(model_type, folder / "config.json")
     if not issubclass(family, cls):
         raise TypeError(f"{folder} holds a {hf.get('model_type')} model; {cls.__name__} cannot load it")
+    files = SafetensorsFiles(folder)  # headers only: the sizes below are checked against them
+    check_raw_sizes(hf, files, folder / "config.json")
     try:
         cfg = family.config_from_hf(hf)
     except KeyError as err:
@@ -135,11 +88,12 @@ def load(
     first_architecture = architectures[0] if isinstance(architectures, list) and architectures else None
     cfg = dataclasses.replace(
         cfg, dtype=dtype, original_architecture=first_architecture if isinstance(first_architecture, str) else None,
-        expert_placement="offloaded" if expert_offload else "sharded" if expert_parallel else "resident",
+        expert_placement="offloaded" if expert_offload else "sharded" if options.expert_parallel else "resident",
     )
     tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
-    files = SafetensorsFiles(folder)
-    keys = key_map(family.site_map(cfg), files, fmt)
+    site_map = family.site_map(cfg)
+    check_sizes(cfg, site_map, files, folder / "config.json")  # before the key map lists every expert's tensors
+    keys = key_map(site_map, files, fmt)
     if cfg.tie_word_embeddings and any(t.param == "unembed.weight" for t in keys.values()):
         # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
@@ -147,97 +101,37 @@ def load(
         model = family.build(cfg)
     except ValueError as err:  # what the config asks for that no module can be built for (hidden_act, ...)
         raise CheckpointError(f"{folder / 'config.json'}: {err}") from err
+    # every tensor's shape against the model built on meta, before any memory is allocated for it
+    check_shapes(model_slots(model), files, keys)
     # made before placing: device_map="auto" leaves room on the devices for its size
-    cache = ExpertCache(_default_cache_bytes(model) if expert_cache_bytes is None else expert_cache_bytes) if expert_offload else None
+    cache_bytes = _default_cache_bytes(model) if options.expert_cache_bytes is None else options.expert_cache_bytes
+    cache = ExpertCache(cache_bytes) if expert_offload else None
     placed = None
     if device_map is not None or n_devices > 1:
-        placed = _place(model, family, device_map, max_memory, n_devices, device, plan_tokens, cache)
+        placed = _place(model, family, device_map, options.max_memory, n_devices, device, options.plan_tokens, cache)
     device_for = (lambda name: device) if placed is None else (lambda name: device_of(placed, name))  # noqa: E731
     offloaded = {}  # slots fill() must not treat as parameters: the experts that stay off the model
     if expert_offload:
         # default: on for "disk", where benchmarks/bench_offload.py measured it paying; "cpu" is unmeasured
         # on a GPU, and on the CPU itself there is nothing to move
-        prefetch = expert_offload == "disk" if expert_prefetch is None else bool(expert_prefetch)
+        prefetch = expert_offload == "disk" if options.expert_prefetch is None else options.expert_prefetch
         offloaded = offload_experts(model, files, keys, expert_offload, cache, device_for, prefetch)
-    elif expert_parallel:
-        offloaded = shard_experts(model, files, keys, device, parallel_timeout_s)
+    elif options.expert_parallel:
+        offloaded = shard_experts(model, files, keys, device, options.expert_parallel_timeout)
     materialize(model, device_for)
     model.tie_weights()
     if on_meta:
-        check_shapes(slot_map(model, keys), files, keys)
+        slot_map(model, keys)  # every parameter has its tensor (the shapes were checked above)
     else:
-        fill(model, files, keys, progress=progress, check_finite=check_finite, offloaded=offloaded)
+        fill(model, files, keys, progress=options.progress, check_finite=options.check_finite, offloaded=offloaded)
         if placed is not None and placed["unembed"] != placed["embed"] and model.unembed.weight is model.embed.weight:
             untie(model, placed["unembed"])  # a tied head on another device: a copy of its own there
-        model.process_weights_(fold_ln=fold_ln, center_unembed=center_unembed)  # moelens.fold; no-op by default
+        model.process_weights_(fold_ln=options.fold_ln, center_unembed=options.center_unembed)  # moelens.fold; no-op by default
     model.tokenizer = tokenizer
     model.name_or_path = str(name_or_path)
     # the parts' devices when placed by a map ("auto", n_devices or the caller's), else None
     model.device_map = None if placed is None else {part: str(d) for part, d in placed.items()}
     return model.eval()
-
-
-OFFLOAD_MODES = (None, "cpu", "disk")
-
-
-# TransformerLens's from_pretrained arguments moelens does not honour, each with why and the value that is fine;
-# refused by name rather than ignored
-_UNSUPPORTED = {
-    "center_writing_weights": (
-        False,
-        "every norm here is an RMSNorm, which subtracts no mean, so centering the weights that write to the "
-        "residual stream would change the model (TransformerLens skips it on RMSNorm models)",
-    ),
-    "fold_value_biases": (False, "moelens does not fold value biases into b_O: b_V stays where the checkpoint has it"),
-    "refactor_factored_attn_matrices": (
-        False,
-        "with rotary embeddings the QK circuit depends on the positions, so it cannot be refactored "
-        "(TransformerLens refuses rotary models too)",
-    ),
-    "first_n_layers": (None, "moelens loads every layer; run the first n with forward(..., stop_at_layer=n)"),
-    "checkpoint_index": (None, "training checkpoints are TransformerLens's own list; load their folder or Hub revision"),
-    "checkpoint_value": (None, "training checkpoints are TransformerLens's own list; load their folder or Hub revision"),
-    "hf_model": (None, "moelens reads the checkpoint's safetensors itself: pass its folder or Hub id"),
-}
-
-
-def refuse_unsupported(**given) -> None:
-    for name, value in given.items():
-        fine, why = _UNSUPPORTED[name]
-        if value is not fine and value != fine:
-            raise ValueError(f"{name}={value!r} is not supported: {why} (leave {name}={fine!r})")
-
-
-def tl_placement(device, device_map, n_devices: int, move_to_device: bool):
-    """TransformerLens's device / n_devices / move_to_device, checked, as (device, device_map, n_devices):
-    n_devices > 1 is turned into a device map once the model's block count is known (_place)."""
-    if device is None:  # TransformerLens's default: the GPU if there is one
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
-        raise ValueError(f"n_devices must be an integer >= 1, got {n_devices!r}")
-    if not move_to_device:
-        if n_devices > 1 or device_map is not None:
-            raise ValueError(
-                "move_to_device=False leaves the model on the CPU: it cannot go with n_devices > 1 or a device_map "
-                "(TransformerLens needs move_to_device=True for n_devices > 1 too)"
-            )
-        return "cpu", None, 1
-    if n_devices == 1:
-        return device, device_map, 1
-    if device_map is not None:
-        raise ValueError(f"n_devices={n_devices} places the blocks itself: pass n_devices or device_map, not both")
-    first = _parse_device(device)
-    if first.type != "cuda":
-        raise ValueError(
-            f"n_devices={n_devices} splits the model over CUDA devices: device must be 'cuda' or 'cuda:N', got {device!r}"
-        )
-    available, start = torch.cuda.device_count(), first.index or 0
-    if start + n_devices > available:
-        raise ValueError(
-            f"n_devices={n_devices} from {first} needs CUDA devices cuda:{start} to cuda:{start + n_devices - 1}; "
-            f"this machine has {available} CUDA device(s)"
-        )
-    return first, None, n_devices
 
 
 def n_devices_map(n_layers: int, n_devices: int, device: torch.device | str) -> dict[str, str]:
@@ -258,21 +152,8 @@ def n_devices_map(n_layers: int, n_devices: int, device: torch.device | str) -> 
     return placed | {"ln_final": on[-1], "unembed": on[-1]}
 
 
-def _plan_tokens(plan_batch, plan_seq, device_map) -> tuple[int, int]:
-    """(batch, seq) of the forward device_map="auto" leaves working memory and KV cache for."""
-    if (plan_batch is not None or plan_seq is not None) and device_map != "auto":
-        raise ValueError(
-            "plan_batch and plan_seq size the forward that device_map='auto' leaves memory for: pass device_map='auto' "
-            f"with them (device_map={device_map!r})"
-        )
-    batch = DEFAULT_BATCH if plan_batch is None else plan_batch
-    seq = DEFAULT_SEQ if plan_seq is None else plan_seq
-    check_tokens(plan_batch=batch, plan_seq=seq)
-    return batch, seq
-
-
-def _place(model, family, device_map, max_memory, n_devices: int, device: torch.device, plan_tokens: tuple[int, int],
-           cache: ExpertCache | None) -> dict[str, torch.device]:
+def _place(model, family, device_map, max_memory: dict[str, int] | None, n_devices: int, device: torch.device,
+           plan_tokens: tuple[int, int], cache: ExpertCache | None) -> dict[str, torch.device]:
     """{part: device} for every part. "auto": moelens plan's placement (plan.auto_device_map) of the model built
     on meta, counting only the non-expert weights and the expert cache when the experts are offloaded."""
     if n_devices > 1:  # TransformerLens's even split of whole blocks
@@ -280,7 +161,7 @@ def _place(model, family, device_map, max_memory, n_devices: int, device: torch.
     if device_map == "auto":
         batch, seq = plan_tokens
         device_map = auto_device_map(
-            model, family, parse_max_memory(max_memory), batch, seq, None if cache is None else cache.capacity_bytes
+            model, family, max_memory, batch, seq, None if cache is None else cache.capacity_bytes
         )
     return parse_device_map(device_map, model.cfg.n_layers)
 
@@ -367,10 +248,3 @@ def shard_experts(model, files, keys, device: torch.device, timeout_s: float) ->
         for name, shape in reader.shapes.items():
             slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shape, dtype=model.cfg.dtype, device="meta")
     return slots
-
-
-def _parse_device(device: torch.device | str) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device {device!r} is not a torch device ({err})") from err

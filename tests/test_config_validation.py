@@ -3,7 +3,6 @@ and what was expected; never a hang, a RecursionError or a failure at the first 
 
 import json
 import shutil
-import time
 
 import pytest
 
@@ -211,16 +210,27 @@ def test_deeply_nested_rope_type_is_named(edited):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("section", ["rope_parameters", "rope_scaling", "text_config"])
-def test_self_referential_config_neither_hangs_nor_recurses(pristine, family, section):
-    """A dict holding itself (impossible in JSON, possible from Python) is read like any other."""
+def test_self_referential_config_neither_hangs_nor_recurses(pristine, family, section, monkeypatch):
+    """A dict holding itself (impossible in JSON, possible from Python) is read like any other: each section is
+    opened a bounded number of times (a reader that followed the cycle would open sections without end; the
+    count turns that hang into a failure), and no RecursionError escapes."""
     raw = json.loads((pristine[family] / "config.json").read_text())
     raw[section] = raw
-    start = time.monotonic()
+    opened = []
+    init = HFConfig.__init__
+
+    def counting_init(self, *args, **kwargs):
+        opened.append(1)
+        if len(opened) > 100:
+            raise AssertionError(f"config_from_hf opened more than 100 config sections of {section}: it follows the cycle")
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(HFConfig, "__init__", counting_init)
     try:
         FAMILIES[family].config_from_hf(raw)
     except (KeyError, ValueError) as err:
         assert len(str(err)) < 1000
-    assert time.monotonic() - start < 5
+    assert 1 <= len(opened) <= 20
 
 
 # ---- HFConfig's typed reads, directly -----------------------------------------------------------------------------

@@ -1,4 +1,13 @@
-"""The family notes' identities and DESIGN.md's intervention rules, on every family."""
+"""On every family: the identities between sites, and what each intervention means.
+
+Identities: each block's stream is resid_pre + attn_out + mlp_out; a mixture layer's mlp_out is its routed
+experts' sum plus its shared expert's output (gated by the sigmoid of hook_shared_gate where the family gates
+it). Interventions: a tensor a hook returns (or edits in place) is what the model uses from there on; new
+router logits choose the experts and their weights anew by the family's rule; new expert indices re-route,
+with each weight read from the router's score of the new expert; new expert weights are used as given, never
+renormalised; ablating an expert changes only the tokens routed to it; and no result depends on which
+other hooks are on or on the experts backend.
+"""
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
-"""Find a checkpoint: a local folder is read in place; anything else is a Hub repo id (embedded defaults are
-resolved above the loaders, in moelens.pretrained)."""
+"""Find a checkpoint: a local folder is read in place; anything else is a Hub repo id. Embedded defaults, and
+names that cannot be Hub ids (mistyped defaults, paths that are not there), are dealt with above the loaders,
+in moelens.locate, before anything is asked of the Hub."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from moelens.hooks import HookedRootModule, HookPoint
 from moelens.kernels import BACKENDS
 from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
+from moelens.load_options import load_options
 from moelens.models.components import Block, Components, Embed, Rotary
 from moelens.models.components.attention import set_use_attn_result
 from moelens.names import OPTIONAL_SITE_SWITCHES, alias_candidates
@@ -151,7 +152,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         max_memory: dict[str, int | str] | None = None,
         check_finite: bool = True,
         expert_offload: Literal["cpu", "disk"] | None = None,
-        expert_cache_bytes: int | None = None,
+        expert_cache_bytes: int | str | None = None,
         expert_parallel: bool = False,
         expert_prefetch: bool | None = None,
         expert_parallel_timeout: float | None = None,
@@ -210,8 +211,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         tests have passed on real hardware: moelens.kernels.experts.VERIFIED_TRITON_ARCHS), "torch" or "triton".
         expert_offload: keep the routed experts off `device` ("cpu": in host memory, pinned for CUDA;
         "disk": read from the checkpoint's files when routed to) and fetch those a batch routes to through
-        a cache of at most expert_cache_bytes on `device` (default: one layer's experts), least recently
-        used out first. Logits and every hook are bit for bit those of the resident model;
+        a cache of at most expert_cache_bytes on `device` (bytes, or a size like "20GB"; default: one layer's
+        experts), least recently used out first. Logits and every hook are bit for bit those of the resident model;
         model.expert_cache_stats() counts hits, misses and bytes moved. Not with fold_ln.
         device_map: whole blocks per device, in place of `device` (see moelens.placement): a mapping of
         "embed", "blocks.A-B", "ln_final", "unembed" to devices, or "auto" to fill max_memory ({device:
@@ -235,31 +236,21 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         expert_parallel_timeout: seconds a rank waits for the others at an expert exchange before raising
         ExpertParallelError naming the layer (None: 300; torch's own default would be 30 minutes).
         """
-        if "torch_dtype" in from_pretrained_kwargs:  # TransformerLens: torch_dtype, when given, wins
-            dtype = from_pretrained_kwargs.pop("torch_dtype")
-        if from_pretrained_kwargs:
-            raise TypeError(
-                f"from_pretrained got keyword(s) moelens does not take: {', '.join(sorted(from_pretrained_kwargs))} "
-                "(TransformerLens hands these to Hugging Face's from_pretrained; moelens reads the checkpoint itself)"
-            )
-        check_padding_side(default_padding_side, "default_padding_side")
-        if default_prepend_bos not in (None, True, False):
-            raise ValueError(f"default_prepend_bos must be True, False or None, got {default_prepend_bos!r}")
-        if expert_parallel and experts_backend == "triton":
-            raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
-
-        model = pretrained.load(
-            cls, model_name, dtype=dtype, device=device, revision=revision, progress=progress,
-            fold_ln=fold_ln, center_unembed=center_unembed, check_finite=check_finite,
-            expert_offload=expert_offload, expert_cache_bytes=expert_cache_bytes, device_map=device_map,
-            max_memory=max_memory, expert_parallel=expert_parallel, center_writing_weights=center_writing_weights,
-            fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices,
-            first_n_layers=first_n_layers, checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value,
-            hf_model=hf_model, n_devices=n_devices, move_to_device=move_to_device, plan_batch=plan_batch,
-            plan_seq=plan_seq, expert_prefetch=expert_prefetch, expert_parallel_timeout=expert_parallel_timeout,
+        options = load_options(  # every argument checked here, before anything is read
+            model_name, fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+            refactor_factored_attn_matrices=refactor_factored_attn_matrices, checkpoint_index=checkpoint_index,
+            checkpoint_value=checkpoint_value, hf_model=hf_model, device=device, n_devices=n_devices,
+            tokenizer=tokenizer, move_to_device=move_to_device, fold_value_biases=fold_value_biases,
+            default_prepend_bos=default_prepend_bos, default_padding_side=default_padding_side, dtype=dtype,
+            first_n_layers=first_n_layers, revision=revision, progress=progress, experts_backend=experts_backend,
+            device_map=device_map, max_memory=max_memory, check_finite=check_finite, expert_offload=expert_offload,
+            expert_cache_bytes=expert_cache_bytes, expert_parallel=expert_parallel, expert_prefetch=expert_prefetch,
+            plan_batch=plan_batch, plan_seq=plan_seq, expert_parallel_timeout=expert_parallel_timeout,
+            **from_pretrained_kwargs,
         )
-        model.set_experts_backend(experts_backend)
-        model._set_pretrained_cfg(model_name, tokenizer, default_prepend_bos, default_padding_side)
+        model = pretrained.load(cls, options)
+        model.set_experts_backend(options.experts_backend)
+        model._set_pretrained_cfg(model_name, options.tokenizer, options.default_prepend_bos, options.default_padding_side)
         return model
 
     @classmethod
