@@ -225,7 +225,7 @@ def _fp8(config_path: Path, qc: dict) -> Fp8Blocks:
             "each scale's block, two positive integers (e.g. [128, 128]); per-tensor fp8 is not supported"
         )
     checks = {  # field -> values that mean the format moelens reads
-        "fmt": (None, "e4m3"),
+        "fmt": (None, "e4m3", "float8_e4m3fn"),  # MiniMax-M2 spells it as the torch dtype
         "activation_scheme": (None, "dynamic"),  # static stores activation scales that dequantizing would drop
         "scale_fmt": (None, "float", "ue8m0"),
         "expert_dtype": (None, "fp8"),  # "fp4": experts packed two per byte, another format
