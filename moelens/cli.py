@@ -134,6 +134,7 @@ def plan(args: argparse.Namespace) -> int:
     result = make_plan(
         args.model, dtype=args.dtype, devices=args.devices, gpus=args.gpus, gpu_memory=args.gpu_memory,
         cpu_memory=args.cpu_memory, batch=args.batch, seq=args.seq, revision=args.revision,
+        expert_storage=args.expert_storage, fp8_scale_dtype=args.fp8_scale_dtype,
     )
     print(to_json_text(result) if args.json else result)
     return 0
@@ -221,6 +222,11 @@ def build_parser() -> Parser:
     p.add_argument("--batch", type=positive_int, default=1, help="sequences per forward (activations, KV cache)")
     p.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence (activations, KV cache)")
     p.add_argument("--revision", help="Hub revision of config.json (default: the repo's default branch)")
+    p.add_argument("--expert-storage", choices=["dequantized", "stored"], default="dequantized",
+                   help="a quantized checkpoint (both are shown): the placement to recommend with every weight "
+                   "dequantized to --dtype at load, or with the routed experts kept as stored (fp8, mxfp4)")
+    p.add_argument("--fp8-scale-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="what a block fp8 checkpoint stores its scales in (config.json does not say)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     p.set_defaults(run=plan)
     p = sub.add_parser(

@@ -7,11 +7,16 @@ present their headers are read, never their data, to show what is stored next to
 Parameters are counted on the moelens model itself, built on the meta device as the loader builds it, so the
 count cannot drift from what loading allocates: routers kept float32 in low-precision models count 4 bytes,
 tied embeddings count once.
+
+A config with a quantization_config (block fp8, MXFP4) is also counted as the checkpoint stores it
+(moelens.stored_size), and placed under both run-time modes: dequantized at load (every weight dense in the
+dtype, from_pretrained's default) and with the routed experts kept as stored (the rest dense).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -30,9 +35,11 @@ from moelens.families import family_for
 from moelens.loaders import read_config
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.files import read_json_object
+from moelens.loaders.quantized import MXFP4_GROUP, SUPPORTED, Format, Fp8Blocks, stored_format
 from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
 from moelens.placement import parse_size
 from moelens.locate import check_hub_id, check_not_empty, resolve
+from moelens.stored_size import scale_bytes, stored_tensors
 
 COMPONENTS = (
     "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
@@ -46,6 +53,10 @@ DEFAULT_BATCH, DEFAULT_SEQ = 1, 2048  # the forward a plan reserves working memo
 # ~15k (mixture layer, expert) pairs (DeepSeek-V3 58 x 256, Kimi K2 60 x 384), each a module of the meta model
 MAX_GPUS = 2**12
 MAX_EXPERT_MODULES = 2**17
+# the parts whose matrices block fp8 stores quantized (transformers' fp8 quantizer converts linear layers only)
+LINEAR_COMPONENTS = ("attention", "routed_experts", "shared_experts", "dense_mlp")
+# run-time modes of a quantized checkpoint: every weight dense in the dtype, or the routed experts as stored
+EXPERT_STORAGE = ("dequantized", "stored")
 
 
 # ---- sizes -----------------------------------------------------------------------------------------
@@ -197,16 +208,30 @@ def component_of(name: str) -> tuple[str, int | None]:
     raise RuntimeError(f"moelens.plan does not know which component {name!r} belongs to")
 
 
+@functools.lru_cache(maxsize=4)
+def meta_tensors(family, cfg) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The parameters (tied ones once) and buffers of build_meta_model(cfg, family), kept for the next plan of
+    the same config (another device set, the stored dtype): building the model's per-expert modules is most
+    of a plan's time, while its meta tensors hold no memory."""
+    model = build_meta_model(cfg, family)
+    return dict(model.named_parameters()), dict(model.named_buffers())
+
+
 def count_model(model) -> tuple[dict[str, Count], list[LayerCount]]:
     """Sum every parameter and buffer (tied ones once: named_parameters drops duplicates) by component and layer."""
-    cfg = model.cfg
+    return count_tensors(model.cfg, dict(model.named_parameters()), dict(model.named_buffers()))
+
+
+def count_tensors(
+    cfg, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+) -> tuple[dict[str, Count], list[LayerCount]]:
+    """count_model of a model's parameters and buffers."""
     components = {name: Count() for name in COMPONENTS}
     layers = [
         LayerCount(i, "moe" if moe else "dense", n_experts=cfg.n_experts if moe else 0, top_k=cfg.top_k[i])
         for i, moe in enumerate(cfg.moe_layers)
     ]
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    for name, tensor in tensors:
+    for name, tensor in [*params.items(), *buffers.items()]:
         numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
         component, layer = component_of(name)
         components[component].add(numel, nbytes)
@@ -309,6 +334,9 @@ class Needs:
     # held on every device that runs blocks, besides layer_peak: with the experts offloaded, their cache and
     # one layer's working set (see with_experts_offloaded)
     per_device: int = 0
+    # the routed experts kept as stored (see with_stored_experts): the dense bytes of one expert, which a layer
+    # dequantizes for each of its active experts while it runs; 0 where the experts are dense
+    dequantized_each: int = 0
 
     @property
     def weights(self) -> int:
@@ -324,7 +352,26 @@ class Needs:
 
     @property
     def total(self) -> int:
-        return self.weights + self.peak + self.kv
+        return self.weights + self.run_peak + self.kv
+
+    def expert_working(self, experts_here: int | None = None) -> int:
+        """Bytes of the active experts a layer dequantizes while it runs (experts kept stored): min(experts on
+        this device, batch*seq*top_k) of them in the largest layer; experts_here None: all of a layer's."""
+        tokens = self.batch * self.seq
+        return max(
+            (min(b.n_experts if experts_here is None else min(experts_here, b.n_experts), tokens * b.top_k)
+             for b in self.blocks if b.n_experts),
+            default=0,
+        ) * self.dequantized_each
+
+    @property
+    def run_layer_peak(self) -> int:
+        """layer_peak and, experts kept stored, a layer's dequantized active experts."""
+        return self.layer_peak + self.expert_working()
+
+    @property
+    def run_peak(self) -> int:
+        return max(self.peak, self.run_layer_peak)
 
 
 def one_device(needs: Needs, devices: Sequence[Device]) -> tuple[dict | None, str]:
@@ -347,7 +394,7 @@ def assign_parts(needs: Needs, devices: Sequence[Device]) -> list[dict]:
     budget. A ValueError names the part that does not fit and how many bytes the last device is short."""
     if not devices:
         raise ValueError("no device to place the model on")
-    fixed = needs.layer_peak + needs.per_device
+    fixed = needs.run_layer_peak + needs.per_device
     parts: list[dict] = []
     d = 0
     for i, block in enumerate(needs.blocks):
@@ -377,7 +424,7 @@ def part_cost(needs: Needs, i: int, with_embedding: bool) -> int:
     if i == 0:
         cost += needs.embedding
     if i == len(needs.blocks) - 1:
-        cost += needs.final + (needs.peak - needs.layer_peak) + (0 if with_embedding else needs.tied_unembed)
+        cost += needs.final + (needs.run_peak - needs.run_layer_peak) + (0 if with_embedding else needs.tied_unembed)
     return cost
 
 
@@ -437,7 +484,7 @@ def expert_offload(needs: Needs, device: Device, cpu: Device, cpu_only: bool) ->
     if not moe:
         return None, "no routed experts to offload"
     experts = needs.routed_experts
-    resident = needs.weights - experts + needs.peak + needs.kv
+    resident = needs.weights - experts + needs.run_peak + needs.kv
     tokens = needs.batch * needs.seq
     staging = max(min(b.n_experts, tokens * b.top_k) * expert_bytes_each(b) for b in moe)
     if resident + staging > device.budget:
@@ -492,7 +539,9 @@ def expert_parallel(needs: Needs, devices: Sequence[Device]) -> tuple[dict | Non
     replicated = needs.weights - needs.routed_experts
     # the rank with the most experts: ceil(E / N) per layer
     experts_on_rank = sum(math.ceil(b.n_experts / ranks) * expert_bytes_each(b) for b in moe)
-    per_rank = replicated + experts_on_rank + needs.peak + needs.kv
+    # experts kept stored: a rank dequantizes only its own experts' active ones
+    working = needs.expert_working(max(math.ceil(b.n_experts / ranks) for b in moe))
+    per_rank = replicated + experts_on_rank + max(needs.peak, needs.layer_peak + working) + needs.kv
     short = [d for d in devices if per_rank > d.budget]
     option = {
         "kind": "expert_parallel",
@@ -626,6 +675,136 @@ def auto_device_map(
         ) from err
 
 
+# ---- a quantized checkpoint ------------------------------------------------------------------------------
+
+
+def stored_dtype(raw: dict, where: str, fallback: torch.dtype) -> tuple[torch.dtype, str]:
+    """The dtype a checkpoint stores its unquantized tensors in: config.json's dtype (transformers 5's name) or
+    torch_dtype; where it names neither, `fallback`, and the second value says so."""
+    for name in ("dtype", "torch_dtype"):
+        value = raw.get(name)
+        if value is not None:
+            try:
+                return parse_dtype(value), f"config.json's {name}"
+            except ValueError as err:
+                raise CheckpointError(f"{where}: config.json: {name}: {err}") from err
+    return fallback, "the plan's dtype: config.json names no dtype"
+
+
+def check_expert_storage(value: str | None, fmt: Format | None, unreadable: str | None, where: str) -> str:
+    """The run-time mode a plan places: "dequantized" (None, the default) or "stored" (also spelt as the stored
+    format's name, as from_pretrained's expert_storage is), which needs a format moelens reads."""
+    if value is None or value == "dequantized":
+        return "dequantized"
+    if value != "stored" and value not in SUPPORTED:
+        raise ValueError(
+            f"expert_storage must be one of {', '.join(map(repr, EXPERT_STORAGE))} or a stored format's name "
+            f"({', '.join(map(repr, SUPPORTED))}), got {value!r}"
+        )
+    if fmt is None:
+        why = unreadable or "it has no quantization_config: its weights are stored dense"
+        raise ValueError(f"expert_storage {value!r}: {where}'s config.json describes no stored format moelens reads ({why})")
+    if value != "stored" and value != fmt.method:
+        raise ValueError(f"expert_storage {value!r}, but {where}'s config.json stores the weights as {fmt.method!r}")
+    return "stored"
+
+
+@dataclass(frozen=True)
+class StoredCounts:
+    """A checkpoint as stored: (dense values, bytes) by component (scales are in the bytes only), bytes per layer
+    and its routed experts' bytes per layer, and every stored element (scales included)."""
+
+    components: tuple[tuple[str, int, int], ...]
+    layer_bytes: tuple[int, ...]
+    expert_bytes: tuple[int, ...]
+    values: int
+
+
+@functools.lru_cache(maxsize=4)
+def count_stored(family, stored_cfg, fmt: Format, scale_dtype: str) -> StoredCounts:
+    """The checkpoint of stored_cfg (its dtype: what dense tensors are stored in) as fmt stores it; kept, as
+    meta_tensors, for the next plan of the same config."""
+    params, buffers = meta_tensors(family, stored_cfg)
+    tensors = stored_tensors(
+        family.site_map(stored_cfg), params, buffers, fmt, stored_cfg.dtype,
+        lambda name: component_of(name)[0] in LINEAR_COMPONENTS, scale_dtype,
+    )
+    components = {name: Count() for name in COMPONENTS}
+    layer_bytes, expert_bytes = [0] * stored_cfg.n_layers, [0] * stored_cfg.n_layers
+    for param, stored in tensors.items():
+        component, layer = component_of(param)
+        for t in stored:
+            components[component].add(math.prod(t.shape), t.bytes)
+            if layer is not None:
+                layer_bytes[layer] += t.bytes
+                if component == "routed_experts":
+                    expert_bytes[layer] += t.bytes
+    return StoredCounts(
+        tuple((name, c.parameters, c.bytes) for name, c in components.items()), tuple(layer_bytes), tuple(expert_bytes),
+        sum(t.values for stored in tensors.values() for t in stored),
+    )
+
+
+def with_stored_experts(needs: Needs, stored_expert_bytes: Sequence[int]) -> Needs:
+    """The needs of a model whose routed experts stay as stored: each block's experts at their stored bytes;
+    while a layer runs, its active experts (min(n_experts, batch*seq*top_k), those of the rank under expert
+    parallelism) are dequantized in the dtype, as an offloaded layer stages them (a kernel that reads the
+    stored format directly needs less): Needs.expert_working."""
+    blocks = [
+        dataclasses.replace(b, bytes=b.bytes - b.routed_experts_bytes + stored, routed_experts_bytes=stored)
+        for b, stored in zip(needs.blocks, stored_expert_bytes, strict=True)
+    ]
+    each = max((expert_bytes_each(b) for b in needs.blocks if b.n_experts), default=0)
+    return dataclasses.replace(needs, blocks=blocks, dequantized_each=each)
+
+
+def format_of(fmt: Format, scale_dtype: str) -> dict:
+    if isinstance(fmt, Fp8Blocks):
+        scales = "E8M0 (1 byte)" if fmt.scale_fmt == "ue8m0" else scale_dtype
+        return {"method": fmt.method, "block": list(fmt.block), "scales": scales, "scale_bytes": scale_bytes(fmt, scale_dtype),
+                "not_converted": list(fmt.not_converted)}
+    return {"method": fmt.method, "block": [1, MXFP4_GROUP], "scales": "E8M0 (1 byte)", "scale_bytes": 1,
+            "not_converted": list(fmt.not_converted)}
+
+
+def plan_stored(
+    source: Source, family, cfg, fmt: Format, needs: Needs, gpus: Sequence[Device], cpu: Device, scale_dtype: str,
+    selected: str,
+) -> dict:
+    """The checkpoint as stored (by component and layer, from config.json) and the placements of both run-time
+    modes: "dequantized" (needs, every weight dense in cfg.dtype) and "stored" (the routed experts as stored)."""
+    dtype, dtype_from = stored_dtype(source.raw, source.where, cfg.dtype)
+    counts = count_stored(family, dataclasses.replace(cfg, dtype=dtype), fmt, scale_dtype)
+    kept = with_stored_experts(needs, counts.expert_bytes)
+    tokens = f"batch {needs.batch} x seq {needs.seq}"
+    return {
+        "format": format_of(fmt, scale_dtype),
+        "dtype": str(dtype).removeprefix("torch."),
+        "dtype_from": dtype_from,
+        "bytes": sum(nbytes for _, _, nbytes in counts.components),
+        # every stored element, scales included: what the Hub reports as a checkpoint's parameter count
+        "values": counts.values,
+        "components": {name: {"parameters": n, "bytes": nbytes} for name, n, nbytes in counts.components},
+        "per_layer": [
+            {"layer": i, "bytes": b, "routed_experts_bytes": e}
+            for i, (b, e) in enumerate(zip(counts.layer_bytes, counts.expert_bytes, strict=True))
+        ],
+        "expert_storage": selected,
+        "modes": {
+            "dequantized": {"weights": needs.weights, "routed_experts": needs.routed_experts, "placement": place(needs, gpus, cpu)},
+            "stored": {
+                "weights": kept.weights,
+                "routed_experts": kept.routed_experts,
+                "dequantized_working": kept.expert_working(),
+                "counts": f"the routed experts as stored, the rest dense; working memory adds one layer's active experts "
+                f"dequantized in {str(cfg.dtype).removeprefix('torch.')}: min(n_experts, {tokens} x top_k) of them "
+                "(under expert parallelism, of the rank's experts)",
+                "placement": place(kept, gpus, cpu),
+            },
+        },
+    }
+
+
 # ---- the plan --------------------------------------------------------------------------------------------
 
 
@@ -644,9 +823,12 @@ class Plan:
     placement: dict
     on_disk: dict | None
     config: dict = field(repr=False)  # a few MoeConfig fields, for the printout
+    # a config with a quantization_config: the checkpoint as stored, and the placements of both run-time modes
+    # (plan_stored); {"error": ...} for a format moelens does not read; None for an unquantized config
+    stored: dict | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "model": self.where,
             "family": self.family,
             "model_class": self.model_class,
@@ -661,6 +843,7 @@ class Plan:
             "on_disk": self.on_disk,
             "config": self.config,
         }
+        return out if self.stored is None else out | {"stored": self.stored}
 
     def __str__(self) -> str:
         return "\n".join(_text(self))
@@ -676,13 +859,21 @@ def plan(
     batch: int = DEFAULT_BATCH,
     seq: int = DEFAULT_SEQ,
     revision: str | None = None,
+    expert_storage: str | None = None,
+    fp8_scale_dtype: str = "float32",
 ) -> Plan:
     """Plan a model from its config: counts, memory of a forward, KV cache and placements that fit.
 
     model: a checkpoint folder, a config.json path, an embedded default name, a Hub id (only config.json
     is fetched) or a config.json dict. devices: ["cuda:0", ...] (memory from torch.cuda, or gpu_memory);
     gpus: N GPUs of gpu_memory each; neither: the CPU only. cpu_memory: default this machine's memory.
-    Sizes are bytes or strings like "141GB", "80GiB"."""
+    Sizes are bytes or strings like "141GB", "80GiB".
+
+    A quantized config (quantization_config) is also counted as stored (Plan.stored) and placed both ways;
+    expert_storage says which of the two Plan.placement is: "dequantized" (None: every weight dense in dtype,
+    from_pretrained's default) or "stored" (the routed experts kept as stored; also spelt "fp8" / "mxfp4").
+    fp8_scale_dtype: what a block fp8 checkpoint stores its scales in (config.json does not say; float32
+    unless scale_fmt is "ue8m0")."""
     dtype = parse_dtype(dtype)
     check_tokens(batch=batch, seq=seq)
     gpu_list = gpu_devices(devices, gpus, gpu_memory)
@@ -703,16 +894,24 @@ def plan(
             f"{expert_modules:,} experts in all, more than moelens plans for ({MAX_EXPERT_MODULES:,}, far above any "
             "published model); is config.json right?"
         )
+    try:
+        fmt, unreadable = stored_format(source.raw, Path(source.where)), None
+    except CheckpointError as err:  # a format moelens does not read: still planned dense, and said so
+        fmt, unreadable = None, str(err)
+    selected = check_expert_storage(expert_storage, fmt, unreadable, source.where)
     on_disk = stored_weights(source.folder)
     if cfg.tie_word_embeddings and on_disk and on_disk.get("has_lm_head"):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head wins, as the loader does
     cfg = dataclasses.replace(cfg, dtype=dtype)
-    components, layers = count_model(build_meta_model(cfg, family))
+    components, layers = count_tensors(cfg, *meta_tensors(family, cfg))
     float32_router = family.components_for(cfg).router.float32_weight
     acts = activation_terms(cfg, batch, seq, float32_router)
     kv_per_token = family.components_for(cfg).attention.cached_per_token(cfg)
     kv = kv_cache_bytes(cfg, batch, seq, kv_per_token)
     needs = needs_of(cfg, family, components, layers, batch, seq)
+    stored = None if unreadable is None else {"error": unreadable}
+    if fmt is not None:
+        stored = plan_stored(source, family, cfg, fmt, needs, gpu_list, cpu, fp8_scale_dtype, selected)
     return Plan(
         where=source.where,
         family=cfg.family,
@@ -728,13 +927,14 @@ def plan(
             "counts": f"{cfg.n_layers} layers x batch {batch} x seq {seq} x {kv_per_token} cached values per token "
             f"and layer x {torch.tensor([], dtype=dtype).element_size()} bytes",
         },
-        placement=place(needs, gpu_list, cpu),
+        placement=place(needs, gpu_list, cpu) if fmt is None else stored["modes"][selected]["placement"],
         on_disk=on_disk,
         config={
             "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_experts": cfg.n_experts,
             "top_k": max(cfg.top_k, default=0), "d_expert": cfg.d_expert, "d_vocab": cfg.d_vocab,
             "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": float32_router,
         },
+        stored=stored,
     )
 
 
@@ -767,6 +967,7 @@ def _text(p: Plan) -> list[str]:
                 f"{name:<16}{count.parameters:>18,}{human(count.bytes):>12}{count.bytes / p.bytes:>8.1%}"
             )
     lines.append(f"{'total':<16}{p.parameters:>18,}{human(p.bytes):>12}")
+    lines += _stored_text(p)
     lines += ["", f"{'layers':<16}{'kind':>6}{'parameters each':>18}{'bytes each':>12}{'experts':>12}"]
     for first, last, layer in _runs(p.per_layer):
         span = f"{first}" if first == last else f"{first}-{last}"
@@ -779,7 +980,49 @@ def _text(p: Plan) -> list[str]:
     for name, term in a["terms"].items():
         lines.append(f"  {name:<20}{human(term['bytes']):>11}  {term['counts']}")
     lines.append(f"kv cache             {human(p.kv_cache['bytes']):>11}  {p.kv_cache['counts']}")
-    lines += ["", *_placement_text(p.placement)]
+    if p.stored is None or "error" in p.stored:
+        return [*lines, "", *_placement_text(p.placement)]
+    return lines + _modes_text(p)
+
+
+def _stored_text(p: Plan) -> list[str]:
+    """The checkpoint as stored, by component, next to the dense bytes in the plan's dtype."""
+    s = p.stored
+    if s is None:
+        return []
+    if "error" in s:
+        return ["", f"stored format not read ({s['error']}): the counts and placements are of dense weights"]
+    f = s["format"]
+    how = f"{f['block'][0]}x{f['block'][1]} blocks" if f["method"] == "fp8" else f"groups of {f['block'][1]}"
+    lines = [
+        "",
+        f"as stored: {human(s['bytes'])} ({f['method']}, {how}, {f['scales']} scales; the rest {s['dtype']}, "
+        f"from {s['dtype_from']})",
+        f"{'component':<16}{'stored':>12}{'in ' + p.dtype:>14}",
+    ]
+    for name, count in s["components"].items():
+        if count["parameters"]:
+            lines.append(f"{name:<16}{human(count['bytes']):>12}{human(p.components[name].bytes):>14}")
+    return [*lines, f"{'total':<16}{human(s['bytes']):>12}{human(p.bytes):>14}"]
+
+
+def _modes_text(p: Plan) -> list[str]:
+    """The placements of both run-time modes of a quantized checkpoint; the plan's own (expert_storage) marked."""
+    s = p.stored
+    method = s["format"]["method"]
+    titles = {
+        "dequantized": f"every weight dense in {p.dtype} (dequantized at load; expert_storage 'dequantized', the default)",
+        "stored": f"the routed experts kept as stored ({method}; expert_storage 'stored'), the rest in {p.dtype}",
+    }
+    lines = []
+    for mode, title in titles.items():
+        m = s["modes"][mode]
+        extra = (
+            f", + {human(m['dequantized_working'])} working memory: a layer's active experts dequantized"
+            if mode == "stored" else ""
+        )
+        chosen = " [this plan's placement]" if mode == s["expert_storage"] else ""
+        lines += ["", f"with {title}: weights {human(m['weights'])}{extra}{chosen}", *_placement_text(m["placement"])]
     return lines
 
 
