@@ -218,8 +218,14 @@ def meta_tensors(family, cfg) -> tuple[dict[str, torch.Tensor], dict[str, torch.
 
 
 def count_model(model) -> tuple[dict[str, Count], list[LayerCount]]:
-    """Sum every parameter and buffer (tied ones once: named_parameters drops duplicates) by component and layer."""
-    return count_tensors(model.cfg, dict(model.named_parameters()), dict(model.named_buffers()))
+    """Sum every parameter and buffer (tied ones once: named_parameters drops duplicates) by component and layer;
+    routed experts held off the model (offloaded, sharded) at their full stacks' size, as if resident."""
+    params = dict(model.named_parameters())
+    for layer, block in enumerate(model.blocks):
+        if block.is_moe:
+            stacks = block.mlp.experts.stacks_held_elsewhere(model.cfg.dtype)
+            params |= {f"blocks.{layer}.mlp.experts.{name}": t for name, t in stacks.items()}
+    return count_tensors(model.cfg, params, dict(model.named_buffers()))
 
 
 def count_tensors(

@@ -38,9 +38,8 @@ def model_slots(model) -> dict[str, torch.Tensor]:
     stacks where they are not the model's (offloaded or sharded experts, as meta tensors of their shapes)."""
     slots = dict(model.named_parameters()) | dict(model.named_buffers())
     for layer, block in mixture_layers(model):
-        if block.mlp.experts.placement != "resident":
-            for name, shape in block.mlp.experts.spec.shapes().items():
-                slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shape, dtype=model.cfg.dtype, device="meta")
+        stacks = block.mlp.experts.stacks_held_elsewhere(model.cfg.dtype)
+        slots |= {f"blocks.{layer}.mlp.experts.{name}": t for name, t in stacks.items()}
     return slots
 
 

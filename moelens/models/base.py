@@ -572,10 +572,11 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
 
     # ---- cfg in step with the model (TransformerLens code reads cfg.device and cfg.dtype) ------------
     def _count_weight_matrices(self) -> int:
-        """TransformerLens's n_params: the weight-matrix parameters outside the embedding and unembedding."""
-        return sum(
-            p.numel() for name, p in self.named_parameters() if p.dim() >= 2 and name not in ("embed.weight", "unembed.weight")
-        )
+        """TransformerLens's n_params: the weight-matrix parameters outside the embedding and unembedding (routed
+        experts held off the model, offloaded or sharded, counted too: where they live is not the model's size)."""
+        elsewhere = [t for block in self.blocks if block.is_moe for t in block.mlp.experts.stacks_held_elsewhere(self.cfg.dtype).values()]
+        tensors = [p for name, p in self.named_parameters() if name not in ("embed.weight", "unembed.weight")] + elsewhere
+        return sum(t.numel() for t in tensors if t.dim() >= 2)
 
     def _sync_cfg(self) -> None:
         """cfg.device / cfg.dtype: where the model is (its embedding's device: the first of a device map) and

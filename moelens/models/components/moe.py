@@ -99,6 +99,13 @@ class Experts(nn.Module):
             )
         return self.host
 
+    def stacks_held_elsewhere(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The full stacks, as meta tensors of the spec's shapes, where they are not this module's parameters
+        (offloaded or sharded experts): what loading checks and fills and what a plan counts. Empty when resident."""
+        if self.placement == "resident":
+            return {}
+        return {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in self.spec.shapes().items()}
+
     def forward(
         self, x: Float[torch.Tensor, "T H"], indices: Int[torch.Tensor, "T k"], weights: Float[torch.Tensor, "T k"],
         hooks: ExpertHooks, batch_pos: tuple[int, int],
