@@ -12,10 +12,12 @@ Layouts are TransformerLens's: input dimension first, `x @ W`:
       reads kv head h // (n_heads // n_kv_heads), as the attention computes), so W_K[l, h] is the key map
       head h really uses. W_K_grouped, W_V_grouped [n_layers, n_kv_heads, d_model, d_head] hold each once.
   W_O [n_layers, n_heads, d_head, d_model]       b_O [n_layers, d_model]
-  W_router [n_layers, n_experts, d_model]         (logits = x @ W_router[l].T)
+  W_router [n_layers, n_experts, d_model]         (logits = x @ W_router[l].T + b_router[l])
   W_gate, W_in [n_layers, n_experts, d_model, d_expert]    W_out [n_layers, n_experts, d_expert, d_model]
+  b_router [n_layers, n_experts]; b_gate, b_in [n_layers, n_experts, d_expert]; b_out [n_layers, n_experts,
+      d_model]: where the family has router / expert biases (gpt-oss), a ValueError where it has none
   W_shared_gate, W_shared_in [n_layers, d_model, d_shared]  W_shared_out [n_layers, d_shared, d_model]
-Absent biases read as zeros. Expert and router stacks need every block to be a mixture (they raise for a
+Absent attention biases read as zeros. Expert and router stacks need every block to be a mixture (they raise for a
 model with dense blocks, naming them, rather than silently renumbering layers); read such a model's
 `blocks[L].mlp` per layer.
 """
@@ -67,8 +69,9 @@ class WeightViews:
         self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True
     ) -> Float[torch.Tensor, "d_model"]:
         """TransformerLens's accumulated_bias: the biases written into the stream before block `layer`
-        (its attention too with mlp_input): here the o_proj biases, the only ones any family has (MLPs,
-        experts and routers have none, so include_mlp_biases changes nothing)."""
+        (its attention too with mlp_input): here the o_proj biases. No dense MLP has a bias, and routed
+        experts' output biases (gpt-oss's b_out) reach the stream weighted by each token's routing, so they
+        are no fixed bias: include_mlp_biases changes nothing."""
         n = self.cfg.n_layers
         if not 0 <= layer <= n:
             raise ValueError(f"accumulated_bias: layer must be in [0, {n}], got {layer}")
@@ -211,6 +214,38 @@ class WeightViews:
     @property
     def W_out(self) -> Float[torch.Tensor, "n_layers n_experts d_expert d_model"]:
         return self._per_moe_layer("W_out", lambda m: m.experts.tensors().down.transpose(-2, -1))
+
+    def _expert_bias(self, what: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """fn(gate_up_bias [E, 2*d_expert], down_bias [E, d_model]) per layer, where the experts have biases."""
+        if not any(block.is_moe and block.mlp.experts.spec.bias for block in self.blocks):
+            raise ValueError(f"{what}: this model's routed experts have no biases (their ExpertSpec has bias=False)")
+
+        def per_layer(m: SparseMoe) -> torch.Tensor:
+            t = m.experts.tensors()
+            return fn(t.gate_up_bias, t.down_bias)
+
+        return self._per_moe_layer(what, per_layer)
+
+    @property
+    def b_router(self) -> Float[torch.Tensor, "n_layers n_experts"]:
+        """The router's logit bias (logits = x @ W_router[l].T + b_router[l]), where the router has one."""
+        if not any(block.is_moe and getattr(block.mlp.router, "bias", None) is not None for block in self.blocks):
+            raise ValueError("b_router: this model's routers have no bias (their logits are x @ W_router[l].T)")
+        return self._per_moe_layer("b_router", lambda m: m.router.bias)
+
+    @property
+    def b_gate(self) -> Float[torch.Tensor, "n_layers n_experts d_expert"]:
+        d = self.cfg.d_expert
+        return self._expert_bias("b_gate", lambda gate_up, down: gate_up[:, :d])
+
+    @property
+    def b_in(self) -> Float[torch.Tensor, "n_layers n_experts d_expert"]:
+        d = self.cfg.d_expert
+        return self._expert_bias("b_in", lambda gate_up, down: gate_up[:, d:])
+
+    @property
+    def b_out(self) -> Float[torch.Tensor, "n_layers n_experts d_model"]:
+        return self._expert_bias("b_out", lambda gate_up, down: down)
 
     @property
     def W_shared_gate(self) -> Float[torch.Tensor, "n_layers d_model d_shared"]:

@@ -8,6 +8,7 @@ import torch
 from conftest import FAMILIES
 
 from moelens import HookedTransformer
+from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.analysis import (
     ablate_experts,
     ablate_experts_hooks,
@@ -48,6 +49,15 @@ def routing(model, tokens, mask=None):
 
 
 # ---- usage -----------------------------------------------------------------------------------------------
+def router_probabilities(model, layer, scores):
+    """Each token's distribution over the experts, by hand from the router's declared scoring: a softmax of
+    logit scores (gpt-oss), the scores normalised to sum to one otherwise (softmax or sigmoid scores)."""
+    scores = scores.double()
+    if model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:
+        return scores.softmax(-1)
+    return scores / scores.sum(-1, keepdim=True)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_usage_counts_by_hand(family_models, family, tokens, padded):
@@ -59,6 +69,8 @@ def test_usage_counts_by_hand(family_models, family, tokens, padded):
     cache, valid = routing(model, tokens, mask)
     E = model.cfg.n_experts
     assert usage.layers == moe_layers(model) and usage.n_tokens == int(valid.sum())
+    table = None if padded else routing_table(model, tokens[:1])
+    assert table is None or table.layers == usage.layers
     for i, layer in enumerate(usage.layers):
         idx = cache["expert_indices", layer]
         by_hand = torch.zeros(E, dtype=torch.long)
@@ -71,11 +83,14 @@ def test_usage_counts_by_hand(family_models, family, tokens, padded):
         load = by_hand.double() / by_hand.sum()
         h_load = -sum(float(q) * math.log(float(q)) for q in load if q > 0)
         assert float(usage.load_entropy[i]) == pytest.approx(h_load, rel=1e-5)
-        scores = cache["router_scores", layer][valid].double()
-        probs = scores / scores.sum(-1, keepdim=True)
+        probs = router_probabilities(model, layer, cache["router_scores", layer][valid])
         h_tokens = [-sum(float(q) * math.log(float(q)) for q in row if q > 0) for row in probs]
         assert float(usage.routing_entropy[i]) == pytest.approx(sum(h_tokens) / len(h_tokens), rel=1e-5)
         assert 0 < float(usage.routing_entropy[i]) <= math.log(E) + 1e-6
+        if table is not None:  # routing_table's entropy of the first prompt: the same probabilities
+            first = probs[: tokens.shape[1]]
+            h_first = [-sum(float(q) * math.log(float(q)) for q in row if q > 0) for row in first]
+            assert table.summaries[i].entropy == pytest.approx(sum(h_first) / len(h_first), rel=1e-5)
     assert (usage.bias_changed is not None) == any(b.is_moe and b.mlp.router.choice_bias for b in model.blocks)
     text = str(usage)
     assert f"{usage.n_tokens} tokens" in text and all(f"\n{layer:>5}" in text for layer in usage.layers)
@@ -235,15 +250,18 @@ def test_mean_ablation_uses_the_reference_mean(family_models, family, tokens):
     layer = moe_layers(model)[0]
     reference = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(7))
     _, ref = model.run_with_cache(reference)
-    # two experts the reference data reaches (a mean needs tokens), the most and the least used of those
+    _, clean = model.run_with_cache(tokens)
+    # two experts the reference data reaches (a mean needs tokens), the most and the least used of those; the
+    # input reaches them too, as the last run below takes the input as its own reference
     counts = torch.bincount(ref["expert_indices", layer].flatten(), minlength=model.cfg.n_experts)
-    used = [int(e) for e in counts.argsort(descending=True) if counts[e] > 0]
+    reached = torch.isin(torch.arange(model.cfg.n_experts), clean["expert_indices", layer])
+    used = [int(e) for e in counts.argsort(descending=True) if counts[e] > 0 and reached[e]]
+    assert len(used) >= 2
     experts = [used[0], used[-1]]
     means = {}
     for e in experts:
         chosen = ref["expert_indices", layer] == e
         means[e] = ref["expert_outputs", layer][chosen].double().mean(0).float()
-    _, clean = model.run_with_cache(tokens)
     hooks = ablate_experts_hooks(model, {layer: experts}, mode="mean", reference=reference)
     _, ablated = run_with(model, tokens, hooks)
     idx = clean["expert_indices", layer]

@@ -59,6 +59,8 @@ def expected_labels(model, expand=False):
             labels += [f"L{l}.shared.N{i}" for i in range(cfg.d_shared)] if expand else [f"L{l}.shared"]
         if expand:
             labels += [f"L{l}.E{e}.N{i}" for e in range(cfg.n_experts) for i in range(cfg.d_expert)]
+            if block.mlp.experts.spec.bias:  # each expert's output bias, weighted as its slots
+                labels += [f"L{l}.E{e}.bias" for e in range(cfg.n_experts)]
         else:
             labels += [f"L{l}.E{e}" for e in range(cfg.n_experts)]
     return labels + ["embed", "bias"]
@@ -100,8 +102,15 @@ def test_full_decomposition_expanded_into_neurons(runs, family):
     coarse = dict(zip(*cache.get_full_resid_decomposition(expand_neurons=False, return_labels=True)[::-1]))
     index = {lab: i for i, lab in enumerate(labels)}
     for l in model.cfg.moe_layer_indices:
+        experts = model.blocks[l].mlp.experts
         for e in (0, model.cfg.n_experts - 1):
             rows = [index[f"L{l}.E{e}.N{i}"] for i in range(model.cfg.d_expert)]
+            if experts.spec.bias:  # the output bias, times the weight of each slot routed to e
+                indices, weights = cache["expert_indices", l], cache["expert_weights", l]
+                chosen = (indices == e).to(weights.dtype)
+                bias = (weights * chosen).sum(-1)[..., None] * experts.tensors().down_bias[e].detach()
+                close(stack[index[f"L{l}.E{e}.bias"]], bias)
+                rows.append(index[f"L{l}.E{e}.bias"])
             close(stack[rows].sum(0), coarse[f"L{l}.E{e}"])
         if has_shared_expert(model, l):
             rows = [index[f"L{l}.shared.N{i}"] for i in range(model.cfg.d_shared)]

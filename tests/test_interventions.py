@@ -16,6 +16,7 @@ from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert
 from moelens import HookedTransformer
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.components.router_float32_weights import SoftmaxTopKFloat32Weights
+from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.minimax_m2 import SigmoidTopKFloat32Weights
 
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
@@ -75,6 +76,10 @@ def test_router_rules(family_models, family, tokens):
             if model.cfg.norm_topk_prob:
                 expected = expected / (expected.sum(-1, keepdim=True) + 1e-20)
             expected = expected * model.cfg.routed_scaling_factor
+        elif router.scoring == LogitTopKSoftmax.scoring:  # top-k of the logits, a softmax over the chosen k
+            top = logits.topk(k, dim=-1)
+            assert torch.equal(top.indices, idx)
+            expected = top.values.float().softmax(-1)
         else:
             top = logits.float().softmax(-1).topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
@@ -122,6 +127,8 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
         expected = torch.sigmoid(new_logits)
         expected = expected / expected.sum() if model.cfg.norm_topk_prob else expected
         expected = expected * model.cfg.routed_scaling_factor
+    elif model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:  # a softmax over the chosen k only
+        expected = torch.softmax(new_logits, -1)
     else:
         probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (model.cfg.n_experts - k)), -1)[:k]
         expected = probs / probs.sum() if model.cfg.norm_topk_prob else probs
@@ -130,9 +137,11 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     torch.testing.assert_close(w.gather(-1, order), expected[by_expert].expand_as(w), rtol=0, atol=1e-6)
     # only the forced experts ran: slot 0's gate pre-activation is that expert applied to the token
     x = cache[f"blocks.{layer}.ln2.hook_normalized"]
-    W = model.blocks[layer].mlp.experts.W_gate_up
+    experts = model.blocks[layer].mlp.experts.tensors()
     slot0 = idx[..., 0]
-    gate = torch.einsum("bpd,bpid->bpi", x, W[slot0, : model.cfg.d_expert])
+    gate = torch.einsum("bpd,bpid->bpi", x, experts.gate_up[slot0, : model.cfg.d_expert])
+    if model.blocks[layer].mlp.experts.spec.bias:
+        gate = gate + experts.gate_up_bias[slot0, : model.cfg.d_expert]
     torch.testing.assert_close(cache[f"blocks.{layer}.mlp.experts.hook_pre"][:, :, 0], gate, rtol=1e-5, atol=1e-5)
 
 
@@ -146,10 +155,14 @@ def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
     with model.hooks([(f"blocks.{layer}.mlp.hook_expert_indices", lambda idx, hook: new.expand_as(idx).contiguous())]):
         _, cache = model.run_with_cache(tokens)
     scores = cache[f"blocks.{layer}.mlp.hook_router_scores"][..., :k]
-    if model.cfg.norm_topk_prob:
-        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
     w = cache["expert_weights", layer]
-    torch.testing.assert_close(w, (scores * model.cfg.routed_scaling_factor).to(w.dtype), rtol=0, atol=1e-7)
+    if model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:  # a softmax over the new experts' logits
+        expected = scores.float().softmax(-1)
+    else:
+        if model.cfg.norm_topk_prob:
+            scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        expected = scores * model.cfg.routed_scaling_factor
+    torch.testing.assert_close(w, expected.to(w.dtype), rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -171,11 +184,19 @@ def test_replacing_expert_neurons_and_shared_out(family_models, family, tokens):
     first, last = moe_layers(model)[0], moe_layers(model)[-1]
     with model.hooks([(f"blocks.{last}.mlp.experts.hook_post", zero)]):
         _, cache = model.run_with_cache(tokens)
-    assert torch.count_nonzero(cache[f"blocks.{last}.mlp.hook_routed_out"]) == 0
+    routed = cache[f"blocks.{last}.mlp.hook_routed_out"]
+    experts = model.blocks[last].mlp.experts
+    if experts.spec.bias:  # zero neurons leave each slot's down bias, times the slot's weight
+        idx, w = cache["expert_indices", last], cache["expert_weights", last]
+        left = (w[..., None] * experts.tensors().down_bias[idx]).sum(-2)
+        assert torch.count_nonzero(left) > 0
+        torch.testing.assert_close(routed, left.to(routed.dtype), rtol=0, atol=0)
+    else:
+        assert torch.count_nonzero(routed) == 0
     if not has_shared_expert(model):
-        assert torch.count_nonzero(cache["mlp_out", last]) == 0
+        assert torch.equal(cache["mlp_out", last], routed)
         return
-    torch.testing.assert_close(cache["mlp_out", last], cache[f"blocks.{last}.mlp.hook_shared_out"], rtol=0, atol=0)
+    torch.testing.assert_close(cache["mlp_out", last], routed + cache[f"blocks.{last}.mlp.hook_shared_out"], rtol=0, atol=0)
     with model.hooks([(f"blocks.{first}.mlp.hook_shared_out", zero)]):
         _, cache = model.run_with_cache(tokens)
     torch.testing.assert_close(cache["mlp_out", first], cache[f"blocks.{first}.mlp.hook_routed_out"], rtol=0, atol=0)
@@ -217,6 +238,9 @@ def test_query_scaling_at_rot_q_survives_into_scores(family_models, family, toke
     with model.hooks([("blocks.0.attn.hook_rot_q", double_head_1)]):
         _, cache = model.run_with_cache(tokens, names_filter="blocks.0.attn.hook_attn_scores")
     causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).tril()
+    window = model.cfg.window(0)
+    if window is not None:  # a sliding layer sees the keys fewer than `window` positions back
+        causal = causal.triu(-(window - 1))
     a, b = clean["attn_scores", 0], cache["attn_scores", 0]
     torch.testing.assert_close(b[:, 1][:, causal], 2 * a[:, 1][:, causal], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b[:, 0], a[:, 0], rtol=0, atol=0)

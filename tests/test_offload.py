@@ -47,7 +47,9 @@ def test_logits_and_every_hook_equal_the_resident_model(checkpoints, resident, f
     stats = model.expert_cache_stats()
     assert stats.misses == distinct_experts(ref_cache, ref) and stats.hits == 0
     experts = ref.blocks[ref.cfg.moe_layer_indices[0]].mlp.experts
-    expert_bytes = experts.W_gate_up[0].nbytes + experts.W_down[0].nbytes
+    # one expert's tensors, biases included where the spec has them
+    expert_bytes = sum(t[0].nbytes for t in experts.tensors().present())
+    assert expert_bytes == experts.spec.expert_nbytes(experts.W_gate_up.dtype)
     assert stats.bytes_moved == stats.misses * expert_bytes
 
 

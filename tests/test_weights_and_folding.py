@@ -99,16 +99,34 @@ def test_expert_views_reproduce_hooks(runs, family):
         else:
             with pytest.raises(ValueError, match="no shared expert"):
                 model.W_shared_out
+        # biases where the model has them (gpt-oss), zeros otherwise; the views raise where there are none
+        if model.blocks[0].mlp.experts.spec.bias:
+            b_gate, b_in, b_out = model.b_gate, model.b_in, model.b_out
+            assert b_gate.shape == b_in.shape == (L, E, I) and b_out.shape == (L, E, M)
+        else:
+            for view in ("b_gate", "b_in", "b_out"):
+                with pytest.raises(ValueError, match="no biases"):
+                    getattr(model, view)
+            b_gate = b_in = W_gate.new_zeros(L, E, I)
+            b_out = W_gate.new_zeros(L, E, M)
+        if getattr(model.blocks[0].mlp.router, "bias", None) is not None:
+            b_router = model.b_router
+            assert b_router.shape == (L, E)
+        else:
+            with pytest.raises(ValueError, match="no bias"):
+                model.b_router
+            b_router = W_gate.new_zeros(L, E)
         for l in range(L):
             x = cache["blocks.%d.ln2.hook_normalized" % l]
-            close(x.float() @ model.W_router[l].float().T, cache["router_logits", l])
+            close(x.float() @ model.W_router[l].float().T + b_router[l].float(), cache["router_logits", l])
             idx = cache["expert_indices", l]  # [b p k]: each slot through its expert's matrices
-            pre = torch.einsum("bpm,bpkmi->bpki", x, W_gate[l][idx])
+            pre = torch.einsum("bpm,bpkmi->bpki", x, W_gate[l][idx]) + b_gate[l][idx]
             close(pre, cache["blocks.%d.mlp.experts.hook_pre" % l])
-            close(torch.einsum("bpm,bpkmi->bpki", x, W_in[l][idx]), cache["blocks.%d.mlp.experts.hook_pre_linear" % l])
+            pre_linear = torch.einsum("bpm,bpkmi->bpki", x, W_in[l][idx]) + b_in[l][idx]
+            close(pre_linear, cache["blocks.%d.mlp.experts.hook_pre_linear" % l])
             post = cache["blocks.%d.mlp.experts.hook_post" % l]
-            out = torch.einsum("bpki,bpkim->bpkm", post, W_out[l][idx]) * cache["expert_weights", l][..., None]
-            close(out, cache["expert_outputs", l])
+            out = torch.einsum("bpki,bpkim->bpkm", post, W_out[l][idx]) + b_out[l][idx]
+            close(out * cache["expert_weights", l][..., None], cache["expert_outputs", l])
             if not shared:
                 continue
             sh = "blocks.%d.mlp.shared_expert." % l

@@ -10,8 +10,8 @@ import torch
 @dataclass(frozen=True)
 class LayerSummary:
     """One mixture layer over the prompt: how many tokens each expert got, how spread each token's router
-    scores are (mean entropy of the scores normalised to sum to 1, in nats), and the mean sigmoid of the
-    shared-expert gate where the family gates its shared expert (Qwen2-MoE), else None."""
+    probabilities are (mean entropy of the router's `probabilities` of its scores, in nats), and the mean
+    sigmoid of the shared-expert gate where the family gates its shared expert (Qwen2-MoE), else None."""
 
     load: torch.Tensor  # [n_experts] tokens routed to each expert
     entropy: float
@@ -69,8 +69,7 @@ def routing_table(model, prompt: str | torch.Tensor, top_next: int = 5) -> Routi
     logits, cache = model.run_with_cache(tokens, names_filter=names)
     indices, weights, summaries = [], [], []
     for layer in layers:
-        scores = cache["router_scores", layer][0].double()
-        probs = scores / scores.sum(-1, keepdim=True)
+        probs = model.blocks[layer].mlp.router.probabilities(cache["router_scores", layer][0].double()).double()
         entropy = float(-(probs * probs.clamp_min(1e-300).log()).sum(-1).mean())
         load = torch.bincount(cache["expert_indices", layer][0].flatten(), minlength=model.cfg.n_experts)
         gate = float(torch.sigmoid(cache["shared_gate", layer][0].float()).mean()) if layer in gated else None

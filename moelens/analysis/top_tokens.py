@@ -60,7 +60,8 @@ def top_tokens(
     batch_size: int = 8,
 ) -> TopTokens:
     """The k real tokens with the highest weight on ``expert`` (tokens not routed to it do not count), or the
-    highest router score for it (every token counts). Contexts are decoded with the tokenizer when the model
+    highest router score for it (every token counts: hook_router_scores as the family defines it, the logit
+    where the router takes the top-k on logits). Contexts are decoded with the tokenizer when the model
     has one, shown as ids otherwise."""
     if by not in ("weight", "score"):
         raise ValueError(f"by must be 'weight' or 'score', got {by!r}")

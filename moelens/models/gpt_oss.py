@@ -101,6 +101,10 @@ class LogitTopKSoftmax(TopKRouter):
         chosen = scores.gather(-1, indices)
         return F.softmax(chosen, dim=-1, dtype=chosen.dtype).to(logits_dtype)
 
+    def probabilities(self, scores: Float[torch.Tensor, "... n_experts"]) -> Float[torch.Tensor, "... n_experts"]:
+        """The softmax of the logits over all experts, float32 (the weights are a softmax over the chosen k)."""
+        return F.softmax(scores, dim=-1, dtype=torch.float32)
+
 
 class HookedGptOss(HookedTransformer):
     model_type = "gpt_oss"

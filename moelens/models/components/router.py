@@ -34,6 +34,12 @@ class TopKRouter(nn.Module):
     def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
         return scores
 
+    def probabilities(self, scores: Float[torch.Tensor, "... n_experts"]) -> Float[torch.Tensor, "... n_experts"]:
+        """A distribution over the experts from hook_router_scores, for the analyses (entropy, usage): the
+        scores normalised to sum to one (softmax scores as they are, sigmoid scores rescaled); a rule whose
+        scores are not probabilities (logits) overrides this."""
+        return scores / scores.sum(-1, keepdim=True)
+
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
 
