@@ -148,6 +148,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         expert_parallel: bool = False,
         expert_prefetch: bool | None = None,
         expert_parallel_timeout: float | None = None,
+        expert_storage: Literal["fp8", "mxfp4", "dense"] | None = None,
         plan_batch: int | None = None,
         plan_seq: int | None = None,
         **from_pretrained_kwargs,
@@ -227,6 +228,13 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         expert exchange is checked first, and a difference is an ExpertParallelError on every rank naming it.
         expert_parallel_timeout: seconds a rank waits for the others at an expert exchange before raising
         ExpertParallelError naming the layer (None: 300; torch's own default would be 30 minutes).
+        expert_storage: None (or "dense"): a quantized checkpoint's experts are dequantized at load. "fp8" /
+        "mxfp4": every mixture layer's routed experts stay as the checkpoint stores them (fp8 codes and block
+        scales; MXFP4 blocks and scales) and each routed expert is dequantized when a forward uses it, by the
+        load's own function, so logits and every hook are bit for bit those of dequantizing at load. With
+        expert_offload the cache holds and moves the stored bytes; with expert_parallel each rank holds its
+        experts as stored. experts.tensors() returns dequantized copies; refused with fold_ln, with
+        experts_backend="triton" ("auto" takes the torch path), and for a checkpoint not stored that way.
         """
         if "torch_dtype" in from_pretrained_kwargs:  # TransformerLens: torch_dtype, when given, wins
             dtype = from_pretrained_kwargs.pop("torch_dtype")
@@ -240,6 +248,11 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             raise ValueError(f"default_prepend_bos must be True, False or None, got {default_prepend_bos!r}")
         if expert_parallel and experts_backend == "triton":
             raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
+        if expert_storage not in (None, "dense") and experts_backend == "triton":
+            raise ValueError(
+                f"experts_backend='triton' reads dense expert weights and does not dequantize yet; expert_storage="
+                f"{expert_storage!r} runs the routed experts on the torch path: use experts_backend='torch' or 'auto'"
+            )
 
         model = pretrained.load(
             cls, model_name, dtype=dtype, device=device, revision=revision, progress=progress,
@@ -250,6 +263,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             first_n_layers=first_n_layers, checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value,
             hf_model=hf_model, n_devices=n_devices, move_to_device=move_to_device, plan_batch=plan_batch,
             plan_seq=plan_seq, expert_prefetch=expert_prefetch, expert_parallel_timeout=expert_parallel_timeout,
+            expert_storage=expert_storage,
         )
         model.set_experts_backend(experts_backend)
         model._set_pretrained_cfg(model_name, tokenizer, default_prepend_bos, default_padding_side)
@@ -469,10 +483,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
         experts = [block.mlp.experts for block in self.blocks if block.is_moe]
         if backend == "triton" and experts and not experts[0].spec.fused_by_triton:
-            raise ValueError(
-                f"experts_backend='triton' computes SiLU(gate) * up without biases; this model's experts are "
-                f"{experts[0].spec.describe()}: use experts_backend='torch' or 'auto'"
-            )
+            raise ValueError(experts[0].spec.triton_refusal())
         for module in experts:
             module.backend = backend
 
