@@ -99,7 +99,7 @@ class StoredExperts:
         """The experts `ids` (positions in this stack), stacked in that order: stored bytes copied, nothing
         dequantized."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-        return StoredExperts(self.spec, self.parts, [t.index_select(0, ids) for t in self.tensors])
+        return StoredExperts(self.spec, self.parts, [_select(t, ids) for t in self.tensors])
 
     def to(self, device: torch.device | str) -> StoredExperts:
         return StoredExperts(self.spec, self.parts, [t.to(device) for t in self.tensors])
@@ -122,3 +122,11 @@ class StoredExperts:
 
     def __repr__(self) -> str:
         return f"StoredExperts({self.n_experts} experts, {self.method}, {self.nbytes:,} bytes on {self.device})"
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _select(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """t's rows `ids`, copied as raw bits (torch's CPU index_select on float8 is ~10x slower than on bytes)."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).index_select(0, ids).view(t.dtype)
