@@ -101,6 +101,7 @@ def test_every_hook_equals_dequantize_at_load(ckpts, name, dtype):
         assert isinstance(stack, StoredExperts) and codes <= {t.dtype for t in stack.tensors}
     experts = stored.blocks[stored.cfg.moe_layer_indices[0]].mlp.experts
     assert dict(experts.named_parameters(recurse=False)) == {} and dict(experts.named_buffers(recurse=False)) == {}
+    assert stored.cfg.n_params == dense.cfg.n_params  # TransformerLens's count: the experts' matrices, however held
     assert_same_run(stored, dense)
     # tensors() is the dequantize-at-load stacks, bit for bit, and a copy: editing it changes nothing
     for layer in stored.cfg.moe_layer_indices:

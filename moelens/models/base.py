@@ -586,9 +586,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     # ---- cfg in step with the model (TransformerLens code reads cfg.device and cfg.dtype) ------------
     def _count_weight_matrices(self) -> int:
         """TransformerLens's n_params: the weight-matrix parameters outside the embedding and unembedding."""
-        return sum(
+        counted = sum(
             p.numel() for name, p in self.named_parameters() if p.dim() >= 2 and name not in ("embed.weight", "unembed.weight")
         )
+        for block in self.blocks:  # routed experts held off the parameters (offloaded, sharded, kept stored): their stacks
+            experts = block.mlp.experts if block.is_moe else None
+            if experts is not None and not dict(experts.named_parameters(recurse=False)):
+                counted += sum(torch.Size(shape).numel() for shape in experts.spec.shapes().values() if len(shape) >= 2)
+        return counted
 
     def _sync_cfg(self) -> None:
         """cfg.device / cfg.dtype: where the model is (its embedding's device: the first of a device map) and
