@@ -181,7 +181,7 @@ def load(
     materialize(model, device_for)
     model.tie_weights()
     if on_meta:
-        check_shapes(slot_map(model, keys), files, keys)
+        check_shapes(slot_map(model, keys) | offloaded, files, keys)
     else:
         fill(model, files, keys, progress=progress, check_finite=check_finite, offloaded=offloaded)
         if expert_storage and check_finite:

@@ -148,7 +148,7 @@ def test_offload_moves_the_stored_bytes(ckpts, name, mode):
         assert isinstance(host, StoredExperts) and host.nbytes == stored_bytes_in_files(ckpts[name], layer)
     # a cache that keeps everything holds the stored bytes of every expert routed to
     kept = load(ckpts[name], dtype=torch.bfloat16, expert_storage=storage, expert_offload=mode, expert_cache_bytes=10**9)
-    kept(TOKENS)
+    assert torch.equal(kept(TOKENS), dense(TOKENS))  # with prefetch at its default too
     cached = kept.expert_cache.entries
     assert {t.dtype for weights in cached.values() for t in weights} >= ({torch.float8_e4m3fn} if storage == "fp8" else {torch.uint8})
     assert kept.expert_cache.bytes == len(cached) * per_expert
@@ -212,6 +212,8 @@ def test_arguments_are_checked(ckpts):
     with pytest.raises(ValueError, match=r"expert_storage must be one of \[None, 'dense', 'fp8', 'mxfp4'\].*got 'int4'"):
         load(folder, expert_storage="int4")
     assert held(load(folder, expert_storage="dense")) == [None, None, None]  # dense: dequantized at load
+    inspected = load(folder, expert_storage="fp8", device="meta")  # headers checked, nothing read or held
+    assert held(inspected) == [None, None, None] and "kept fp8 as stored" in inspected.blocks[0].mlp.experts.spec.describe()
     with pytest.raises(ValueError, match=r"fold_ln rewrites the routed experts.*expert_storage='fp8'"):
         load(folder, expert_storage="fp8", fold_ln=True)
     with pytest.raises(ValueError, match=r"experts_backend='triton' reads dense expert weights"):
