@@ -75,7 +75,7 @@ def assert_same_run(stored, dense, tokens=TOKENS):
     logits, cache = dense.run_with_cache(tokens)
     got_logits, got = stored.run_with_cache(tokens)
     assert torch.equal(got_logits, logits)
-    assert got.keys() == cache.keys() and len(cache.keys()) > 100
+    assert got.keys() == cache.keys() and len(cache.keys()) > 30 * dense.cfg.n_layers
     different = [name for name in cache.keys() if not torch.equal(got[name], cache[name])]
     assert different == [], different
     last, first = dense.cfg.moe_layer_indices[-1], dense.cfg.moe_layer_indices[0]
@@ -159,10 +159,10 @@ def test_held_bytes_at_real_block_sizes(tmp_path, storage):
     """d_model 256 and d_expert 256 with DeepSeek-V3's 128 x 128 blocks and float32 scales, or gpt-oss's
     MXFP4 groups of 32 with bfloat16 biases: the bytes the layers hold against the same experts in bfloat16."""
     if storage == "fp8":
-        folder = tiny_qwen3_moe.build_qwen3_moe(tmp_path / "q", seed=25, hidden_size=256, moe_intermediate_size=256)
+        folder = tiny_qwen3_moe.build_qwen3_moe(tmp_path / "q", seed=25, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=1)
         quantize_folder(folder, (128, 128))
     else:
-        folder = tiny_gpt_oss.to_mxfp4(tiny_gpt_oss.build_gpt_oss(tmp_path / "g", seed=26, hidden_size=256, intermediate_size=256))
+        folder = tiny_gpt_oss.to_mxfp4(tiny_gpt_oss.build_gpt_oss(tmp_path / "g", seed=26, hidden_size=256, intermediate_size=256, num_hidden_layers=1))
     stored = load(folder, dtype=torch.bfloat16, expert_storage=storage)
     dense = load(folder, dtype=torch.bfloat16)
     for layer in stored.cfg.moe_layer_indices:
