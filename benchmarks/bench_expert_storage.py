@@ -121,8 +121,10 @@ def main() -> None:
                 weights = torch.rand(tokens, K, generator=gen).to(dtype)
                 out = forward(stored, x, indices, weights, hooks)
                 assert torch.equal(out, forward(dense, x, indices, weights, hooks)), "stored and dense experts differ"
-                t_dense = t_stored = 0.0
-                rounds = [timed(lambda: forward(m, x, indices, weights, hooks), args.repeat) for m in (dense, stored, dense, stored)]
+                rounds = [
+                    timed(lambda m=m, x=x, indices=indices, weights=weights: forward(m, x, indices, weights, hooks), args.repeat)
+                    for m in (dense, stored, dense, stored)
+                ]
                 t_dense, t_stored = min(rounds[0::2]), min(rounds[1::2])  # alternated, the better of two rounds each
                 print(f"{storage:>6} {str(dtype)[6:]:>8} {tokens:>6} {t_dense * 1e3:>9.2f} {t_stored * 1e3:>9.2f} "
                       f"{t_stored / t_dense:>9.2f}x {stored.stored.nbytes / bf16_bytes:>18.3f}x "

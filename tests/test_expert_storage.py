@@ -9,19 +9,19 @@ import shutil
 import socket
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
-
 import tiny
 import tiny_deepseek_v3
 import tiny_gpt_oss
 import tiny_qwen3_moe
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from test_quantized_checkpoints import quantize_folder
+
 from moelens import HookedTransformer
 from moelens.experts.stored import StoredExperts
 from moelens.loaders.errors import CheckpointError
-from test_quantized_checkpoints import quantize_folder
 
 TOKENS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
 FP8_CODES = {torch.float8_e4m3fn}

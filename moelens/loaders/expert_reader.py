@@ -29,7 +29,6 @@ from moelens.loaders.errors import CheckpointError
 from moelens.loaders.safetensors_files import SafetensorsFiles
 
 
-
 def expert_param(target: Target, params: tuple[str, ...]) -> tuple[int, str] | None:
     """(layer, parameter name) when a key fills one of a routed expert stack's `params`, else None."""
     parts = target.param.split(".")  # blocks.L.mlp.experts.W_...
