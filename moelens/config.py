@@ -91,6 +91,9 @@ class MoeConfig:
     # "resident" (parameters of the model), "offloaded" (fetched from host memory or disk when routed to) or
     # "sharded" (expert parallelism: each rank its own range)
     expert_placement: Literal["resident", "offloaded", "sharded"] = field(default="resident", compare=False)
+    # how the routed experts are held, fixed when the model is built: None (dense, the model's dtype) or the
+    # checkpoint's stored format, "fp8" / "mxfp4", dequantized when routed to (ExpertSpec.storage)
+    expert_storage: Literal["fp8", "mxfp4"] | None = field(default=None, compare=False)
     # ---- TransformerLens's bookkeeping (HookedTransformerConfig's names); not the model's identity ----------
     # where the model is: kept in step with it by HookedTransformer (its .to / .half / ... replace cfg), the
     # first device of a device map, as TransformerLens's cfg.device is with n_devices
@@ -149,7 +152,7 @@ class MoeConfig:
     def expert_spec(self) -> ExpertSpec:
         """The routed experts' contract: act_fn(gate) * up without biases, unless the family's config says
         otherwise (a subclass overrides this)."""
-        return ExpertSpec(self.n_experts, self.d_model, self.d_expert, GLU(self.act_fn))
+        return ExpertSpec(self.n_experts, self.d_model, self.d_expert, GLU(self.act_fn), storage=self.expert_storage)
 
     @property
     def moe_layer_indices(self) -> list[int]:

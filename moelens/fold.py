@@ -83,6 +83,12 @@ def chosen_experts(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, 
 def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     """Fold every RMSNorm weight (ln1, ln2, ln_final) into its readers and set the norm weights to 1; return
     how many tokens of a probe batch had their routing changed by it."""
+    stored = next((b.mlp.experts.spec.storage for b in model.blocks if b.is_moe and b.mlp.experts.spec.storage), None)
+    if stored is not None:  # their tensors() are dequantized copies: scaling those would fold nothing
+        raise ValueError(
+            f"fold_ln rewrites the routed experts' gate and up rows, which this model keeps stored as {stored!r} "
+            "(from_pretrained(expert_storage=...)): load with expert_storage=None to fold"
+        )
     probe = probe_tokens(model)
     before = chosen_experts(model, probe)
     for block in model.blocks:

@@ -19,6 +19,7 @@ import torch
 from moelens.dtypes import parse_dtype
 from moelens.kernels import BACKENDS
 from moelens.kernels.expert_parallel import check_timeout
+from moelens.loaders.stored_experts import parse_expert_storage
 from moelens.placement import BLOCK_KEY, PARTS, check_available, parse_max_memory, parse_size
 from moelens.plan import DEFAULT_BATCH, DEFAULT_SEQ, check_tokens
 from moelens.tokenizer import MoeTokenizer, check_padding_side
@@ -67,6 +68,7 @@ class LoadOptions:
     expert_prefetch: bool | None  # None: on for "disk"
     expert_parallel: bool
     expert_parallel_timeout: float  # seconds a rank waits for the others at an expert exchange
+    expert_storage: str | None  # "fp8" / "mxfp4": routed experts kept as the checkpoint stores them
     experts_backend: str
     tokenizer: MoeTokenizer | None  # in place of the checkpoint's
     default_prepend_bos: bool | None
@@ -94,6 +96,7 @@ def load_options(
     max_memory=None,
     expert_parallel=False,
     expert_parallel_timeout=None,
+    expert_storage=None,
     expert_prefetch=None,
     experts_backend="auto",
     n_devices=1,
@@ -182,6 +185,17 @@ def load_options(
                 f"expert_parallel cannot go with {', '.join(clash)} yet: each rank holds its experts whole on `device` "
                 "and runs them on the torch path"
             )
+    expert_storage = parse_expert_storage(expert_storage)
+    if expert_storage and fold_ln:
+        raise ValueError(
+            f"fold_ln rewrites the routed experts' gate and up rows, which expert_storage={expert_storage!r} keeps as "
+            "the checkpoint stores them: load with expert_storage=None to fold"
+        )
+    if expert_storage and experts_backend == "triton":
+        raise ValueError(
+            f"experts_backend='triton' reads dense expert weights and does not dequantize yet; expert_storage="
+            f"{expert_storage!r} runs the routed experts on the torch path: use experts_backend='torch' or 'auto'"
+        )
     if expert_parallel_timeout is not None and not expert_parallel:
         raise ValueError("expert_parallel_timeout is how long expert-parallel ranks wait for each other: it needs expert_parallel")
     return LoadOptions(
@@ -190,6 +204,7 @@ def load_options(
         center_unembed=center_unembed, check_finite=check_finite, progress=progress, revision=revision,
         expert_offload=expert_offload, expert_cache_bytes=expert_cache_bytes, expert_prefetch=expert_prefetch,
         expert_parallel=expert_parallel, expert_parallel_timeout=check_timeout(expert_parallel_timeout),
+        expert_storage=expert_storage,
         experts_backend=experts_backend, tokenizer=tokenizer,
         default_prepend_bos=default_prepend_bos, default_padding_side=default_padding_side,
     )

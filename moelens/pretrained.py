@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 from moelens.experts.spec import ExpertTensors
+from moelens.experts.stored import StoredExperts
 from moelens.families import family_for
 from moelens.fold import untie
 from moelens.kernels.expert_parallel import ExpertExchange, ExpertShard, expert_range
@@ -27,6 +28,7 @@ from moelens.loaders.quantized import stored_format
 from moelens.load_options import LoadOptions
 from moelens.loaders.files import brief
 from moelens.loaders.safetensors_files import SafetensorsFiles
+from moelens.loaders.stored_experts import ExpertLayers, check_stored_as, stored_layer_bytes, warn_not_finite
 from moelens.locate import resolve  # also pretrained.resolve, for callers that import it from here
 from moelens.placement import device_of, parse_device_map
 from moelens.plan import auto_device_map
@@ -88,11 +90,14 @@ def load(cls, options: LoadOptions):
     cfg = dataclasses.replace(
         cfg, dtype=dtype, original_architecture=first_architecture if isinstance(first_architecture, str) else None,
         expert_placement="offloaded" if expert_offload else "sharded" if options.expert_parallel else "resident",
+        expert_storage=options.expert_storage,
     )
     tokenizer = MoeTokenizer.from_folder(folder, hf)  # before the weights: a bad tokenizer file fails fast
     site_map = family.site_map(cfg)
     check_sizes(cfg, site_map, files, folder / "config.json")  # before the key map lists every expert's tensors
     keys = key_map(site_map, files, fmt)
+    if options.expert_storage:
+        check_stored_as(options.expert_storage, fmt, keys, files, folder / "config.json")
     if cfg.tie_word_embeddings and any(t.param == "unembed.weight" for t in keys.values()):
         # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
@@ -103,11 +108,13 @@ def load(cls, options: LoadOptions):
     # every tensor's shape against the model built on meta, before any memory is allocated for it
     check_shapes(model_slots(model), files, keys)
     # made before placing: device_map="auto" leaves room on the devices for its size
-    cache_bytes = _default_cache_bytes(model) if options.expert_cache_bytes is None else options.expert_cache_bytes
+    cache_bytes = _default_cache_bytes(model, files, keys) if options.expert_cache_bytes is None else options.expert_cache_bytes
     cache = ExpertCache(cache_bytes) if expert_offload else None
     placed = None
     if device_map is not None or n_devices > 1:
-        placed = _place(model, family, device_map, options.max_memory, n_devices, device, options.plan_tokens, cache)
+        # "auto" counts the model's parameters; experts kept stored are none, so it plans with them dense (more)
+        planned = family.build(dataclasses.replace(cfg, expert_storage=None)) if options.expert_storage else model
+        placed = _place(planned, family, device_map, options.max_memory, n_devices, device, options.plan_tokens, cache)
     device_for = (lambda name: device) if placed is None else (lambda name: device_of(placed, name))  # noqa: E731
     offloaded = {}  # slots fill() must not treat as parameters: the experts that stay off the model
     if expert_offload:
@@ -117,12 +124,16 @@ def load(cls, options: LoadOptions):
         offloaded = offload_experts(model, files, keys, expert_offload, cache, device_for, prefetch)
     elif options.expert_parallel:
         offloaded = shard_experts(model, files, keys, device, options.expert_parallel_timeout)
+    elif options.expert_storage:
+        offloaded = keep_experts_stored(model, files, keys, device_for, read=not on_meta)
     materialize(model, device_for)
     model.tie_weights()
     if on_meta:
         slot_map(model, keys)  # every parameter has its tensor (the shapes were checked above)
     else:
         fill(model, files, keys, progress=options.progress, check_finite=options.check_finite, offloaded=offloaded)
+        if options.expert_storage and options.check_finite:
+            warn_not_finite(held_stored_experts(model), dtype, folder)
         if placed is not None and placed["unembed"] != placed["embed"] and model.unembed.weight is model.embed.weight:
             untie(model, placed["unembed"])  # a tied head on another device: a copy of its own there
         model.process_weights_(fold_ln=options.fold_ln, center_unembed=options.center_unembed)  # moelens.fold; no-op by default
@@ -165,11 +176,15 @@ def _place(model, family, device_map, max_memory: dict[str, int] | None, n_devic
     return parse_device_map(device_map, model.cfg.n_layers)
 
 
-def _default_cache_bytes(model) -> int:
-    """One layer's experts: enough for a layer's working set to stay while it runs."""
+def _default_cache_bytes(model, files, keys) -> int:
+    """One layer's experts (as stored, where they are kept so): enough for a layer's working set to stay while
+    it runs."""
     if not model.cfg.moe_layer_indices:
         return 0
-    return model.cfg.n_experts * model.cfg.expert_spec().expert_nbytes(model.cfg.dtype)
+    spec = model.cfg.expert_spec()
+    if spec.storage is not None:
+        return stored_layer_bytes(files, keys, model.cfg.moe_layer_indices[0], spec.param_names)
+    return model.cfg.n_experts * spec.expert_nbytes(model.cfg.dtype)
 
 
 def mixture_layers(model) -> list[tuple[int, torch.nn.Module]]:
@@ -179,8 +194,43 @@ def mixture_layers(model) -> list[tuple[int, torch.nn.Module]]:
 
 def expert_reader(model, files, keys) -> ExpertReader:
     """Reads one routed expert of any mixture layer from the checkpoint's files (reader.shapes: each full
-    stack's shape); what offload ("disk") and expert parallelism load experts through."""
+    stack's shape); what offload ("disk"), expert parallelism and experts kept stored load experts through."""
     return ExpertReader(files, keys, model.cfg.expert_spec().shapes(), model.cfg.dtype)
+
+
+def dense_slots(model, reader: ExpertReader, layer: int) -> dict[str, torch.Tensor]:
+    """Meta tensors of a layer's full dense stacks, for fill() to check the checkpoint's shapes against
+    (dequantized shapes, for a quantized checkpoint) without reading anything."""
+    return {
+        f"blocks.{layer}.mlp.experts.{name}": torch.empty(shape, dtype=model.cfg.dtype, device="meta")
+        for name, shape in reader.shapes.items()
+    }
+
+
+def keep_experts_stored(model, files, keys, device_for, read: bool = True) -> dict[str, torch.Tensor]:
+    """expert_storage without offload or expert parallelism: every mixture layer's routed experts read as
+    stored onto the layer's device (moelens.experts.stored); returns their dense slots' meta tensors for fill().
+    read=False (device='meta'): nothing is read or attached."""
+    reader = expert_reader(model, files, keys)
+    layers = ExpertLayers(reader, model.cfg.expert_spec())
+    slots: dict[str, torch.Tensor] = {}
+    for layer, block in mixture_layers(model):
+        if read:
+            stored = layers.layer(layer, range(model.cfg.n_experts))
+            block.mlp.experts.attach_stored(stored.to(device_for(f"blocks.{layer}.mlp.experts")))
+        slots.update(dense_slots(model, reader, layer))
+    return slots
+
+
+def held_stored_experts(model) -> dict[int, StoredExperts]:
+    """Every mixture layer's stored experts this process holds (resident, in host memory, or this rank's)."""
+    held = {}
+    for layer, block in mixture_layers(model):
+        experts = block.mlp.experts
+        for stack in (experts.stored, experts.host, None if experts.shard is None else experts.shard.tensors):
+            if isinstance(stack, StoredExperts):
+                held[layer] = stack
+    return held
 
 
 def offload_experts(model, files, keys, mode, cache: ExpertCache, device_for, prefetch: bool = False) -> dict[str, torch.Tensor]:
@@ -189,22 +239,29 @@ def offload_experts(model, files, keys, mode, cache: ExpertCache, device_for, pr
     filled now, pinned when a layer runs on CUDA) or meta tensors ("disk": shape-checked; read when routed to).
     prefetch: each layer loads ahead the experts it predicts for the next one (link_prefetch)."""
     reader = expert_reader(model, files, keys)
+    layers = ExpertLayers(reader, model.cfg.expert_spec())  # the cache holds stored bytes where experts are kept so
     slots: dict[str, torch.Tensor] = {}
     stores: dict[int, OffloadedExperts] = {}
     for layer, block in mixture_layers(model):
         device = device_for(f"blocks.{layer}.mlp.experts")
-        host = ExpertTensors(*(
-            torch.empty(shape, dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu",
-                        pin_memory=mode == "cpu" and device.type == "cuda")
-            for shape in reader.shapes.values()
-        ))
+        pin = mode == "cpu" and device.type == "cuda"
+        if layers.stored:  # read as stored now ("cpu") or when routed to ("disk"); fill() checks shapes only
+            host = layers.layer(layer, range(model.cfg.n_experts)) if mode == "cpu" else None
+            host = host.pin_memory() if host is not None and pin else host
+            slots.update(dense_slots(model, reader, layer))
+        else:  # filled by fill() ("cpu"), or meta ("disk")
+            host = ExpertTensors(*(
+                torch.empty(shape, dtype=model.cfg.dtype, device="meta" if mode == "disk" else "cpu", pin_memory=pin)
+                for shape in reader.shapes.values()
+            ))
+            slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(reader.params, host.present())})
         if mode == "cpu":
             source = host.expert
         else:
-            source = lambda e, layer=layer: reader.read(layer, e)  # noqa: E731
-        stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode)
+            source = lambda e, layer=layer: layers.read(layer, e)  # noqa: E731
+        stack = lambda experts, layer=layer: layers.stack(layer, experts)  # noqa: E731
+        stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode, stack)
         block.mlp.experts.attach_store(stores[layer], None if mode == "disk" else host)
-        slots.update({f"blocks.{layer}.mlp.experts.{name}": t for name, t in zip(reader.params, host.present())})
     if prefetch:
         cache.enable_prefetch()
         link_prefetch(model, stores)
@@ -235,15 +292,12 @@ def shard_experts(model, files, keys, device: torch.device, timeout_s: float) ->
     rank, world = exchange.rank, exchange.world
     lo, hi = expert_range(model.cfg.n_experts, world, rank)
     reader = expert_reader(model, files, keys)
+    layers = ExpertLayers(reader, model.cfg.expert_spec())  # as stored, where the experts are kept so
     slots: dict[str, torch.Tensor] = {}
     for layer, block in mixture_layers(model):
-        own = [reader.read(layer, e) for e in range(lo, hi)]  # more ranks than experts leave some with none
-        stacks = ExpertTensors.stack(own) if own else ExpertTensors(
-            *(torch.empty((0, *shape[1:]), dtype=model.cfg.dtype) for shape in reader.shapes.values())
-        )
+        stacks = layers.layer(layer, range(lo, hi))  # more ranks than experts leave some with none
         block.mlp.experts.attach_shard(ExpertShard(
             layer, model.cfg.n_experts, stacks.to(device), rank=rank, world=world, exchange=exchange
         ))
-        for name, shape in reader.shapes.items():
-            slots[f"blocks.{layer}.mlp.experts.{name}"] = torch.empty(shape, dtype=model.cfg.dtype, device="meta")
+        slots.update(dense_slots(model, reader, layer))
     return slots

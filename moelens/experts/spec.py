@@ -125,6 +125,9 @@ class ExpertSpec:
     d_expert: int
     activation: GatedActivation = GLU("silu")
     bias: bool = False  # b_gate_up [E, 2I] and b_down [E, H]
+    # None: the stacks are dense tensors of the model's dtype. "fp8" / "mxfp4": kept as the checkpoint stores
+    # them (moelens.experts.stored.StoredExperts) and dequantized, by the load's own function, when routed to
+    storage: str | None = None
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -137,18 +140,34 @@ class ExpertSpec:
         return {name: all_shapes[name] for name in self.param_names}
 
     def expert_nbytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one expert's tensors in `dtype` (dense storage)."""
+        """Bytes of one expert's tensors in `dtype` (dense; StoredExperts.nbytes counts stored ones)."""
         per_expert = sum(torch.Size(shape[1:]).numel() for shape in self.shapes().values())
         return per_expert * torch.empty((), dtype=dtype).element_size()
 
     @property
     def fused_by_triton(self) -> bool:
-        """Whether the Triton kernels compute this expert: SiLU(gate) * up, no biases."""
-        return self.activation.silu_glu and not self.bias
+        """Whether the Triton kernels compute this expert: SiLU(gate) * up, no biases, dense weights."""
+        return self.triton_refusal() is None
+
+    def triton_refusal(self) -> str | None:
+        """Why experts_backend='triton' cannot compute these experts (None: it can), for the error message."""
+        if self.storage is not None:
+            return (
+                f"experts_backend='triton' reads dense expert weights; this model's experts are {self.describe()}, "
+                "and the kernels do not dequantize yet: use experts_backend='torch' or 'auto', or load without "
+                "expert_storage"
+            )
+        if not self.activation.silu_glu or self.bias:
+            return (
+                f"experts_backend='triton' computes SiLU(gate) * up without biases; this model's experts are "
+                f"{self.describe()}: use experts_backend='torch' or 'auto'"
+            )
+        return None
 
     def describe(self) -> str:
         bias = " with biases" if self.bias else ""
-        return f"{self.n_experts} experts of width {self.d_expert}{bias}, neurons {self.activation.formula}"
+        kept = "" if self.storage is None else f", kept {self.storage} as stored and dequantized when routed to"
+        return f"{self.n_experts} experts of width {self.d_expert}{bias}, neurons {self.activation.formula}{kept}"
 
 
 def gather_rows(bias: Float[torch.Tensor, "E n"], experts: Int[torch.Tensor, "S"]) -> Float[torch.Tensor, "S n"]:

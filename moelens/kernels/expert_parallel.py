@@ -31,6 +31,7 @@ import torch.distributed as dist
 from jaxtyping import Float, Int
 
 from moelens.experts.spec import ExpertSpec, ExpertTensors
+from moelens.experts.stored import StoredExperts
 from moelens.kernels.experts import ExpertHooks, check_indices, grouped_linear, routed_experts_torch
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -280,21 +281,27 @@ class _Gathered(torch.autograd.Function):
 
 class ExpertShard:
     """One mixture layer's routed experts on this rank: experts [lo, hi) of n_experts, their tensors stacked
-    (ExpertTensors: gate_up [hi-lo, 2I, H], down [hi-lo, H, I], biases where the spec has them) on the
-    compute device; exchanges through `exchange` (shared by the model's layers), or the default group
-    without checks or timeout when None."""
+    (ExpertTensors: gate_up [hi-lo, 2I, H], down [hi-lo, H, I], biases where the spec has them; or
+    StoredExperts, kept as the checkpoint stores them, of which each call dequantizes the experts its slots
+    route to) on the compute device; exchanges through `exchange` (shared by the model's layers), or the
+    default group without checks or timeout when None."""
 
     def __init__(
-        self, layer: int, n_experts: int, tensors: ExpertTensors, rank: int, world: int, group=None,
+        self, layer: int, n_experts: int, tensors: ExpertTensors | StoredExperts, rank: int, world: int, group=None,
         exchange: ExpertExchange | None = None,
     ) -> None:
         self.layer, self.n_experts, self.rank, self.world, self.group = layer, n_experts, rank, world, group
         self.exchange = exchange
         self.bounds = [expert_range(n_experts, world, r) for r in range(world)]
         self.lo, self.hi = self.bounds[rank]
-        if any(t.shape[0] != self.hi - self.lo for t in tensors.present()):
+        held = tensors.tensors if isinstance(tensors, StoredExperts) else tensors.present()
+        if any(t.shape[0] != self.hi - self.lo for t in held):
             raise ValueError(f"layer {layer}: rank {rank} holds experts [{self.lo}, {self.hi}), got {tensors.n_experts} stacked")
         self.tensors = tensors
+        # this call's dense experts (the held ones, or the routed ones dequantized), and where each held
+        # expert is in them (None: all held, in order)
+        self._local: ExpertTensors | None = None
+        self._position: Int[torch.Tensor, "E_local"] | None = None
         self._call = {"tokens": 0, "hooks": 0}  # this call's, for the fingerprints of its two GEMMs
         self._check_down = True  # whether the down projection's exchange is checked too (see BETWEEN_GEMMS)
 
@@ -312,10 +319,26 @@ class ExpertShard:
             raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
         check_indices(indices, self.n_experts)
         self._call = {"tokens": x.shape[0], "hooks": sum(1 << i for i, s in enumerate(HOOK_SITES) if hooks.hooked(s))}
-        return routed_experts_torch(
-            x, indices, weights, self.tensors, spec.activation, hooks, batch_pos,
-            n_experts=self.n_experts, linear=self.grouped_linear, bias_rows=self.bias_rows,
-        )
+        self._local, self._position = self._dense(indices, x.dtype)
+        try:
+            return routed_experts_torch(
+                x, indices, weights, self._local, spec.activation, hooks, batch_pos,
+                n_experts=self.n_experts, linear=self.grouped_linear, bias_rows=self.bias_rows,
+            )
+        finally:
+            self._local = self._position = None
+
+    def _dense(self, indices: Int[torch.Tensor, "T k"], dtype: torch.dtype) -> tuple[ExpertTensors, torch.Tensor | None]:
+        """(this call's dense experts, each held expert's position in them): the held stacks as they are, or
+        the held experts the slots route to, dequantized (the others' groups are empty, so leaving them out
+        changes no GEMM)."""
+        if not isinstance(self.tensors, StoredExperts):
+            return self.tensors, None
+        routed = torch.bincount(indices.reshape(-1), minlength=self.n_experts)[self.lo : self.hi] > 0
+        used = torch.nonzero(routed).flatten()
+        position = torch.full((self.hi - self.lo,), -1, dtype=torch.long, device=indices.device)
+        position[used] = torch.arange(used.numel(), device=indices.device)
+        return self.tensors.select(used).dequantize(dtype), position
 
     def bias_rows(self, bias: Float[torch.Tensor, "E_local n"], experts: Int[torch.Tensor, "S"]) -> Float[torch.Tensor, "S n"]:
         """Each sorted row's expert's bias (experts: the rows' expert ids, sorted): the owners look up their
@@ -323,7 +346,9 @@ class ExpertShard:
         the rows follow from the tokens per expert, which the gate_up exchange's check has compared."""
         counts = torch.bincount(experts, minlength=self.n_experts).tolist()
         start, end = sum(counts[: self.lo]), sum(counts[: self.hi])
-        gathered = self._gather(bias.index_select(0, experts[start:end] - self.lo), counts, "bias exchange")
+        local = experts[start:end] - self.lo
+        local = local if self._position is None else self._position[local]
+        gathered = self._gather(bias.index_select(0, local), counts, "bias exchange")
         if torch.is_grad_enabled() and bias.requires_grad:
             return _Gathered.apply(bias, bias, gathered)
         return gathered
@@ -332,7 +357,7 @@ class ExpertShard:
         """What this rank is about to compute and exchange for one GEMM (see FIELDS)."""
         return {
             "layer": self.layer,
-            "gemm": 0 if weight is self.tensors.gate_up else 1,
+            "gemm": 0 if weight is self._local.gate_up else 1,
             "tokens": self._call["tokens"],
             "rows": rows.shape[0],
             "n_in": rows.shape[1],
@@ -350,14 +375,15 @@ class ExpertShard:
         """kernels.experts.grouped_linear over all experts (counts has one entry per expert of the layer),
         computed by the owners of the groups and gathered: rows and counts are the same on every rank
         (checked first, when the shard has an exchange)."""
-        what = GEMMS[0] if weight is self.tensors.gate_up else GEMMS[1]
+        what = GEMMS[0] if weight is self._local.gate_up else GEMMS[1]
         if self.exchange is not None and (what == "gate_up" or self._check_down):
             agreed = self.exchange.agree(self.fingerprint(rows, weight, counts), self.layer, what)
             if what == "gate_up":  # every rank saw every rank's hooks: all decide alike
                 self._check_down = any(row["hooks"] & BETWEEN_GEMMS for row in agreed)
         start, end = sum(counts[: self.lo]), sum(counts[: self.hi])
         if end > start:
-            local = grouped_linear(rows[start:end], weight, counts[self.lo : self.hi])
+            held = counts[self.lo : self.hi]  # with dequantized routed experts only, their groups only
+            local = grouped_linear(rows[start:end], weight, held if self._position is None else [n for n in held if n])
         else:  # no slot routed here: grouped_mm is not asked for an empty product
             local = rows.new_empty(0, weight.shape[1])
         gathered = self._gather(local, counts, f"{what} exchange")

@@ -287,6 +287,19 @@ def check_indices(indices: torch.Tensor, n_experts: int, where: str = "routed_ex
         )
 
 
+def routed_subset(indices: Int[torch.Tensor, "T k"], n_experts: int) -> tuple[list[int], Int[torch.Tensor, "T k"]]:
+    """(the experts the slots route to, ascending; the indices renumbered into that list): a stack of just
+    those experts runs the same groups and the same GEMMs as the full one, since renumbering keeps the slots'
+    order by expert."""
+    check_indices(indices, n_experts)
+    used = torch.unique(indices).tolist()
+    renumber = torch.full((n_experts,), -1, dtype=indices.dtype, device=indices.device)
+    renumber[torch.tensor(used, device=indices.device, dtype=torch.long)] = torch.arange(
+        len(used), dtype=indices.dtype, device=indices.device
+    )
+    return used, renumber[indices]
+
+
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["torch", "triton"]:
     if backend not in BACKENDS:
         raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
@@ -330,12 +343,9 @@ def routed_experts(
     """
     check_indices(indices, tensors.n_experts)
     chosen = resolve_backend(backend, x.device)
-    if chosen == "triton" and not spec.fused_by_triton:  # the kernels fuse SiLU(gate) * up, without biases
+    if chosen == "triton" and not spec.fused_by_triton:  # the kernels fuse SiLU(gate) * up on dense weights
         if backend == "triton":
-            raise ValueError(
-                f"experts_backend='triton' computes SiLU(gate) * up without biases; this model's experts are "
-                f"{spec.describe()}: use experts_backend='torch' or 'auto'"
-            )
+            raise ValueError(spec.triton_refusal())
         chosen = "torch"
     if chosen == "triton":
         from moelens.kernels.triton_experts import routed_experts_triton

@@ -27,6 +27,8 @@ import torch
 from jaxtyping import Int
 
 from moelens.experts.spec import ExpertTensors
+from moelens.experts.stored import StoredExperts
+from moelens.kernels.experts import routed_subset
 
 # one expert's tensors without the expert axis, in its ExpertSpec's parameter order (gate_up [2I, H], down
 # [H, I], then the biases where the spec has them)
@@ -246,12 +248,16 @@ class Prefetcher:
 
 class OffloadedExperts:
     """One mixture layer's routed experts, held by `source` (expert id -> its weights, anywhere) and fetched
-    through the model's shared ExpertCache."""
+    through the model's shared ExpertCache. stack: the fetched experts' tensors -> their stacks (dense
+    ExpertTensors, or StoredExperts where the experts are kept as stored: the cache then holds and moves the
+    stored bytes, and the layer dequantizes what it fetched)."""
 
     def __init__(
-        self, layer: int, n_experts: int, source: Callable[[int], ExpertWeights], cache: ExpertCache, device: torch.device, where: str
+        self, layer: int, n_experts: int, source: Callable[[int], ExpertWeights], cache: ExpertCache, device: torch.device, where: str,
+        stack: Callable[[list[ExpertWeights]], ExpertTensors | StoredExperts] = ExpertTensors.stack,
     ) -> None:
         self.layer, self.n_experts, self.source, self.cache, self.device, self.where = layer, n_experts, source, cache, device, where
+        self.stack = stack
         self.next: OffloadedExperts | None = None  # the layer to prefetch for (prefetch_next)
         self.predict: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -261,19 +267,15 @@ class OffloadedExperts:
 
     def fetch(
         self, indices: Int[torch.Tensor, "T k"], x: torch.Tensor | None = None
-    ) -> tuple[ExpertTensors, Int[torch.Tensor, "T k"]]:
+    ) -> tuple[ExpertTensors | StoredExperts, Int[torch.Tensor, "T k"]]:
         """(the routed experts' tensors, stacked in ascending expert id; the indices renumbered into that
         stack). x: this layer's mixture input, from which the next layer's experts are
         predicted and prefetched where prefetch is on."""
-        used = torch.unique(indices).tolist()  # sorted: renumbering keeps the slots' sort order by expert
+        used, renumbered = routed_subset(indices, self.n_experts)  # sorted: renumbering keeps the slots' order
         self.cache.settle_prefetch(self.layer, used)
         weights = [self.cache.get((self.layer, e), lambda e=e: self.source(e), self.device) for e in used]
-        tensors = ExpertTensors.stack(weights)
+        tensors = self.stack(weights)
         self.cache.trim()  # the stacks hold this layer's working set; the cache keeps what fits
         if x is not None and self.next is not None and self.cache.prefetcher is not None:
             self.cache.prefetcher.submit(PrefetchJob(self.next, x.detach(), self.predict))
-        renumber = torch.full((self.n_experts,), -1, dtype=indices.dtype, device=indices.device)
-        renumber[torch.tensor(used, device=indices.device, dtype=torch.long)] = torch.arange(
-            len(used), dtype=indices.dtype, device=indices.device
-        )
-        return tensors, renumber[indices]
+        return tensors, renumbered

@@ -1,4 +1,5 @@
-"""One routed expert's weights, read from the checkpoint's files when it is needed (expert_offload="disk").
+"""One routed expert's weights, read from the checkpoint's files when it is needed (expert_offload="disk"),
+dequantized into the model's dtype (read) or as the files store them (read_stored, for experts kept stored).
 
 Reads only that expert's bytes: a per-expert tensor whole, or row e of a fused [E, ...] tensor through a
 safetensors slice (a quantized one with its scales, dequantized). Each read opens and closes its file, so no
@@ -22,10 +23,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moelens.experts.stored import StoredPart
 from moelens.loaders.checkpoint import Target
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.safetensors_files import SafetensorsFiles
-
 
 
 def expert_param(target: Target, params: tuple[str, ...]) -> tuple[int, str] | None:
@@ -94,12 +95,46 @@ class ExpertReader:
         dtype, on the CPU: a quantized checkpoint's dequantized from its stored tensors (row `expert` of each,
         where fused), then mapped from the stored layout."""
         out = {param: torch.empty(self.shapes[param][1:], dtype=self.dtype) for param in self.params}
-        wanted = [
+        wanted = self._wanted(layer, expert)
+        tensors = self._read(layer, expert, wanted)
+        for key, param, target in wanted:
+            if target.stored is None:
+                tensor = tensors[key]
+            else:
+                tensor = target.stored.dequantize(tuple(tensors[k] for k in target.stored.keys), self.dtype)
+            out[param][target.index[1:]].copy_(target.layout.load(tensor))
+        return tuple(out[param] for param in self.params)
+
+    def stored_parts(self, layer: int, expert: int = 0) -> tuple[StoredPart, ...]:
+        """How one expert's stored tensors (read_stored) fill its parameters: a part per checkpoint tensor, in
+        read_stored's order. The same for every expert of a layer."""
+        return tuple(
+            StoredPart(
+                param, target.index[1:], None if target.stored is None else target.stored.format, target.layout,
+                1 if target.stored is None else len(target.stored.keys),
+            )
+            for _, param, target in self._wanted(layer, expert)
+        )
+
+    def read_stored(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        """One expert's tensors as the files store them (fp8 codes and their scales, MXFP4 blocks and scales,
+        a dense tensor in its stored dtype; row `expert` of each, where fused), on the CPU, flat in the order
+        of stored_parts(layer): nothing dequantized, cast or re-laid out."""
+        wanted = self._wanted(layer, expert)
+        tensors = self._read(layer, expert, wanted)
+        return tuple(tensors[k] for key, _, target in wanted for k in (target.stored.keys if target.stored else (key,)))
+
+    def _wanted(self, layer: int, expert: int) -> list[tuple[str, str, Target]]:
+        """(key, parameter, target) of every checkpoint tensor that holds part of the expert, in parameter order."""
+        return [
             (key, param, target)
             for param in self.params
             for key, target in self.sources[layer, param]
             if target.index == () or target.index[0] == expert
         ]
+
+    def _read(self, layer: int, expert: int, wanted: list[tuple[str, str, Target]]) -> dict[str, torch.Tensor]:
+        """Every stored tensor of `wanted` (row `expert` of a fused stack's), by key, each file checked unchanged."""
         sliced: dict[str, bool] = {}  # every stored tensor to read -> whether it is a fused stack's (read row `expert`)
         for key, _, target in wanted:
             sliced.update({k: target.index == () for k in (target.stored.keys if target.stored else (key,))})
@@ -120,13 +155,7 @@ class ExpertReader:
             except Exception as err:  # safetensors' own error types: a truncated file, a key no longer there, ...
                 raise CheckpointError(f"{path}: cannot read expert {expert} of layer {layer} from it ({err})") from err
             self.check_unchanged(path)  # not rewritten while it was being read
-        for key, param, target in wanted:
-            if target.stored is None:
-                tensor = tensors[key]
-            else:
-                tensor = target.stored.dequantize(tuple(tensors[k] for k in target.stored.keys), self.dtype)
-            out[param][target.index[1:]].copy_(target.layout.load(tensor))
-        return tuple(out[param] for param in self.params)
+        return tensors
 
     def _check_header(self, path: Path, key: str, dtype: str, shape: tuple[int, ...]) -> None:
         loaded = self.files.dtypes[key], self.files.shapes[key]

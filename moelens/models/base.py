@@ -156,6 +156,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         expert_parallel: bool = False,
         expert_prefetch: bool | None = None,
         expert_parallel_timeout: float | None = None,
+        expert_storage: Literal["fp8", "mxfp4", "dense"] | None = None,
         plan_batch: int | None = None,
         plan_seq: int | None = None,
         **from_pretrained_kwargs,
@@ -235,6 +236,13 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         expert exchange is checked first, and a difference is an ExpertParallelError on every rank naming it.
         expert_parallel_timeout: seconds a rank waits for the others at an expert exchange before raising
         ExpertParallelError naming the layer (None: 300; torch's own default would be 30 minutes).
+        expert_storage: None (or "dense"): a quantized checkpoint's experts are dequantized at load. "fp8" /
+        "mxfp4": every mixture layer's routed experts stay as the checkpoint stores them (fp8 codes and block
+        scales; MXFP4 blocks and scales) and each routed expert is dequantized when a forward uses it, by the
+        load's own function, so logits and every hook are bit for bit those of dequantizing at load. With
+        expert_offload the cache holds and moves the stored bytes; with expert_parallel each rank holds its
+        experts as stored. experts.tensors() returns dequantized copies; refused with fold_ln, with
+        experts_backend="triton" ("auto" takes the torch path), and for a checkpoint not stored that way.
         """
         options = load_options(  # every argument checked here, before anything is read
             model_name, fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
@@ -246,6 +254,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             device_map=device_map, max_memory=max_memory, check_finite=check_finite, expert_offload=expert_offload,
             expert_cache_bytes=expert_cache_bytes, expert_parallel=expert_parallel, expert_prefetch=expert_prefetch,
             plan_batch=plan_batch, plan_seq=plan_seq, expert_parallel_timeout=expert_parallel_timeout,
+            expert_storage=expert_storage,
             **from_pretrained_kwargs,
         )
         model = pretrained.load(cls, options)
@@ -467,10 +476,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
         experts = [block.mlp.experts for block in self.blocks if block.is_moe]
         if backend == "triton" and experts and not experts[0].spec.fused_by_triton:
-            raise ValueError(
-                f"experts_backend='triton' computes SiLU(gate) * up without biases; this model's experts are "
-                f"{experts[0].spec.describe()}: use experts_backend='torch' or 'auto'"
-            )
+            raise ValueError(experts[0].spec.triton_refusal())
         for module in experts:
             module.backend = backend
 

@@ -50,7 +50,10 @@ class GptOssConfig(MoeConfig):
     mxfp4_experts: bool = False
 
     def expert_spec(self) -> ExpertSpec:
-        return ExpertSpec(self.n_experts, self.d_model, self.d_expert, ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit), bias=True)
+        return ExpertSpec(
+            self.n_experts, self.d_model, self.d_expert, ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit), bias=True,
+            storage=self.expert_storage,
+        )
 
 
 class SinkAttention(SlidingWindowAttention):

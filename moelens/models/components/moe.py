@@ -10,10 +10,11 @@ from torch import nn
 
 from moelens.config import MoeConfig
 from moelens.experts.spec import ExpertTensors
+from moelens.experts.stored import StoredExperts
 from moelens.hooks import HookPoint
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.expert_parallel import ExpertShard
-from moelens.kernels.experts import VIEW_SITES, ExpertViewPoint, ViewGroup, check_indices
+from moelens.kernels.experts import VIEW_SITES, ExpertViewPoint, ViewGroup, check_indices, routed_subset
 from moelens.kernels.offload import OffloadedExperts
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.router import TopKRouter
@@ -46,6 +47,12 @@ class Experts(nn.Module):
     Offloaded and sharded experts are not parameters of the model (model.to() and state_dict() do not see
     them); tensors() reads the stacks wherever they are readable and says why where they are not.
 
+    Where the spec has a storage (cfg.expert_storage: "fp8", "mxfp4"), the experts are kept as the checkpoint
+    stores them (moelens.experts.stored.StoredExperts: resident in `stored`, or in the store or shard) and a
+    forward dequantizes the routed ones only, into its input's dtype; tensors() then returns dequantized
+    copies. Resident stored experts are not parameters or buffers either (state_dict() does not see them);
+    model.to(device) moves them, model.to(dtype) changes the dtype they are dequantized to, never them.
+
     Children "0" .. "E-1" hold each expert's TransformerLens sites (ExpertSites): blocks.L.mlp.experts.E.hook_*."""
 
     def __init__(self, cfg: MoeConfig) -> None:
@@ -53,12 +60,16 @@ class Experts(nn.Module):
         self.spec = cfg.expert_spec()
         self.n_experts, self.d_expert = self.spec.n_experts, self.spec.d_expert
         self.placement = cfg.expert_placement
-        if self.placement == "resident":
+        if self.spec.storage != cfg.expert_storage:  # a family's expert_spec() must pass it on
+            raise ValueError(f"{type(cfg).__name__}.expert_spec() has storage {self.spec.storage!r}, cfg.expert_storage is {cfg.expert_storage!r}")
+        if self.placement == "resident" and self.spec.storage is None:
             for name, shape in self.spec.shapes().items():
                 self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+        self.stored: StoredExperts | None = None  # resident experts kept as stored: attach_stored()
+        self.dtype = cfg.dtype  # what tensors() dequantizes stored experts to; follows model.to()
         self.backend = "auto"  # "torch" | "triton" | "auto"; see moelens.kernels
         self.store: OffloadedExperts | None = None  # placement "offloaded": attach_store()
-        self.host: ExpertTensors | None = None  # placement "offloaded" to host memory: the full stacks
+        self.host: ExpertTensors | StoredExperts | None = None  # placement "offloaded" to host memory: the full stacks
         self.shard: ExpertShard | None = None  # placement "sharded": attach_shard()
         self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
         self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
@@ -67,7 +78,14 @@ class Experts(nn.Module):
         for e in range(cfg.n_experts):
             self.add_module(str(e), ExpertSites(self.views, e))
 
-    def attach_store(self, store: OffloadedExperts, host: ExpertTensors | None = None) -> None:
+    def attach_stored(self, stored: StoredExperts) -> None:
+        """Placement "resident" with a storage: the layer's experts as stored."""
+        self._expect("resident")
+        if self.spec.storage is None or stored.n_experts != self.n_experts:
+            raise ValueError(f"these experts are {self.spec.describe()}; got {stored!r}")
+        self.stored = stored
+
+    def attach_store(self, store: OffloadedExperts, host: ExpertTensors | StoredExperts | None = None) -> None:
         """Placement "offloaded": the store the forward fetches routed experts from. host: the full stacks where
         they stay readable (host memory), None when they live only on disk."""
         self._expect("offloaded")
@@ -83,7 +101,12 @@ class Experts(nn.Module):
             raise ValueError(f"these experts were built {self.placement}, not {placement}")
 
     def tensors(self) -> ExpertTensors:
-        """All of the layer's stacked experts, in the spec's parameter order."""
+        """All of the layer's stacked experts, in the spec's parameter order: the parameters themselves, or,
+        for experts kept as stored, a dequantized copy (editing it does not change the model)."""
+        if self.placement == "resident" and self.spec.storage is not None:
+            if self.stored is None:
+                raise ValueError("these experts are kept as stored and none are attached yet (a model on device='meta')")
+            return self.stored.dequantize(self.dtype)
         if self.placement == "resident":
             return ExpertTensors(*(getattr(self, name) for name in self.spec.param_names))
         if self.placement == "sharded":
@@ -97,12 +120,12 @@ class Experts(nn.Module):
                 "this model's routed experts are offloaded to disk and are not held in memory; read one expert with "
                 ".store.source(expert) or load with expert_offload='cpu' (or none)"
             )
-        return self.host
+        return self.host.dequantize(self.dtype) if isinstance(self.host, StoredExperts) else self.host
 
     def stacks_held_elsewhere(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The full stacks, as meta tensors of the spec's shapes, where they are not this module's parameters
-        (offloaded or sharded experts): what loading checks and fills and what a plan counts. Empty when resident."""
-        if self.placement == "resident":
+        """The full stacks, as meta tensors of the spec's (dequantized) shapes, where they are not this module's
+        parameters (offloaded, sharded or kept stored): what loading checks and fills and what a plan counts."""
+        if dict(self.named_parameters(recurse=False)):
             return {}
         return {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in self.spec.shapes().items()}
 
@@ -115,12 +138,28 @@ class Experts(nn.Module):
             return self.shard(x, indices, weights, self.spec, hooks, batch_pos, self.backend)
         if self.placement == "offloaded":  # the routed experts only, with the ids renumbered into their stack
             tensors, indices = self.store.fetch(indices, x)
+        elif self.stored is not None:  # likewise: only the routed experts are dequantized
+            used, indices = routed_subset(indices, self.n_experts)
+            tensors = self.stored.select(used)
         else:
             tensors = self.tensors()
+        if isinstance(tensors, StoredExperts):
+            tensors = tensors.dequantize(x.dtype)
         return routed_experts(x, indices, weights, tensors, self.spec, hooks, batch_pos, self.backend)
+
+    def _apply(self, fn, recurse: bool = True):
+        # model.to() / .cuda() / .half() ...: stored experts follow the device only (their codes and scales
+        # are never cast); a probe says where and in what dtype the float parameters now are
+        out = super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.stored.device if self.stored is not None else "cpu"))
+        self.dtype = probe.dtype
+        if self.stored is not None and probe.device != self.stored.device:
+            self.stored = self.stored.to(probe.device)
+        return out
 
     def extra_repr(self) -> str:
         where = "" if self.store is None else f", offloaded to {self.store.where}"
+        where += "" if self.stored is None else f", {self.stored.nbytes:,} bytes as stored"
         where += "" if self.shard is None else f", {self.shard}"
         return f"{self.spec.describe()}, backend={self.backend}{where}"
 
