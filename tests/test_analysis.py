@@ -8,7 +8,6 @@ import torch
 from conftest import FAMILIES
 
 from moelens import HookedTransformer
-from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.analysis import (
     ablate_experts,
     ablate_experts_hooks,
@@ -24,6 +23,7 @@ from moelens.analysis import (
     steer_router_hooks,
     top_tokens,
 )
+from moelens.models.gpt_oss import LogitTopKSoftmax
 
 
 def moe_layers(model):
