@@ -1,8 +1,14 @@
-"""moelens: TransformerLens-style hooks, caches and analysis for Mixture-of-Experts language models."""
+"""moelens: TransformerLens-style hooks, caches and analysis for Mixture-of-Experts language models.
 
+TransformerLens code runs with `moelens` in place of `transformer_lens`: HookedTransformer, ActivationCache,
+FactoredMatrix, HookedTransformerConfig (moelens's MoeConfig under TransformerLens's name), and the modules
+hook_points, utils and patching are here under the same names."""
+
+from moelens import hook_points, patching, utils
 from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
-from moelens.hooks import HookedRootModule, HookPoint
+from moelens.factored_matrix import FactoredMatrix
+from moelens.hook_points import HookedRootModule, HookPoint
 from moelens.kernels.expert_parallel import ExpertParallelError
 from moelens.kv_cache import KVCache
 from moelens.loaders import CheckpointError, CheckpointWarning
@@ -21,12 +27,16 @@ from moelens.models import (
     HookedTransformer,
 )
 
+# TransformerLens's name for the config class; see README ("Differences from TransformerLens") for what differs
+HookedTransformerConfig = MoeConfig
+
 __all__ = [
     "ActivationCache",
     "CheckpointError",
     "CheckpointWarning",
     "ExpertParallelError",
     "FAMILIES",
+    "FactoredMatrix",
     "HookPoint",
     "HookedDeepseekV3",
     "HookedGlm4Moe",
@@ -37,10 +47,14 @@ __all__ = [
     "HookedOlmoe",
     "HookedQwen2Moe",
     "HookedQwen3Moe",
-    "HookedSolarOpen",
     "HookedRootModule",
+    "HookedSolarOpen",
     "HookedTransformer",
+    "HookedTransformerConfig",
     "KVCache",
     "MoeConfig",
+    "hook_points",
+    "patching",
+    "utils",
 ]
 __version__ = "0.1.0"

@@ -13,6 +13,15 @@ As in TransformerLens, the stacking methods (accumulated_resid, decompose_resid,
 get_full_resid_decomposition) default to apply_ln=False, and logit_attrs ALWAYS applies the final norm's cached
 scale itself (apply_ln_to_stack(layer=-1)): pass it an un-normalised stack (apply_ln=False), or the scale is
 applied twice. logit_attrs therefore needs ln_final.hook_scale in the cache (MissingHooksError otherwise).
+
+The logit lens is the exception, as in TransformerLens 3: apply_ln_to_stack(recompute_ln=True) (and
+accumulated_resid(apply_ln=True) up to the final stream, which uses it) puts each component through the final
+norm itself, its own RMS and the norm's weight: what the model would output if that component were the
+final stream, so `stack @ model.W_U` is that stream's logits.
+
+project_output_onto (get_neuron_results, stack_neuron_results, get_full_resid_decomposition): a [d_model] or
+[d_model, n_outputs] matrix that every component is multiplied by, folded into the weights before the
+per-neuron expansion, so the [..., neurons, d_model] tensor is never built; a [d_model] one drops the last axis.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ if TYPE_CHECKING:
     from moelens.models.base import HookedTransformer
 
 PosSlice = int | slice | tuple | list | torch.Tensor | None
+Projection = Float[torch.Tensor, "d_model"] | Float[torch.Tensor, "d_model n_outputs"] | None
 Tokens = int | str | Int[torch.Tensor, "..."]
 Stack = Float[torch.Tensor, "component *batch_and_pos d_model"]
 
@@ -90,8 +100,10 @@ class CacheAnalysis:
     ) -> Stack | tuple[Stack, list[str]]:
         """The residual stream entering each block up to `layer` (labels "0_pre", "0_mid", ..., and
         "final_post" when layer is None / -1 / n_layers), as TransformerLens. incl_mid adds each resid_mid;
-        mlp_input adds the resid_mid of `layer` itself. apply_ln divides by the cached scale of the norm that
-        reads the stream at `layer` (ln_final, or that block's ln1 / ln2 with mlp_input), without its weight."""
+        mlp_input adds the resid_mid of `layer` itself. apply_ln, up to the final stream: each stream through
+        the final norm with its own RMS and the norm's weight (apply_ln_to_stack(recompute_ln=True), the logit
+        lens, as TransformerLens 3); up to a block: divided by the cached scale of the norm reading the stream
+        there (that block's ln1, or ln2 with mlp_input), without its weight."""
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
         names, labels = [], []
         for l in range(layer + 1):
@@ -107,7 +119,7 @@ class CacheAnalysis:
         self._require("accumulated_resid", names)
         stack = torch.stack([self._get(name, pos_slice) for name in names])
         if apply_ln:
-            stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice, recompute_ln=layer == n)
         return (stack, labels) if return_labels else stack
 
     def decompose_resid(
@@ -180,6 +192,7 @@ class CacheAnalysis:
         pos_slice: PosSlice = None,
         batch_slice: PosSlice = None,
         has_batch_dim: bool = True,
+        recompute_ln: bool = False,
     ) -> Stack:
         """Divide each component by the RMS its norm computed on the real stream (the cached hook_scale of
         ln_final for layer None / -1 / n_layers, else of block `layer`'s ln1, or ln2 with mlp_input).
@@ -187,14 +200,26 @@ class CacheAnalysis:
         (fold_ln moves it into the next weights; tokens_to_residual_directions includes ln_final's).
         The result is float32 (the scale's dtype) for a lower-precision stack. pos_slice must be the one the
         stack was made with (it is applied to the scale only). batch_slice, as in TransformerLens, is applied
-        to the stack's batch axis (axis 1) when has_batch_dim, and to the scale (an int drops the axis)."""
+        to the stack's batch axis (axis 1) when has_batch_dim, and to the scale (an int drops the axis).
+
+        recompute_ln=True (TransformerLens 3's logit lens; only for the final norm, layer None / -1 /
+        n_layers): each component goes through the final norm on its own, with its own RMS and the norm's
+        weight, in the norm's own arithmetic (float32, cast back before the weight), instead of the cached
+        scale. No cache tensor is read; pos_slice is not needed."""
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
-        name = "ln_final.hook_scale" if layer == n else f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
-        self._require("apply_ln_to_stack", [name])
+        if recompute_ln and layer != n:
+            raise ValueError(
+                f"apply_ln_to_stack(recompute_ln=True) puts components through the final norm: layer must be None, "
+                f"-1 or {n}, got {layer} (for a block's ln1 / ln2, use the cached scale: recompute_ln=False)"
+            )
         if batch_slice is not None and not self.has_batch_dim:
             raise ValueError("apply_ln_to_stack: batch_slice given, but this cache has no batch axis")
         if batch_slice is not None and has_batch_dim:
             residual_stack = slice_pos(residual_stack, batch_slice, 1)
+        if recompute_ln:
+            return self._final_norm(residual_stack)
+        name = "ln_final.hook_scale" if layer == n else f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
+        self._require("apply_ln_to_stack", [name])
         scale = self._get(name, pos_slice)
         if batch_slice is not None:
             scale = slice_pos(scale, batch_slice, 0)
@@ -205,6 +230,14 @@ class CacheAnalysis:
                 "pos_slice the stack was made with"
             )
         return residual_stack / scale
+
+    def _final_norm(self, stack: torch.Tensor) -> torch.Tensor:
+        """ln_final applied to every row of the last axis on its own: weight * x / sqrt(mean(x^2) + eps), in the
+        norm's arithmetic (float32, cast back, then the weight), without running its hooks."""
+        norm = self.model.ln_final
+        x = stack.float()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)).to(stack.dtype)
+        return norm.weight.detach().to(stack.device) * normed
 
     # ---- attention heads ---------------------------------------------------------------------------
     def _head_result(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
@@ -267,16 +300,29 @@ class CacheAnalysis:
             neuron_slice = [neuron_slice]
         return slice_pos(torch.arange(n, device=device), neuron_slice, 0)
 
-    def _dense_neurons(self, l: int, pos_slice: PosSlice, neuron_slice) -> tuple[torch.Tensor, list[int]]:
+    @staticmethod
+    def _writes(post: torch.Tensor, W: torch.Tensor, project: torch.Tensor | None) -> torch.Tensor:
+        """post [..., n] times each neuron's write direction W [d_model, n]: [..., n, d_model], or with a
+        projection P [d_model, o] folded into W first, [..., n, o]."""
+        Wt = W.T.to(post.device, post.dtype)
+        if project is not None:
+            Wt = Wt @ project.to(post.device, post.dtype)
+        return post[..., None] * Wt
+
+    def _dense_neurons(
+        self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """[*batch_and_pos, n, d_model]: each dense-MLP neuron's write (post[i] * W_down[:, i])."""
         self._require(f"the neurons of block {l}", [f"blocks.{l}.mlp.hook_post"])
         post, W = self._get(f"blocks.{l}.mlp.hook_post", pos_slice), self.model.blocks[l].mlp.down_proj.weight
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
             post, W = post.index_select(-1, idx), W.index_select(1, idx.to(W.device))
-        return post[..., None] * W.T.to(post.device, post.dtype), _ids(idx, post.shape[-1])
+        return self._writes(post, W, project), _ids(idx, post.shape[-1])
 
-    def _shared_neurons(self, l: int, pos_slice: PosSlice, neuron_slice) -> tuple[torch.Tensor, list[int]]:
+    def _shared_neurons(
+        self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """[*batch_and_pos, n, d_model]: each shared-expert neuron's write as added (Qwen2-MoE's gate in)."""
         pre, mlp = f"blocks.{l}.mlp", self.model.blocks[l].mlp
         gated = mlp.shared_expert_gated
@@ -288,9 +334,11 @@ class CacheAnalysis:
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
             post, W = post.index_select(-1, idx), W.index_select(1, idx.to(W.device))
-        return post[..., None] * W.T.to(post.device, post.dtype), _ids(idx, post.shape[-1])
+        return self._writes(post, W, project), _ids(idx, post.shape[-1])
 
-    def _slot_neurons(self, l: int, pos_slice: PosSlice, neuron_slice) -> tuple[torch.Tensor, list[int]]:
+    def _slot_neurons(
+        self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """[*batch_and_pos, top_k, n, d_model]: each routing slot's expert neurons, weighted as the
         mixture weighs that slot (weight * post[i] * W_down[expert][:, i])."""
         pre = f"blocks.{l}.mlp"
@@ -303,12 +351,19 @@ class CacheAnalysis:
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
             post, W_down = post.index_select(-1, idx), W_down.index_select(2, idx.to(W_down.device))
-        W_slot = W_down.to(post.device, dtype)[indices]  # [*rest, k, d_model, n]
+        W_rows = W_down.to(post.device, dtype).transpose(-1, -2)  # [E, n, d_model]
+        if project is not None:  # folded in before the gather: [E, n, o]
+            W_rows = W_rows @ project.to(post.device, dtype)
         coef = weights.to(dtype)[..., None] * post.to(dtype)  # [*rest, k, n]
-        return coef[..., None] * W_slot.transpose(-1, -2), _ids(idx, post.shape[-1])
+        return coef[..., None] * W_rows[indices], _ids(idx, post.shape[-1])
 
     def get_neuron_results(
-        self, layer: int, neuron_slice=None, pos_slice: PosSlice = None, shared: bool = False
+        self,
+        layer: int,
+        neuron_slice=None,
+        pos_slice: PosSlice = None,
+        project_output_onto: Projection = None,
+        shared: bool = False,
     ) -> Float[torch.Tensor, "*batch_and_pos neuron d_model"]:
         """TransformerLens's get_neuron_results: what each neuron of block `layer` writes into the stream,
         [*batch_and_pos, n, d_model], not cached. A dense block: its MLP's neurons (post[i] * W_down[:, i]).
@@ -316,7 +371,9 @@ class CacheAnalysis:
         (slot s of a token is the expert hook_expert_indices[..., s] chose; its routing weight is included,
         so summing over slots and neurons gives hook_routed_out); shared=True gives the shared expert's
         neurons instead, [*batch_and_pos, n, d_model] (Qwen2-MoE's sigmoid gate included).
-        neuron_slice selects neurons within each MLP / expert (an int keeps the axis, as [n])."""
+        neuron_slice selects neurons within each MLP / expert (an int keeps the axis, as [n]).
+        project_output_onto: see the module docstring (the last axis becomes n_outputs, or goes)."""
+        project, squeeze = _projection(project_output_onto, self.model.cfg.d_model)
         n = self.model.cfg.n_layers
         if not -n <= layer < n:
             raise ValueError(f"get_neuron_results: layer must be in [0, {n}), got {layer}")
@@ -325,25 +382,29 @@ class CacheAnalysis:
         if shared:
             if not (block.is_moe and block.mlp.has_shared_expert):
                 raise ValueError(f"get_neuron_results(shared=True): block {layer} has no shared expert")
-            return self._shared_neurons(layer, pos_slice, neuron_slice)[0]
-        if block.is_moe:
-            return self._slot_neurons(layer, pos_slice, neuron_slice)[0]
-        return self._dense_neurons(layer, pos_slice, neuron_slice)[0]
+            result = self._shared_neurons(layer, pos_slice, neuron_slice, project)[0]
+        elif block.is_moe:
+            result = self._slot_neurons(layer, pos_slice, neuron_slice, project)[0]
+        else:
+            result = self._dense_neurons(layer, pos_slice, neuron_slice, project)[0]
+        return result.squeeze(-1) if squeeze else result
 
-    def _mlp_neuron_parts(self, l: int, pos_slice: PosSlice, neuron_slice) -> tuple[list[torch.Tensor], list[str]]:
+    def _mlp_neuron_parts(
+        self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], list[str]]:
         """Block l's neurons as components [n, *batch_and_pos, d_model]: a dense block's "L{l}N{i}" (as
         TransformerLens); a mixture's shared expert "L{l}.shared.N{i}", then each routed expert's
         "L{l}.E{e}.N{i}" (zero where a token did not route to e; sums over a token's slots routed to e)."""
         block = self.model.blocks[l]
         if not block.is_moe:
-            stack, ids = self._dense_neurons(l, pos_slice, neuron_slice)
+            stack, ids = self._dense_neurons(l, pos_slice, neuron_slice, project)
             return [stack.movedim(-2, 0)], [f"L{l}N{i}" for i in ids]
         parts, labels = [], []
         if block.mlp.has_shared_expert:
-            stack, ids = self._shared_neurons(l, pos_slice, neuron_slice)
+            stack, ids = self._shared_neurons(l, pos_slice, neuron_slice, project)
             parts.append(stack.movedim(-2, 0))
             labels += [f"L{l}.shared.N{i}" for i in ids]
-        slots, ids = self._slot_neurons(l, pos_slice, neuron_slice)  # [*rest, k, n, d]
+        slots, ids = self._slot_neurons(l, pos_slice, neuron_slice, project)  # [*rest, k, n, d]
         indices = self._get(f"blocks.{l}.mlp.hook_expert_indices", pos_slice)
         onehot = torch.nn.functional.one_hot(indices, self.model.cfg.n_experts).to(slots.dtype)  # [*rest, k, E]
         per_expert = torch.einsum("...knd,...ke->en...d", slots, onehot).flatten(0, 1)
@@ -365,6 +426,7 @@ class CacheAnalysis:
         return_labels: bool = False,
         incl_remainder: bool = False,
         apply_ln: bool = False,
+        project_output_onto: Projection = None,
     ) -> Stack | tuple[Stack, list[str]]:
         """TransformerLens's stack_neuron_results: every neuron's write into the stream for the blocks
         before `layer` (-1 / None: all), [component, *batch_and_pos, d_model]. Dense blocks give
@@ -374,23 +436,27 @@ class CacheAnalysis:
         has n_experts * d_expert rows per mixture layer: memory grows fast (use neuron_slice, pos_slice).
         neuron_slice selects neuron indices within each MLP / expert (an int keeps the axis).
         incl_remainder adds "remainder" (the stream entering `layer` minus the neurons); apply_ln divides
-        by the cached scale of block `layer`'s ln1 (ln_final for the last), as the other stacks."""
+        by the cached scale of block `layer`'s ln1 (ln_final for the last), as the other stacks.
+        project_output_onto: see the module docstring (the remainder is projected too)."""
+        project, squeeze = _projection(project_output_onto, self.model.cfg.d_model)
         layer = self._layer_bound(layer)
         parts, labels = [], []
         for l in range(layer):
-            p, lab = self._mlp_neuron_parts(l, pos_slice, neuron_slice)
+            p, lab = self._mlp_neuron_parts(l, pos_slice, neuron_slice, project)
             parts, labels = parts + p, labels + lab
         if parts:
             stack = _cat_promoted(parts)
         else:
             self._require("stack_neuron_results", [self._resid_name(layer)])
-            stack = self._get(self._resid_name(layer), pos_slice)[None][:0]
+            stack = _project(self._get(self._resid_name(layer), pos_slice), project)[None][:0]
         if incl_remainder:
             self._require("stack_neuron_results(incl_remainder=True)", [self._resid_name(layer)])
-            remainder = self._get(self._resid_name(layer), pos_slice) - stack.sum(0)
+            stream = _project(self._get(self._resid_name(layer), pos_slice), project)
+            remainder = stream - stack.sum(0)
             stack, labels = torch.cat([stack, remainder[None].to(stack.dtype)]), labels + ["remainder"]
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
+        stack = stack.squeeze(-1) if squeeze else stack
         return (stack, labels) if return_labels else stack
 
     # ---- the full decomposition --------------------------------------------------------------------
@@ -433,6 +499,7 @@ class CacheAnalysis:
         apply_ln: bool = False,
         pos_slice: PosSlice = None,
         return_labels: bool = False,
+        project_output_onto: Projection = None,
     ) -> Stack | tuple[Stack, list[str]]:
         """TransformerLens's get_full_resid_decomposition: the stream entering `layer` (None / -1: the final
         stream, resid_post of the last block) as a sum of components, in TransformerLens's order and with its
@@ -452,7 +519,9 @@ class CacheAnalysis:
         sum of its slots routed to e otherwise. expand_neurons=True (the default, as TransformerLens) has
         n_experts * d_expert rows per mixture layer, dense over all experts: for a real model pass
         expand_neurons=False or a pos_slice. Components are in the promoted dtype of the cached tensors;
-        apply_ln: as the other stacks (the cached scale, no weight)."""
+        apply_ln: as the other stacks (the cached scale, no weight). project_output_onto: see the module
+        docstring (folded into the neurons' weights with expand_neurons; every component is projected)."""
+        project, squeeze = _projection(project_output_onto, self.model.cfg.d_model)
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
         if mlp_input and layer == n:
             raise ValueError("mlp_input=True needs a block to input into: layer must be < n_layers")
@@ -461,21 +530,25 @@ class CacheAnalysis:
         self._require(what, ["hook_embed"] + [f"blocks.{l}.attn.hook_z" for l in range(n_attn)
                                                if f"blocks.{l}.attn.hook_result" not in self.cache_dict])
         embed = self._get("hook_embed", pos_slice)[None]
+        bias = self._accumulated_bias(n_attn, embed)
         parts, labels = [], []
         for l in range(n_attn):
             heads = slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0)
-            parts.append(heads)
+            parts.append(_project(heads, project))
             labels += [f"L{l}H{h}" for h in range(heads.shape[0])]
         for l in range(layer):
-            mlp_parts, mlp_labels = (
-                self._mlp_neuron_parts(l, pos_slice, None) if expand_neurons else self._mlp_out_parts(l, pos_slice)
-            )
+            if expand_neurons:
+                mlp_parts, mlp_labels = self._mlp_neuron_parts(l, pos_slice, None, project)
+            else:
+                mlp_parts, mlp_labels = self._mlp_out_parts(l, pos_slice)
+                mlp_parts = [_project(part, project) for part in mlp_parts]
             parts, labels = parts + mlp_parts, labels + mlp_labels
-        parts += [embed, self._accumulated_bias(n_attn, embed)]
+        parts += [_project(embed, project), _project(bias, project)]
         labels += ["embed", "bias"]
         stack = _cat_promoted(parts)
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
+        stack = stack.squeeze(-1) if squeeze else stack
         return (stack, labels) if return_labels else stack
 
     # ---- logit attribution -------------------------------------------------------------------------
@@ -587,7 +660,11 @@ class CacheAnalysis:
         batched = has_batch_dim and self.has_batch_dim and not isinstance(batch_slice, int)
         dirs = self._directions(tokens, incorrect_tokens, pos_slice, scaled.shape[1:-1], batched, batch_slice)
         dtype = torch.promote_types(scaled.dtype, dirs.dtype)
-        return (scaled.to(dtype) * dirs.to(scaled.device, dtype)).sum(-1)
+        # one dot product per component and position, as the notebooks' einsum computes them; the directions
+        # are expanded first, so that every layout of the same tokens gives the same bits
+        scaled = scaled.to(dtype)
+        dirs = torch.broadcast_to(dirs.to(scaled.device, dtype), scaled.shape)
+        return torch.einsum("...d,...d->...", scaled, dirs)
 
     def expert_logit_attribution(
         self,
@@ -617,6 +694,25 @@ class CacheAnalysis:
             per_expert = per_slot.new_zeros(*rest, cfg.n_experts).scatter_add_(-1, indices, per_slot)
             out[l] = per_expert.movedim(-1, 0)
         return out
+
+
+def _projection(project: Projection, d_model: int) -> tuple[torch.Tensor | None, bool]:
+    """project_output_onto as a [d_model, n_outputs] matrix, and whether it was a [d_model] vector (whose
+    output axis is dropped at the end)."""
+    if project is None:
+        return None, False
+    if not isinstance(project, torch.Tensor) or project.dim() not in (1, 2) or project.shape[0] != d_model:
+        shape = tuple(project.shape) if isinstance(project, torch.Tensor) else type(project).__name__
+        raise ValueError(f"project_output_onto must be a [d_model] or [d_model, n_outputs] tensor (d_model {d_model}), got {shape}")
+    return (project[:, None], True) if project.dim() == 1 else (project, False)
+
+
+def _project(x: torch.Tensor, project: torch.Tensor | None) -> torch.Tensor:
+    """x [..., d_model] times the projection [d_model, o] (x itself without one)."""
+    if project is None:
+        return x
+    dtype = torch.promote_types(x.dtype, project.dtype)
+    return x.to(dtype) @ project.to(x.device, dtype)
 
 
 def _ids(index: torch.Tensor | None, n: int) -> list[int]:

@@ -86,15 +86,39 @@ class FactoredMatrix:
         """Frobenius norm of AB per leading index, from the singular values."""
         return self.S.pow(2).sum(-1).sqrt()
 
+    @property
+    def ldim(self) -> int:
+        """m, the number of rows of AB (TransformerLens's name)."""
+        return self.A.shape[-2]
+
+    @property
+    def rdim(self) -> int:
+        """n, the number of columns of AB."""
+        return self.B.shape[-1]
+
+    @property
+    def mdim(self) -> int:
+        """r, the inner (hidden) size: AB's rank is at most r."""
+        return self.A.shape[-1]
+
     def __getitem__(self, index) -> FactoredMatrix:
-        """Index the leading axes only, e.g. model.OV[layer, head]."""
+        """Index the leading axes (model.OV[layer, head]) and then, as TransformerLens, the rows (A's) and the
+        columns (B's): OV[layer, head, :10, :10] keeps the product factored. An int on a leading axis drops it;
+        on the row or column axis it keeps that axis with one entry (the product stays a matrix)."""
         index = index if isinstance(index, tuple) else (index,)
-        if len(index) > len(self.shape) - 2:
-            raise IndexError(f"FactoredMatrix of shape {tuple(self.shape)}: only its leading axes can be indexed")
+        if any(i is Ellipsis or i is None for i in index):
+            raise IndexError("FactoredMatrix indices are ints, slices or index lists per axis (no ... or None)")
+        n_lead = len(self.shape) - 2
+        if len(index) > n_lead + 2:
+            raise IndexError(f"FactoredMatrix of shape {tuple(self.shape)}: too many indices ({len(index)})")
         lead = self.shape[:-2]
         A = self.A.expand(*lead, *self.A.shape[-2:])
         B = self.B.expand(*lead, *self.B.shape[-2:])
-        return FactoredMatrix(A[index], B[index])
+        A, B = A[index[:n_lead]], B[index[:n_lead]]
+        rows, cols = (list(index[n_lead:]) + [slice(None), slice(None)])[:2]
+        A = A[..., _keep_axis(rows, A.shape[-2]), :]
+        B = B[..., _keep_axis(cols, B.shape[-1])]
+        return FactoredMatrix(A, B)
 
     def __matmul__(self, other: torch.Tensor | FactoredMatrix) -> FactoredMatrix:
         if not isinstance(other, FactoredMatrix):
@@ -137,3 +161,13 @@ class FactoredMatrix:
 
     def __repr__(self) -> str:
         return f"FactoredMatrix(shape={tuple(self.shape)}, inner={self.A.shape[-1]})"
+
+
+def _keep_axis(index, size: int):
+    """An index of a matrix axis that keeps the axis: an int i becomes the one-element slice of i."""
+    if isinstance(index, int) and not isinstance(index, bool):
+        if not -size <= index < size:
+            raise IndexError(f"index {index} out of range for a FactoredMatrix axis of size {size}")
+        index %= size
+        return slice(index, index + 1)
+    return index

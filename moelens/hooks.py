@@ -2,15 +2,19 @@
 
 A HookPoint is an identity module placed at a named site. Forward hooks are called as
 ``fn(tensor, hook=hook_point)`` and may return a replacement tensor, which must keep the shape and
-dtype (anything else raises, naming the hook). Backward hooks see the gradient of the site's output.
+dtype (anything else raises, naming the hook). Backward hooks see the gradient of the site's output and may
+return a replacement, bare or as a 1-tuple (grad,) as TransformerLens's do.
 
 The API is TransformerLens's (hook_points.py): add_hook(name_or_filter, hook, dir, is_permanent, level,
 prepend), reset_hooks(clear_contexts, direction, including_permanent, level), remove_all_hook_fns,
 hook_points(), HookPoint.ctx / layer() / add_perma_hook, run_with_hooks and hooks() with clear_contexts,
 run_with_cache with pos_slice and return_cache_object. Hooks run in TransformerLens's order: the order they
-were added (model's and one call's alike), prepended ones first (the last prepended first). Differences, all
-on purpose: the hooks of one call (run_with_hooks, run_with_cache, hooks()) belong to the calling thread and
-are not on the module, so reset_hooks() inside such a call does not remove them; leaving a hooks() block
+were added (model's and one call's alike), prepended ones first (the last prepended first).
+
+The hooks of one call (run_with_hooks, run_with_cache, hooks()) belong to the calling thread, not to the
+module: another thread running the model never sees them. For the calling thread they are hooks like any
+other, as in TransformerLens: HookPoint.fwd_hooks / bwd_hooks list them, and remove_hooks / reset_hooks /
+remove_all_hook_fns called inside the call remove them. Differences, on purpose: leaving a hooks() block
 removes only that block's hooks (TransformerLens also removes any module hook added at the same context
 level, e.g. by an earlier reset_hooks_end=False call); run_with_cache(incl_bwd=True) writes no parameter .grad.
 """
@@ -21,9 +25,10 @@ import contextlib
 import contextvars
 import fnmatch
 import itertools
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Union
 
 import torch
@@ -34,7 +39,7 @@ NameFilter = Union[str, Sequence[str], Callable[[str], bool], None]
 Direction = Literal["fwd", "bwd"]
 Directions = Literal["fwd", "bwd", "both"]
 # TransformerLens's SliceInput: None (all), an int (selects, dropping the axis), a (start, stop[, step]) tuple,
-# a slice, or a list / tensor of indices; a transformer_lens.utils.Slice is unwrapped to its .slice
+# a slice, or a list / tensor / array of indices (or a boolean mask); a Slice object is unwrapped to its .slice
 SliceInput = Union[int, slice, tuple, list, torch.Tensor, None]
 
 
@@ -48,7 +53,10 @@ class Hook:
 
     `active` turns False when the hook is removed: a backward hook registered on a tensor during a forward
     then no longer fires, so removal means the same for both directions. `reads_only` marks moelens's own
-    caching hooks, which never edit the tensor (no defensive copy is made for them)."""
+    caching hooks, which never edit the tensor (no defensive copy is made for them).
+
+    It answers to TransformerLens's LensHandle: is_permanent, context_level, and .hook, the handle (here the
+    record itself) with its registration number .id and .remove()."""
 
     fn: HookFn
     dir: Direction
@@ -57,6 +65,9 @@ class Hook:
     active: bool = True
     level: int | None = None  # the hooks() context level it was added at (TransformerLens's context_level)
     order: int = 0  # position in the run order: appended hooks count up, prepended ones count down
+    # registration number, counting up across all hook points (as torch's RemovableHandle.id)
+    id: int = field(default_factory=lambda: next(_REGISTRATION))
+    point: HookPoint | None = field(default=None, repr=False)  # the HookPoint it was added to, for remove()
 
     def __post_init__(self) -> None:
         if self.order == 0:
@@ -67,11 +78,23 @@ class Hook:
         """TransformerLens's name for `level` (LensHandle.context_level)."""
         return self.level
 
+    @property
+    def hook(self) -> Hook:
+        """TransformerLens's LensHandle.hook (the torch handle, with .id and .remove()): this record."""
+        return self
+
+    def remove(self) -> None:
+        """Remove this one hook (RemovableHandle.remove()); removing it twice does nothing."""
+        self.active = False
+        if self.point is not None:
+            self.point.discard(self)
+
 
 # One run order for all hooks of a HookPoint, the module's and the calls', as TransformerLens's single list of
 # torch hooks: added order, and prepend=True puts a hook before every hook there is (the last prepended first).
 _APPEND_ORDER = itertools.count(1)
 _PREPEND_ORDER = itertools.count(-1, -1)
+_REGISTRATION = itertools.count(1)
 
 
 # Hooks added for one call (run_with_hooks, run_with_cache, model.hooks()) live in the calling thread's
@@ -102,6 +125,19 @@ def unwrap_slice(pos_slice: Any) -> SliceInput:
     return pos_slice
 
 
+def unwrap_cache_slice(pos_slice: Any) -> SliceInput:
+    """run_with_cache's pos_slice, read as TransformerLens's Slice.unwrap reads it: a plain int (or an int-like
+    scalar: numpy integer, 0-d tensor or array) keeps the position axis, as the one-element list [i]; a Slice
+    object is taken as it is (so Slice(i) drops the axis); anything else as unwrap_slice."""
+    if isinstance(pos_slice, bool):
+        raise TypeError(f"a position slice must be an int, slice, tuple, list or tensor, got {pos_slice!r}")
+    if isinstance(pos_slice, numbers.Integral) or (
+        getattr(pos_slice, "ndim", None) == 0 and not hasattr(pos_slice, "apply")
+    ):
+        return [int(pos_slice)]
+    return unwrap_slice(pos_slice)
+
+
 def slice_pos(t: torch.Tensor, pos_slice: SliceInput, dim: int) -> torch.Tensor:
     """TransformerLens's Slice.apply on axis `dim`: None keeps all, an int selects (and drops the axis), a
     tuple is slice(*t), a slice slices, a list / tensor / array of indices gathers."""
@@ -122,7 +158,42 @@ def slice_pos(t: torch.Tensor, pos_slice: SliceInput, dim: int) -> torch.Tensor:
         raise TypeError(
             f"a position slice must be None, an int, slice, tuple, list or tensor of indices, got {type(pos_slice).__name__}"
         ) from None
-    return t.index_select(dim, index.long().flatten())
+    if index.dtype == torch.bool:  # a mask over the axis, as in TransformerLens (numpy indexing)
+        if index.dim() != 1 or index.shape[0] != t.shape[dim]:
+            raise IndexError(f"a boolean slice must have one entry per index of the axis ({t.shape[dim]}), got shape {tuple(index.shape)}")
+        index = index.nonzero().flatten()
+    if index.dim() == 0:  # a 0-d tensor or array is an int: it selects and drops the axis
+        return t.select(dim, int(index))
+    index, size = index.long().flatten(), t.shape[dim]
+    if index.numel() and not (-size <= int(index.min()) and int(index.max()) < size):
+        raise IndexError(f"position indices {index.tolist()} out of range for an axis of size {size}")
+    return t.index_select(dim, index % size if size else index)  # negative indices count from the end
+
+
+class HookPresence:
+    """HookPoint.has_hooks: true while a hook is in effect at its point for the calling thread (module hooks,
+    or hooks of the calls in progress in the thread; a removed one may still count until its call ends, which
+    only costs a look at no hooks), and callable as TransformerLens's has_hooks(dir="both",
+    including_permanent=True, level=None), which looks at exactly the hooks in effect."""
+
+    __slots__ = ("point",)
+
+    def __init__(self, point: HookPoint) -> None:
+        self.point = point
+
+    def __bool__(self) -> bool:
+        return bool(self.point._hooks) or self.point in _CALL_HOOKS.get()
+
+    def __call__(self, dir: Directions = "both", including_permanent: bool = True, level: int | None = None) -> bool:
+        _check_direction(dir, ("fwd", "bwd", "both"), f"has_hooks on {self.point.name}")
+        directions = ("fwd", "bwd") if dir == "both" else (dir,)
+        return any(
+            (including_permanent or not hook.is_permanent) and (level is None or hook.level == level)
+            for d in directions for hook in self.point.hooks_in_effect(d)
+        )
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
 
 
 class HookPoint(nn.Module):
@@ -143,25 +214,31 @@ class HookPoint(nn.Module):
         # free storage for hook functions (TransformerLens's hook.ctx), cleared by clear_context(),
         # reset_hooks() and hooks(clear_contexts=True); shared by every thread
         self.ctx: dict = {}
+        self._presence = HookPresence(self)
 
     @property
     def fwd_hooks(self) -> list[Hook]:
-        """The module's forward hooks in run order, prepended ones first as in TransformerLens (one call's hooks
-        are not here: they belong to its thread)."""
-        return sorted((h for h in self._hooks if h.dir == "fwd"), key=lambda h: h.order)
+        """The forward hooks in effect here for the calling thread, in run order (prepended ones first), as
+        TransformerLens lists them: the module's (add_hook) and those of the calls in progress in this thread
+        (run_with_hooks, run_with_cache, hooks()). Another thread's call hooks are not here."""
+        return self.hooks_in_effect("fwd")
 
     @property
     def bwd_hooks(self) -> list[Hook]:
-        return sorted((h for h in self._hooks if h.dir == "bwd"), key=lambda h: h.order)
+        """The backward hooks in effect here for the calling thread (as fwd_hooks)."""
+        return self.hooks_in_effect("bwd")
 
     def hooks_in_effect(self, dir: Direction) -> list[Hook]:
         """This point's hooks of one direction, the module's and the current call's, in run order."""
-        found = [h for h in (*self._hooks, *_CALL_HOOKS.get().get(self, ())) if h.dir == dir]
+        found = [h for h in (*self._hooks, *_CALL_HOOKS.get().get(self, ())) if h.dir == dir and h.active]
         return sorted(found, key=lambda h: h.order) if len(found) > 1 else found
 
     @property
-    def has_hooks(self) -> bool:
-        return bool(self._hooks) or self in _CALL_HOOKS.get()
+    def has_hooks(self) -> HookPresence:
+        """Whether any hook is in effect here for the calling thread: true or false as it is (read on every
+        site of every forward, so cheap), and callable as TransformerLens's method has_hooks(dir,
+        including_permanent, level)."""
+        return self._presence
 
     @property
     def has_bwd_hooks(self) -> bool:
@@ -182,25 +259,39 @@ class HookPoint(nn.Module):
         if not callable(hook):
             raise TypeError(f"add_hook on {self.name}: hook must be a function fn(tensor, hook), got {type(hook).__name__}")
         order = next(_PREPEND_ORDER) if prepend else next(_APPEND_ORDER)
-        record = Hook(hook, dir, is_permanent, reads_only, level=level, order=order)
+        record = Hook(hook, dir, is_permanent, reads_only, level=level, order=order, point=self)
         self._hooks.append(record)
         return record
+
+    def discard(self, record: Hook) -> None:
+        """Remove one hook record added here (Hook.remove()); one not here is ignored."""
+        record.active = False
+        self._hooks = [h for h in self._hooks if h is not record]
 
     def add_perma_hook(self, hook: HookFn, dir: Direction = "fwd") -> Hook:
         return self.add_hook(hook, dir=dir, is_permanent=True)
 
     def remove_hooks(self, dir: Directions = "fwd", including_permanent: bool = False, level: int | None = None) -> None:
         """Remove this point's hooks of direction `dir` ("fwd" by default, as TransformerLens): the
-        non-permanent ones (of context level `level` only, when given), or all with including_permanent."""
+        non-permanent ones (of context level `level` only, when given), or all with including_permanent.
+        The calling thread's call hooks here (run_with_hooks, hooks(), ...) go too, as in TransformerLens;
+        other threads' stay."""
         _check_direction(dir, ("fwd", "bwd", "both"), f"remove_hooks on {self.name}")
+
+        def gone(hook: Hook) -> bool:
+            removable = including_permanent or (not hook.is_permanent and (level is None or hook.level == level))
+            return dir in ("both", hook.dir) and removable
+
         keep = []
         for hook in self._hooks:
-            gone = including_permanent or (not hook.is_permanent and (level is None or hook.level == level))
-            if dir in ("both", hook.dir) and gone:
+            if gone(hook):
                 hook.active = False
             else:
                 keep.append(hook)
         self._hooks = keep
+        for hook in _CALL_HOOKS.get().get(self, ()):
+            if gone(hook):
+                hook.active = False  # the call's own record: its block ends without it
 
     def clear_context(self) -> None:
         self.ctx = {}
@@ -246,6 +337,8 @@ class HookPoint(nn.Module):
             if not hook.active:  # removed between this forward and the backward
                 return None
             out = hook.fn(grad, hook=self)
+            if isinstance(out, tuple) and len(out) == 1:
+                out = out[0]  # TransformerLens's backward hooks return (grad,), torch's module-hook form
             if out is not None:
                 self._check_replacement(grad, out)
             return out
@@ -429,7 +522,7 @@ class HookedRootModule(nn.Module):
             for direction, names, fn in pairs:
                 for name in names:
                     hp = self.hook_dict[name]
-                    added.append(Hook(fn, direction, reads_only=getattr(fn, "reads_only", False), level=level))
+                    added.append(Hook(fn, direction, reads_only=getattr(fn, "reads_only", False), level=level, point=hp))
                     call_hooks[hp] = (*call_hooks.get(hp, ()), added[-1])
             token = _CALL_HOOKS.set(call_hooks)
             try:
@@ -503,8 +596,9 @@ class HookedRootModule(nn.Module):
         batch axis (batch of one only). pos_slice (TransformerLens's Slice: int, (start, stop[, step]),
         slice, list / tensor of indices): applied to each cached tensor's position axis, the one its layout
         names "pos" (the query axis of hook_attn_scores / hook_pattern, as TransformerLens; per-slot sites
-        [batch pos top_k ...] are sliced on pos, not top_k). An int drops the axis, so the analyses that need
-        whole positions (accumulated_resid, ...) then see sliced tensors.
+        [batch pos top_k ...] are sliced on pos, not top_k). As in TransformerLens (Slice.unwrap), an int
+        keeps the axis with length 1 (pos_slice=-1 caches [batch 1 ...]); a Slice(-1) object drops it. The
+        analyses that need whole positions (accumulated_resid, ...) then see the sliced tensors.
         With incl_bwd=True the output must be a scalar (e.g. return_type="loss"); its gradient with respect
         to each selected site is computed and cached under "<name>_grad" (pos_slice applied too). Only those
         gradients are computed: no parameter's .grad is written (TransformerLens calls .backward()).
@@ -513,7 +607,7 @@ class HookedRootModule(nn.Module):
         """
         store: dict[str, torch.Tensor] = {}
         names = self.resolve_hook_names(names_filter)
-        pos_slice = unwrap_slice(pos_slice)
+        pos_slice = unwrap_cache_slice(pos_slice)
 
         def saver(suffix: str) -> HookFn:
             def save(tensor: torch.Tensor, hook: HookPoint) -> None:

@@ -1,11 +1,21 @@
-"""TransformerLens-style helpers for code written against its `utils` module."""
+"""TransformerLens's `utils` module under moelens's name: get_act_name, Slice, to_numpy, get_corner,
+remove_batch_dim, lm_cross_entropy_loss, lm_accuracy, get_device, tokenize_and_concatenate (needs the
+`datasets` extra), get_attention_mask, test_prompt, and the small checks TransformerLens's tests use
+(is_square, is_lower_triangular, override_or_use_default_value)."""
 
 from __future__ import annotations
 
+import numbers
 import re
+from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
 
+from moelens.factored_matrix import FactoredMatrix
+from moelens.hooks import slice_pos
 from moelens.names import SITES, alias_candidates, site_pattern
 
 # TransformerLens's shorthands, applied before anything else (so TL code gets TL's names).
@@ -199,3 +209,237 @@ def test_prompt(
 
 
 test_prompt.__test__ = False  # its name starts with test_: pytest must not collect it where it is imported
+
+
+# ---- tensors -------------------------------------------------------------------------------------------------
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy array of a tensor (detached, on the CPU; bfloat16, which numpy lacks, as float32), a list,
+    tuple, Python scalar or string; a numpy array comes back as it is (TransformerLens's to_numpy).
+    Anything else is a ValueError naming its type."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    if isinstance(tensor, (list, tuple)):
+        return np.array(tensor)
+    if isinstance(tensor, torch.Tensor):
+        tensor = tensor.detach().cpu()
+        return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+    if isinstance(tensor, (int, float, bool, str)):
+        return np.array(tensor)
+    raise ValueError(f"Input to to_numpy has invalid type: {type(tensor)}")
+
+
+def get_corner(tensor: torch.Tensor | FactoredMatrix, n: int = 3) -> torch.Tensor:
+    """The top-left corner: the first n entries along every axis (TransformerLens's get_corner); for a
+    FactoredMatrix, of its product, computed without forming it."""
+    if isinstance(tensor, FactoredMatrix):
+        return tensor.get_corner(n)
+    return tensor[tuple(slice(n) for _ in range(tensor.ndim))]
+
+
+def remove_batch_dim(tensor: Float[torch.Tensor, "1 ..."]) -> Float[torch.Tensor, "..."]:
+    """The tensor without its first axis when that axis has size 1, else the tensor unchanged
+    (TransformerLens's remove_batch_dim)."""
+    return tensor.squeeze(0) if tensor.shape[0] == 1 else tensor
+
+
+def transpose(tensor: Float[torch.Tensor, "... a b"]) -> Float[torch.Tensor, "... b a"]:
+    """The last two axes swapped, whatever the leading ones (TransformerLens's transpose)."""
+    return tensor.transpose(-1, -2)
+
+
+def is_square(x: torch.Tensor) -> bool:
+    """Whether x is a square matrix (two axes of one size)."""
+    return x.ndim == 2 and x.shape[0] == x.shape[1]
+
+
+def is_lower_triangular(x: torch.Tensor) -> bool:
+    """Whether x is a square matrix with nothing above its diagonal."""
+    return is_square(x) and x.equal(x.tril())
+
+
+def override_or_use_default_value(default_flag: Any, override: Any = None) -> Any:
+    """override, unless it is None: then default_flag (TransformerLens's helper for prepend_bos and the like)."""
+    return default_flag if override is None else override
+
+
+# ---- Slice ---------------------------------------------------------------------------------------------------
+SliceInput = int | tuple | slice | list | torch.Tensor | np.ndarray | None
+
+
+def _as_int(value: Any) -> int | None:
+    """An int-like scalar (int, numpy integer, 0-d integer tensor or array) as an int; None otherwise. A bool
+    is not one (a Python bool keeps TransformerLens's int mode; tensor / array bools are masks)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0 and value.dtype not in (torch.bool, np.bool_):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return None
+        if isinstance(value, np.ndarray) and not np.issubdtype(value.dtype, np.integer):
+            return None
+        return int(value)
+    return None
+
+
+class Slice:
+    """TransformerLens's Slice: one slice of one axis, that can drop the axis (Python's and torch's cannot).
+
+    Modes, by input: an int (or int-like scalar) "int" selects one index and drops the axis; a tuple "slice"
+    is slice(*t) ((k,) is :k, (k, m) is k:m, (k, m, n) is k:m:n); a slice "slice"; a list, tensor or array
+    "array" gathers those indices (a boolean one is a mask); None "identity" keeps everything.
+    Anywhere moelens takes a pos_slice / batch_slice / neuron_slice, a Slice is accepted."""
+
+    slice: int | slice | np.ndarray
+
+    def __init__(self, input_slice: SliceInput = None) -> None:
+        as_int = _as_int(input_slice)
+        if isinstance(input_slice, bool):
+            raise ValueError(f"Invalid input_slice {input_slice!r}: a bool is not an index")
+        if as_int is not None:
+            self.slice, self.mode = as_int, "int"
+        elif isinstance(input_slice, tuple):
+            self.slice, self.mode = slice(*input_slice), "slice"
+        elif isinstance(input_slice, slice):
+            self.slice, self.mode = input_slice, "slice"
+        elif isinstance(input_slice, (list, torch.Tensor, np.ndarray)):
+            self.slice, self.mode = to_numpy(input_slice), "array"
+        elif input_slice is None:
+            self.slice, self.mode = slice(None), "identity"
+        else:
+            raise ValueError(f"Invalid input_slice {input_slice!r}: expected an int, tuple, slice, list, tensor, array or None")
+
+    def apply(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """The tensor with this slice applied to axis `dim` (negative counts from the end)."""
+        return slice_pos(tensor, self.slice, dim)
+
+    def indices(self, max_ctx: int | None = None) -> np.ndarray:
+        """The indices this slice selects from an axis of size max_ctx (needed unless the mode is "int",
+        whose index comes back as array([i]))."""
+        if self.mode == "int":
+            return np.array([self.slice], dtype=np.int64)
+        if max_ctx is None:
+            raise ValueError("max_ctx must be specified if slice is not an integer")
+        return np.arange(max_ctx, dtype=np.int64)[self.slice]
+
+    def __repr__(self) -> str:
+        return f"Slice: {self.slice} Mode: {self.mode} "
+
+    @classmethod
+    def unwrap(cls, slice_input: Slice | SliceInput) -> Slice:
+        """A Slice of slice_input (a Slice as it is); an int (or int-like scalar) becomes [i], so that it
+        keeps the axis, as run_with_cache reads its pos_slice."""
+        if isinstance(slice_input, Slice):
+            return slice_input
+        as_int = _as_int(slice_input)
+        return cls([as_int] if as_int is not None else slice_input)
+
+
+# ---- language-model loss and accuracy ------------------------------------------------------------------------
+def lm_cross_entropy_loss(
+    logits: Float[torch.Tensor, "batch pos d_vocab"],
+    tokens: Int[torch.Tensor, "batch pos"],
+    attention_mask: Int[torch.Tensor, "batch pos"] | Bool[torch.Tensor, "batch pos"] | None = None,
+    per_token: bool = False,
+) -> Float[torch.Tensor, ""] | Float[torch.Tensor, "batch pos_minus_1"]:
+    """Next-token cross-entropy (TransformerLens's lm_cross_entropy_loss): position p's logits predict token
+    p + 1, so the last position's are not used. per_token: the loss at each of the pos - 1 predictions
+    [batch, pos - 1]; else their mean. attention_mask [batch pos] (1 real, 0 padding): a prediction counts
+    only where it and the token it predicts are both real (masked ones are 0 per token and left out of the
+    mean)."""
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"lm_cross_entropy_loss: logits {tuple(logits.shape)} do not match tokens {tuple(tokens.shape)}")
+    log_probs = F.log_softmax(logits, dim=-1)
+    predicted = log_probs[..., :-1, :].gather(dim=-1, index=tokens[..., 1:, None])[..., 0]
+    if attention_mask is not None:
+        if attention_mask.shape != tokens.shape:
+            raise ValueError(
+                f"attention_mask must have the same shape as tokens, got {tuple(attention_mask.shape)} and "
+                f"{tuple(tokens.shape)}"
+            )
+        counted = torch.logical_and(attention_mask[..., :-1].bool(), attention_mask[..., 1:].bool())
+        predicted = predicted.masked_fill(~counted, 0.0)
+        n_tokens = counted.sum()
+    else:
+        n_tokens = predicted.numel()
+    if per_token:
+        return -predicted
+    return -predicted.sum() / n_tokens
+
+
+def lm_accuracy(
+    logits: Float[torch.Tensor, "batch pos d_vocab"], tokens: Int[torch.Tensor, "batch pos"], per_token: bool = False
+) -> Float[torch.Tensor, ""] | Bool[torch.Tensor, "batch pos_minus_1"]:
+    """Top-1 next-token accuracy (TransformerLens's lm_accuracy): per_token, whether position p's argmax is
+    token p + 1 [batch, pos - 1]; else the share of positions where it is."""
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"lm_accuracy: logits {tuple(logits.shape)} do not match tokens {tuple(tokens.shape)}")
+    correct = logits.argmax(dim=-1)[:, :-1] == tokens[:, 1:]
+    return correct if per_token else correct.sum() / correct.numel()
+
+
+# ---- devices and data ----------------------------------------------------------------------------------------
+def get_device() -> str:
+    """"cuda" where a CUDA device is visible, else "cpu" (TransformerLens's get_device; moelens does not pick
+    Apple's "mps" by itself, as TransformerLens does not without its opt-in: pass device="mps" to choose it)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tokenize_and_concatenate(
+    dataset: Any,
+    tokenizer: Any,
+    streaming: bool = False,
+    max_length: int = 1024,
+    column_name: str = "text",
+    add_bos_token: bool = True,
+    num_proc: int | None = 10,
+) -> Any:
+    """TransformerLens's tokenize_and_concatenate: a Hugging Face `datasets` Dataset (or IterableDataset) of
+    texts -> one of token rows "tokens" [max_length] (torch format). Each batch of documents is tokenized
+    without special tokens, joined with the EOS token between documents, and cut into rows of max_length
+    (max_length - 1 and a BOS first with add_bos_token); the tail that does not fill a row is dropped, except
+    that a batch shorter than one row gives one row padded with the pad token. num_proc: processes for
+    `map` (ignored when streaming). Needs the `datasets` package (pip install "moelens[datasets]")."""
+    try:
+        import datasets  # optional: only this function needs it
+    except ImportError:
+        raise ImportError(
+            'tokenize_and_concatenate needs the "datasets" package: pip install "moelens[datasets]"'
+        ) from None
+    if not isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
+        raise TypeError(f"tokenize_and_concatenate takes a datasets.Dataset or IterableDataset, got {type(dataset).__name__}")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenize_and_concatenate: the tokenizer has no EOS token to join documents with")
+    if add_bos_token and tokenizer.bos_token_id is None:
+        raise ValueError("tokenize_and_concatenate(add_bos_token=True): the tokenizer has no BOS token")
+    columns = list(dataset.features) if dataset.features is not None else [column_name]
+    if column_name not in columns:
+        raise KeyError(f"tokenize_and_concatenate: the dataset has no column {column_name!r} (columns: {columns})")
+    dataset = dataset.remove_columns([c for c in columns if c != column_name])
+    seq_len = max_length - 1 if add_bos_token else max_length
+    if seq_len < 1:
+        raise ValueError(f"tokenize_and_concatenate: max_length {max_length} leaves no room for tokens")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def tokenize(examples: dict[str, list[str]]) -> dict[str, np.ndarray]:
+        texts = examples[column_name]
+        if not texts:
+            return {"tokens": np.zeros((0, max_length), dtype=np.int64)}
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        pieces: list[np.ndarray] = []
+        for i, row in enumerate(encoded):
+            pieces.append(np.asarray(row, dtype=np.int64))
+            if i < len(encoded) - 1:
+                pieces.append(np.array([tokenizer.eos_token_id], dtype=np.int64))
+        tokens = np.concatenate(pieces)
+        if len(tokens) < seq_len:  # one short row, padded
+            tokens = np.concatenate([tokens, np.full(seq_len - len(tokens), pad_id, dtype=np.int64)])
+        n_rows = len(tokens) // seq_len
+        rows = tokens[: n_rows * seq_len].reshape(n_rows, seq_len)
+        if add_bos_token:
+            rows = np.concatenate([np.full((n_rows, 1), tokenizer.bos_token_id, dtype=np.int64), rows], axis=1)
+        return {"tokens": rows}
+
+    kwargs = {} if streaming else {"num_proc": num_proc}
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=[column_name], **kwargs)
+    return tokenized.with_format(type="torch")

@@ -163,10 +163,14 @@ def test_accumulated_resid(runs, family):
     assert labels == ["0_pre", "0_mid", "1_pre", "1_mid", "2_pre"]
     close(stack[3], cache["resid_mid", 1], 0)
     assert cache.accumulated_resid(layer=1, mlp_input=True, return_labels=True)[1] == ["0_pre", "1_pre", "1_mid"]
-    # through the final norm: x / rms, times the weight, is the norm's cached output
+    # up to the final stream: each stream through the final norm itself (its own RMS, the norm's weight), the
+    # logit lens: the final stream's is the norm's cached output, an earlier one's the norm applied to it
     stack = cache.accumulated_resid(apply_ln=True, pos_slice=-1)
     assert stack.shape == (n + 1, 2, model.cfg.d_model)
-    close(stack[-1] * model.ln_final.weight, cache["ln_final.hook_normalized"][:, -1])
+    close(stack[-1], cache["ln_final.hook_normalized"][:, -1])
+    resid = cache["resid_pre", 1][:, -1].float()
+    by_hand = model.ln_final.weight * resid / (resid.pow(2).mean(-1, keepdim=True) + model.ln_final.eps).sqrt()
+    close(stack[1], by_hand)
     # and through ln1 of a block
     stack = cache.accumulated_resid(layer=2, apply_ln=True)
     close(stack[-1] * model.blocks[2].ln1.weight, cache["blocks.2.ln1.hook_normalized"])

@@ -307,7 +307,7 @@ def test_dense_mlp_weights_on_a_mixture_say_what_to_use(models):
     mlp = model.blocks[moe_layers(model)[0]].mlp
     for name in ("W_in", "W_out", "W_gate", "b_in", "b_out"):
         assert not hasattr(mlp, name)
-        said = rf"{name}: a mixture layer has no dense MLP {name}; the routed experts.*(experts\.W_|no biases)"
+        said = rf"{name}: a mixture layer has no dense MLP {name}; the routed experts.*(experts\.W_|experts\.b_)"
         with pytest.raises(AttributeError, match=said):
             getattr(mlp, name)
 

@@ -196,7 +196,10 @@ SITES = {  # name -> position axis in its layout (with the batch axis)
 
 
 def by_hand(t, axis, pos_slice):
+    """TransformerLens's run_with_cache slicing (Slice.unwrap): an int keeps the axis, as [i]."""
     index = [slice(None)] * t.dim()
+    if isinstance(pos_slice, int):
+        pos_slice = [pos_slice]
     if isinstance(pos_slice, tuple):
         pos_slice = slice(*pos_slice)
     if isinstance(pos_slice, (list, torch.Tensor)):

@@ -59,6 +59,8 @@ def test_input_to_embed_of_ids(model):
     padded = torch.tensor([[PAD, PAD] + ids("Hi")])
     assert model.input_to_embed(padded)[3] is None  # the tokenizer pads on the right: no mask inferred
     assert model.input_to_embed(padded, padding_side="left")[3].tolist() == [[0, 0, 1, 1]]
+    # left padding with nothing padded: TL returns the mask it inferred, all ones (not None)
+    assert model.input_to_embed(torch.tensor([ids("Hi")]), padding_side="left")[3].tolist() == [[1, 1]]
     model.tokenizer.padding_side = "left"
     assert model.input_to_embed(padded)[3].tolist() == [[0, 0, 1, 1]]
 

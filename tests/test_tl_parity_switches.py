@@ -213,9 +213,14 @@ def test_attn_in_feeds_each_heads_q_k_and_v(load):
 
 
 def test_attn_in_is_refused_with_grouped_kv_heads(load):
+    """TL asserts "Can't use attn_in with GroupedQueryAttention, ...": an AssertionError with its message (and
+    a ValueError), saying why and what to use."""
     model = load("qwen2_moe")  # 4 query heads over 2 kv heads
-    with pytest.raises(ValueError, match=r"set_use_attn_in: .*4 query heads over 2 kv heads.*set_use_split_qkv_input"):
-        model.set_use_attn_in(True)
+    said = r"^Can't use attn_in with GroupedQueryAttention, please use split_qkv_input instead: .*4 query heads over 2 kv heads"
+    for kind in (AssertionError, ValueError):
+        with pytest.raises(kind, match=said):
+            model.set_use_attn_in(True)
+    assert not model.cfg.use_attn_in
 
 
 # ---- use_hook_mlp_in ------------------------------------------------------------------------------------------

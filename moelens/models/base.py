@@ -17,13 +17,15 @@ from torch import nn
 from moelens import families, generation, pretrained
 from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
-from moelens.hooks import HookedRootModule, HookPoint
+from moelens.hook_points import HookedRootModule
+from moelens.hooks import HookPoint
 from moelens.kernels import BACKENDS
 from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
 from moelens.load_options import load_options
 from moelens.models.components import Block, Components, Embed, Rotary
 from moelens.models.components.attention import set_use_attn_result
+from moelens.models.components.embed import Unembed
 from moelens.names import OPTIONAL_SITE_SWITCHES, alias_candidates
 from moelens.positions import check_attention_mask, positions_from_mask
 from moelens.sae import HookedSAEMixin
@@ -39,6 +41,11 @@ ReturnType = Literal["logits", "loss", "both"] | None
 class OptionalHookOffError(KeyError, AssertionError):
     """A hook of TransformerLens's set_use_* switches named while the switch is off: a KeyError as every unknown
     name, and an AssertionError as TransformerLens raises there."""
+
+
+class GroupedQueryAttentionError(ValueError, AssertionError):
+    """set_use_attn_in on grouped-query attention: a ValueError, and an AssertionError as TransformerLens
+    raises there (with its message first)."""
 
 
 def _optional_switch(name: str) -> tuple[str, str] | None:
@@ -72,6 +79,13 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             families.register(cls)
 
     def __init__(self, cfg: MoeConfig, tokenizer: MoeTokenizer | None = None) -> None:
+        if not hasattr(type(self), "components"):  # the base class: only a family's class builds a model
+            family = families.FAMILIES.get(getattr(cfg, "family", None))
+            raise TypeError(
+                f"{type(self).__name__}(cfg) builds no model: load one with HookedTransformer.from_pretrained(...), "
+                f"or build the family's class, {family.__name__ if family else 'HookedQwen2Moe'}(cfg) (its weights "
+                "are then to be loaded)"
+            )
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -81,7 +95,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         components = self.components_for(cfg)
         self.blocks = nn.ModuleList(Block(cfg, layer, components) for layer in range(cfg.n_layers))
         self.ln_final = components.norm(cfg.d_model, cfg.norm_eps)
-        self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
+        self.unembed = Unembed(cfg.d_model, cfg.d_vocab)
         self.hook_logits = HookPoint("batch pos d_vocab", "logits")
         self.tie_weights()
         self.setup()
@@ -452,7 +466,11 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             single_token = int(single_token.item())
         found = (tokens == single_token).nonzero().flatten()
         if found.numel() == 0:
-            raise TokenizationError(f"the token {single_token} does not occur in the input")
+            # TransformerLens's message, word for word (code compares it); the note says which token and input
+            error = TokenizationError("The token does not occur in the prompt")
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(f"token id {single_token} is not among the {tokens.numel()} tokens of the input")
+            raise error
         return int(found[0] if mode == "first" else found[-1])
 
     def tokens_to_residual_directions(
@@ -521,10 +539,10 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         if on:
             self._require_per_head_projections("set_use_attn_in")
             if self.cfg.n_kv_heads != self.cfg.n_heads:
-                raise ValueError(
-                    f"set_use_attn_in: this model groups its {self.cfg.n_heads} query heads over {self.cfg.n_kv_heads} "
-                    "kv heads, so one head's input cannot feed its own key and value (TransformerLens refuses grouped "
-                    "query attention too): use model.set_use_split_qkv_input(True)"
+                raise GroupedQueryAttentionError(
+                    "Can't use attn_in with GroupedQueryAttention, please use split_qkv_input instead: this model "
+                    f"groups its {self.cfg.n_heads} query heads over {self.cfg.n_kv_heads} kv heads, so one head's "
+                    "input cannot feed its own key and value (model.set_use_split_qkv_input(True))"
                 )
         for block in self.blocks:
             block.set_optional_hooks("attn_in", on)
@@ -717,10 +735,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         shortformer_pos_embed is always None). tokens: the ids [batch pos] (text tokenized with prepend_bos and
         padding_side as in to_tokens; ids of shape [pos] get a batch axis). attention_mask: the one given, else
         with left padding (padding_side, else model.tokenizer.padding_side) the mask of the leading pad tokens
-        (a BOS that is the pad token stays real when prepend_bos), else None, as TransformerLens. With
+        (a BOS that is the pad token stays real when prepend_bos; all ones where nothing is padded), else
+        None, as TransformerLens. With
         past_kv_cache: the mask over the cached positions and these (ones where none is known); unlike
         TransformerLens's the cache is not changed here (the forward appends to it)."""
         resid, tokens, mask = self._embed_input(input, prepend_bos, padding_side, attention_mask, past_kv_cache)
+        left = (padding_side or getattr(self.tokenizer, "padding_side", None)) == "left"
+        if mask is None and left:  # TransformerLens returns the mask it inferred, even with no padding
+            mask = torch.ones_like(tokens)
         if past_kv_cache is not None:
             new = mask if mask is not None else torch.ones_like(tokens)
             mask = past_kv_cache.full_mask(check_attention_mask(new, tuple(tokens.shape)).to(self.device))

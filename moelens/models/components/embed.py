@@ -1,4 +1,4 @@
-"""Token embedding: a [d_vocab, d_model] table looked up by id."""
+"""Token embedding, a [d_vocab, d_model] table looked up by id, and the unembedding."""
 
 from __future__ import annotations
 
@@ -16,8 +16,29 @@ class Embed(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
 
+    @property
+    def W_E(self) -> Float[torch.Tensor, "d_vocab d_model"]:
+        """TransformerLens's name for the table (model.embed.W_E)."""
+        return self.weight
+
     def forward(self, tokens: Int[torch.Tensor, "batch pos"]) -> Float[torch.Tensor, "batch pos d_model"]:
         return F.embedding(tokens, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
+
+
+class Unembed(nn.Linear):
+    """The unembedding: a bias-free linear map d_model -> d_vocab (weight [d_vocab, d_model], the checkpoint's
+    layout), with TransformerLens's names model.unembed.W_U [d_model, d_vocab] and b_U (zeros: no bias)."""
+
+    def __init__(self, d_model: int, d_vocab: int) -> None:
+        super().__init__(d_model, d_vocab, bias=False)
+
+    @property
+    def W_U(self) -> Float[torch.Tensor, "d_model d_vocab"]:
+        return self.weight.T
+
+    @property
+    def b_U(self) -> Float[torch.Tensor, "d_vocab"]:
+        return self.weight.new_zeros(self.weight.shape[0])

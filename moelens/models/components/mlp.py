@@ -24,6 +24,29 @@ class GatedMLP(nn.Module):
         if hook_out:
             self.hook_out = HookPoint("batch pos d_model", "shared expert output, ungated")
 
+    # TransformerLens's names of a gated MLP's weights, as [in, out] views of the checkpoint's [out, in] ones
+    @property
+    def W_gate(self) -> Float[torch.Tensor, "d_model d_mlp"]:
+        return self.gate_proj.weight.T
+
+    @property
+    def W_in(self) -> Float[torch.Tensor, "d_model d_mlp"]:
+        return self.up_proj.weight.T
+
+    @property
+    def W_out(self) -> Float[torch.Tensor, "d_mlp d_model"]:
+        return self.down_proj.weight.T
+
+    @property
+    def b_in(self) -> Float[torch.Tensor, "d_mlp"]:
+        """Zeros: the projections have no bias."""
+        return self.up_proj.weight.new_zeros(self.up_proj.weight.shape[0])
+
+    @property
+    def b_out(self) -> Float[torch.Tensor, "d_model"]:
+        """Zeros: the projections have no bias."""
+        return self.down_proj.weight.new_zeros(self.down_proj.weight.shape[0])
+
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         pre = self.hook_pre(self.gate_proj(x))
         pre_linear = self.hook_pre_linear(self.up_proj(x))
