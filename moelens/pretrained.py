@@ -17,12 +17,12 @@ from moelens.families import family_for
 from moelens.fold import untie
 from moelens.kernels.expert_parallel import ExpertShard, expert_range, init_process_group
 from moelens.kernels.offload import ExpertCache, OffloadedExperts
+from moelens.load_options import LoadOptions
 from moelens.loaders import read_config
 from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
 from moelens.loaders.config_sizes import check_raw_sizes, check_sizes
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.expert_reader import EXPERT_PARAMS, ExpertReader
-from moelens.load_options import LoadOptions
 from moelens.loaders.files import brief
 from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.locate import resolve  # also pretrained.resolve, for callers that import it from here

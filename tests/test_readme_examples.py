@@ -24,8 +24,8 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import symtable
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
