@@ -168,9 +168,8 @@ def load_options(
     if expert_offload not in OFFLOAD_MODES:
         raise ValueError(f"expert_offload must be one of {OFFLOAD_MODES}, got {expert_offload!r}")
     if expert_offload and (fold_ln or on_meta):
-        raise ValueError(
-            "expert_offload cannot go with " + ("device='meta'" if on_meta else "fold_ln (it would rewrite the offloaded experts)")
-        )
+        clash = "device='meta'" if on_meta else "fold_ln (it would rewrite the offloaded experts)"
+        raise ValueError(f"expert_offload cannot go with {clash}")
     if expert_cache_bytes is not None:
         expert_cache_bytes = cache_bytes(expert_cache_bytes)
         if not expert_offload:
@@ -178,8 +177,10 @@ def load_options(
     if expert_prefetch and not expert_offload:
         raise ValueError("expert_prefetch loads offloaded experts ahead of their layer: it needs expert_offload")
     if expert_parallel:
-        clash = [name for name, on in [("fold_ln", fold_ln), ("device='meta'", on_meta), ("device_map", device_map is not None),
-                                       ("expert_offload", expert_offload), ("experts_backend='triton'", experts_backend == "triton")] if on]
+        clash = [name for name, on in [
+            ("fold_ln", fold_ln), ("device='meta'", on_meta), ("device_map", device_map is not None),
+            ("expert_offload", expert_offload), ("experts_backend='triton'", experts_backend == "triton"),
+        ] if on]
         if clash:
             raise ValueError(
                 f"expert_parallel cannot go with {', '.join(clash)} yet: each rank holds its experts whole on `device` "

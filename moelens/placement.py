@@ -57,7 +57,8 @@ def check_available(device: torch.device, what: str) -> None:
     count = count_of() if callable(count_of) and callable(available) and available() else 0
     index = device.index or 0
     if index >= count:
-        have = f"{count} {device.type} device(s), {device.type}:0 to {device.type}:{count - 1}" if count else f"no {device.type} device"
+        kind = device.type
+        have = f"{count} {kind} device(s), {kind}:0 to {kind}:{count - 1}" if count else f"no {kind} device"
         raise ValueError(f"{what} = {str(device)!r}: this machine has {have}")
 
 

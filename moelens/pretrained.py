@@ -19,6 +19,7 @@ from moelens.families import family_for
 from moelens.fold import untie
 from moelens.kernels.expert_parallel import ExpertExchange, ExpertShard, expert_range
 from moelens.kernels.offload import ExpertCache, OffloadedExperts
+from moelens.load_options import LoadOptions
 from moelens.loaders import read_config
 from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
 from moelens.loaders.config_sizes import check_raw_sizes, check_sizes

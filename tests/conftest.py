@@ -45,6 +45,17 @@ KERNEL_FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open"]
 BACKEND_CASES = [(f, b) for f in FAMILIES for b in ("torch", "triton") if b == "torch" or f in KERNEL_FAMILIES]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Without a GPU, every test that runs the Triton kernels (its id says triton: the kernel tests, the triton
+    backend cases) runs them in Triton's CPU interpreter, 10 to 90 s each on a 2-core machine: marked slow, so
+    that `pytest -m "not slow"` leaves them out while developing (CI runs everything)."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "triton" in item.nodeid.lower():
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """(family, variant) -> folder, built once per session."""

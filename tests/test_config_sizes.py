@@ -7,8 +7,8 @@ import json
 import shutil
 
 import pytest
-
 import tiny
+
 from moelens import HookedTransformer, defaults, pretrained
 from moelens import plan as plan_module
 from moelens.cli import main

@@ -26,6 +26,8 @@ from moelens.kernels import expert_parallel
 from moelens.kernels.expert_parallel import ExpertParallelError, content_hash, expert_range
 from moelens.loaders.expert_reader import ExpertReader
 
+pytestmark = pytest.mark.slow  # processes of 2 to 4 ranks, each loading every family: a minute or more
+
 CHECKPOINTS = {  # family/variant -> builder; "fused" stores each layer's experts as one [E, ...] tensor
     "qwen2_moe": lambda d: tiny.build_qwen2_moe(d, seed=0),
     "qwen2_moe-fused": lambda d: tiny.fused(tiny.build_qwen2_moe(d, seed=8)),

@@ -52,7 +52,8 @@ def test_the_nearest_embedded_names_are_suggested(hub_calls, name, suggested):
 
 
 def test_a_name_near_no_embedded_default_lists_them(hub_calls):
-    with pytest.raises(FileNotFoundError, match=r"'gpt2' is not .* Hub repo id \(owner/name\); the embedded defaults are tiny-code-moe, "):
+    listed = r"'gpt2' is not .* Hub repo id \(owner/name\); the embedded defaults are tiny-code-moe, "
+    with pytest.raises(FileNotFoundError, match=listed):
         HookedTransformer.from_pretrained("gpt2")
 
 

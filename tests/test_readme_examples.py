@@ -24,8 +24,8 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import symtable
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,12 +164,35 @@ def bound_names(code: str) -> set[str]:
     names = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
-            try:
-                module = importlib.import_module(node.module)
-            except ImportError as err:
-                pytest.skip(f"`from {node.module} import *` needs what is not installed here ({err})")
+            module = import_or_skip(node.module)
             names |= set(getattr(module, "__all__", [n for n in vars(module) if not n.startswith("_")]))
     return names
+
+
+def import_or_skip(name: str):
+    """The module; a skip where it needs a package that is not installed here (an optional extra), but a
+    failure where a moelens module itself is missing (a module README names that moved or was renamed)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] == "moelens":
+            raise AssertionError(f"README imports {name}, which does not exist: {err}") from err
+        pytest.skip(f"{name} needs {err.name}, not installed here (an optional extra)")
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.id)
+def test_what_a_block_imports_from_moelens_exists(block):
+    """Every `from moelens... import name` of every block, run or not, names a module and a name moelens has."""
+    for node in ast.walk(ast.parse(block.code)):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module.split(".")[0] == "moelens":
+            module = import_or_skip(node.module)
+            for alias in node.names:
+                if alias.name != "*" and not hasattr(module, alias.name):
+                    import_or_skip(f"{node.module}.{alias.name}")  # a submodule
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "moelens":
+                    import_or_skip(alias.name)
 
 
 def free_names(code: str) -> set[str]:
