@@ -25,9 +25,8 @@ from moelens.loaders.checkpoint import check_shapes, fill, key_map, slot_map
 from moelens.loaders.config_sizes import check_raw_sizes, check_sizes
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.expert_reader import ExpertReader
-from moelens.loaders.quantized import stored_format
-from moelens.load_options import LoadOptions
 from moelens.loaders.files import brief
+from moelens.loaders.quantized import stored_format
 from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.loaders.stored_experts import ExpertLayers, check_stored_as, stored_layer_bytes, warn_not_finite
 from moelens.locate import resolve  # also pretrained.resolve, for callers that import it from here
