@@ -22,9 +22,11 @@ import argparse
 import ast
 import gzip
 import hashlib
+import importlib.metadata
 import json
 import math
 import platform
+import re
 import sys
 import sysconfig
 import time
@@ -42,7 +44,14 @@ from moelens.loaders.checkpoint import expected_keys
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 SKIPPED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "ensurepip"}
+# test suites, and vendored copies of other packages (a held-out package must not come back through them)
+PACKAGE_SKIPPED_DIRS = {"test", "tests", "_tests", "testing", "__pycache__", "_vendor", "vendor", "vendored",
+                        "_vendored", "extern", "_extern", "_distutils"}
+MAX_FILE_BYTES = 200_000  # larger files are mostly generated tables
+PACKAGE_TRAIN_BYTES = 500_000  # per training package, so that torch or transformers do not dominate
+PACKAGE_EVAL_BYTES = 100_000  # per held-out package evaluated
 HELD_OUT_PYTHON_EVERY = 20
+HELD_OUT_PACKAGE_EVERY = 8
 HELD_OUT_TOPIC_EVERY = 10
 
 CONFIG = {
@@ -80,7 +89,7 @@ CONFIG = {
 @dataclass(frozen=True)
 class Settings:
     seed: int = 0
-    steps: int = 2000
+    steps: int = 800
     batch: int = 16
     seq_len: int = 256
     lr: float = 3e-3
@@ -97,7 +106,12 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
 def python_files(root: Path) -> list[Path]:
+    """The standard library's .py files, test suites, site-packages and build configs left out."""
     files = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -107,14 +121,32 @@ def python_files(root: Path) -> list[Path]:
     return files
 
 
+def hash_int(text: str) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest(), 16)
+
+
 def held_out(rel: str) -> bool:
-    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELD_OUT_PYTHON_EVERY == 0
+    return hash_int(rel) % HELD_OUT_PYTHON_EVERY == 0
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def package_group(name: str) -> str:
+    """Forks published under a numbered name (httpx2 of httpx) share their original's group, so that a held-out
+    package is not trained on through its fork."""
+    return normalized(name).rstrip("0123456789") or normalized(name)
+
+
+def held_out_package(name: str) -> bool:
+    return hash_int(package_group(name)) % HELD_OUT_PACKAGE_EVERY == 0
 
 
 def read_text(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:  # a few stdlib files are in legacy encodings: leave them out, recorded
+    except UnicodeDecodeError:  # some files are in legacy encodings: leave them out, recorded
         return None
 
 
@@ -128,26 +160,94 @@ def topics(root: Path) -> dict[str, str]:
 
 
 @dataclass
+class Package:
+    """One installed distribution's Python: every eligible file (path relative to site-packages, text)."""
+
+    name: str
+    version: str
+    files: list[tuple[str, str]]
+
+    def selection(self, cap: int) -> list[tuple[str, str]]:
+        """Files in the order of a hash of their path, until cap bytes: a deterministic sample of the package
+        that no single package can make large."""
+        chosen, total = [], 0
+        for rel, text in sorted(self.files, key=lambda f: hashlib.sha256(f[0].encode()).hexdigest()):
+            if total >= cap:
+                break
+            chosen.append((rel, text))
+            total += len(text.encode())
+        return chosen
+
+
+def installed_packages(root: Path, left_out: list[str]) -> list[Package]:
+    """Every distribution installed in site-packages (this project excepted) with the .py files its RECORD
+    lists under root: files over MAX_FILE_BYTES, not UTF-8 or blank, in test suites, vendored copies or
+    caches are left out (their paths go to left_out)."""
+    packages: dict[str, Package] = {}
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        name = normalized(dist.metadata["Name"])
+        if name in packages or name == "moelens":
+            continue
+        files = []
+        for entry in sorted(str(f) for f in dist.files or ()):
+            path = (root / entry).resolve()
+            if not entry.endswith(".py") or entry.startswith("..") or not path.is_file():
+                continue
+            rel = Path(entry)
+            if PACKAGE_SKIPPED_DIRS & set(rel.parts[:-1]) or path.stat().st_size > MAX_FILE_BYTES:
+                left_out.append(f"{name}: {entry}")
+                continue
+            text = read_text(path)
+            if text is None or not text.strip():
+                left_out.append(f"{name}: {entry}")
+                continue
+            files.append((rel.as_posix(), text))
+        if files:
+            packages[name] = Package(name, dist.version, files)
+    return [packages[n] for n in sorted(packages)]
+
+
+@dataclass
 class Corpus:
     train: list[tuple[str, str]]  # (name, text)
-    python_eval: list[tuple[str, str]]
+    python_eval: list[tuple[str, str]]  # held-out standard-library files
+    packages_eval: dict[str, list[tuple[str, str]]]  # held-out package -> its evaluated files
     english_eval: list[tuple[str, str]]
+    train_packages: list[Package]
+    held_out_packages: list[Package]
     unreadable: list[str]
+    duplicates: list[str]
 
 
-def corpus(root: Path) -> Corpus:
+def corpus(stdlib: Path, site: Path) -> Corpus:
     train, python_eval, unreadable = [], [], []
-    for path in python_files(root):
-        rel = path.relative_to(root).as_posix()
-        text = read_text(path)
+    for path in python_files(stdlib):
+        rel = path.relative_to(stdlib).as_posix()
+        text = read_text(path) if path.stat().st_size <= MAX_FILE_BYTES else None
         if text is None or not text.strip():
             unreadable.append(rel)
             continue
         (python_eval if held_out(rel) else train).append((rel, text))
+    packages = installed_packages(site, unreadable)
+    train_packages = [p for p in packages if not held_out_package(p.name)]
+    held_packages = [p for p in packages if held_out_package(p.name)]
+    for package in train_packages:
+        train.extend((f"site-packages/{rel}", text) for rel, text in package.selection(PACKAGE_TRAIN_BYTES))
     english_eval = []
-    for i, (name, text) in enumerate(sorted(topics(root).items())):
+    for i, (name, text) in enumerate(sorted(topics(stdlib).items())):
         (english_eval if i % HELD_OUT_TOPIC_EVERY == 0 else train).append((f"pydoc_data/topics.py:{name}", text))
-    return Corpus(train, python_eval, english_eval, unreadable)
+    # a file with the same bytes as a held-out file, or as an earlier training file, is not trained on
+    seen = {sha256(t.encode()) for _, t in python_eval} | {sha256(t.encode()) for p in held_packages for _, t in p.files}
+    kept, duplicates = [], []
+    for name, text in train:
+        digest = sha256(text.encode())
+        if digest in seen:
+            duplicates.append(name)
+        else:
+            seen.add(digest)
+            kept.append((name, text))
+    packages_eval = {p.name: p.selection(PACKAGE_EVAL_BYTES) for p in held_packages}
+    return Corpus(kept, python_eval, packages_eval, english_eval, train_packages, held_packages, unreadable, duplicates)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------
@@ -276,7 +376,7 @@ def train(model, stream: torch.Tensor, s: Settings, log) -> list[dict]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
-        if step % 50 == 0 or step == s.steps - 1:
+        if step % 50 == 0 or step == 20 or step == s.steps - 1:
             row = {"step": step, "loss": round(lm.item(), 4), "aux": round(aux.item(), 4), "seconds": round(time.time() - started, 1)}
             curve.append(row)
             log(row)
@@ -362,6 +462,38 @@ each file), every setting and the loss curve.
 """
 
 
+def python_bytes(docs: list[tuple[str, str]]) -> int:
+    return sum(len(t.encode()) for _, t in docs)
+
+
+def evaluate(model, tok: Tokenizer, data: Corpus, seq_len: int) -> dict:
+    """bits/byte of the model and of gzip -9 on each held-out set: each held-out package, all of them
+    together, the held-out standard-library files and the held-out help topics."""
+    packages = {}
+    for name, docs in data.packages_eval.items():
+        packages[name] = {"files": len(docs), "bytes": python_bytes(docs),
+                          "bpb": bits_per_byte(model, tok, docs, seq_len), "gzip_bpb": gzip_bits_per_byte(docs)}
+        print(json.dumps({name: packages[name]}), flush=True)
+    all_package_docs = [d for docs in data.packages_eval.values() for d in docs]
+    total_bytes = python_bytes(all_package_docs)
+    return {
+        "packages": packages,
+        "packages_files": len(all_package_docs),
+        "packages_bytes": total_bytes,
+        # the pooled figure: every evaluated byte counts once, whichever package it is in
+        "packages_bpb": sum(v["bpb"] * v["bytes"] for v in packages.values()) / total_bytes,
+        "packages_gzip_bpb": gzip_bits_per_byte(all_package_docs),
+        "python_files": len(data.python_eval),
+        "python_bytes": python_bytes(data.python_eval),
+        "python_bpb": bits_per_byte(model, tok, data.python_eval, seq_len),
+        "python_gzip_bpb": gzip_bits_per_byte(data.python_eval),
+        "english_topics": len(data.english_eval),
+        "english_bytes": python_bytes(data.english_eval),
+        "english_bpb": bits_per_byte(model, tok, data.english_eval, seq_len),
+        "english_gzip_bpb": gzip_bits_per_byte(data.english_eval),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint into")
@@ -370,13 +502,15 @@ def main(argv: list[str] | None = None) -> None:
     s = Settings(steps=args.steps)
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
-    root = stdlib_root()
-    data = corpus(root)
-    print(f"{len(data.train)} training documents, {len(data.python_eval)} held-out Python files, "
-          f"{len(data.english_eval)} held-out topics, {len(data.unreadable)} unreadable files left out", flush=True)
+    root, site = stdlib_root(), site_packages()
+    data = corpus(root, site)
+    print(f"{len(data.train)} training documents ({python_bytes(data.train):,} bytes) from the standard library and "
+          f"{len(data.train_packages)} packages; held out: {len(data.python_eval)} standard-library files, "
+          f"{len(data.held_out_packages)} packages ({', '.join(p.name for p in data.held_out_packages)}), "
+          f"{len(data.english_eval)} topics; {len(data.unreadable)} files left out, {len(data.duplicates)} duplicates", flush=True)
     tok = train_tokenizer([t for _, t in data.train], CONFIG["vocab_size"])
     stream = token_stream(tok, [t for _, t in data.train])
-    train_bytes = sum(len(t.encode()) for _, t in data.train)
+    train_bytes = python_bytes(data.train)
     print(f"{len(stream):,} training tokens ({train_bytes / len(stream):.2f} bytes/token)", flush=True)
 
     model = new_model(s.seed)
@@ -385,18 +519,11 @@ def main(argv: list[str] | None = None) -> None:
     curve = train(model, stream, s, lambda row: print(json.dumps(row), flush=True))
     seconds = time.time() - started
 
-    evaluation = {
-        "python_files": len(data.python_eval),
-        "python_bytes": sum(len(t.encode()) for _, t in data.python_eval),
-        "python_bpb": bits_per_byte(model, tok, data.python_eval, s.seq_len),
-        "python_gzip_bpb": gzip_bits_per_byte(data.python_eval),
-        "english_topics": len(data.english_eval),
-        "english_bytes": sum(len(t.encode()) for _, t in data.english_eval),
-        "english_bpb": bits_per_byte(model, tok, data.english_eval, s.seq_len),
-        "english_gzip_bpb": gzip_bits_per_byte(data.english_eval),
-    }
-    print(json.dumps(evaluation), flush=True)
-    python_docs = [n for n, _ in data.train if not n.startswith("pydoc_data/")]
+    evaluation = evaluate(model, tok, data, s.seq_len)
+    print(json.dumps({k: v for k, v in evaluation.items() if k != "packages"}), flush=True)
+    is_stdlib = lambda n: not n.startswith(("pydoc_data/", "site-packages/"))
+    is_package = lambda n: n.startswith("site-packages/")
+    is_english = lambda n: n.startswith("pydoc_data/")
     record = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -413,14 +540,34 @@ def main(argv: list[str] | None = None) -> None:
         "evaluation": evaluation,
         "data": {
             "stdlib": str(root),
-            "train_files": len(python_docs),
-            "train_topics": len(data.train) - len(python_docs),
-            "train_python_bytes": sum(len(t.encode()) for n, t in data.train if not n.startswith("pydoc_data/")),
-            "train_english_bytes": sum(len(t.encode()) for n, t in data.train if n.startswith("pydoc_data/")),
+            "site_packages": str(site),
+            "rules": {
+                "held_out_stdlib": f"sha256 of the path relative to the standard library, as an integer, % {HELD_OUT_PYTHON_EVERY} == 0",
+                "held_out_packages": f"sha256 of the package group (the normalized distribution name, trailing digits removed) % {HELD_OUT_PACKAGE_EVERY} == 0",
+                "held_out_english": f"every {HELD_OUT_TOPIC_EVERY}th pydoc topic by name, from the first",
+                "package_train_bytes": PACKAGE_TRAIN_BYTES,
+                "package_eval_bytes": PACKAGE_EVAL_BYTES,
+                "max_file_bytes": MAX_FILE_BYTES,
+                "package_skipped_dirs": sorted(PACKAGE_SKIPPED_DIRS),
+                "stdlib_skipped_dirs": sorted(SKIPPED_DIRS),
+            },
+            "train_files": sum(is_stdlib(n) for n, _ in data.train),
+            "train_package_files": sum(is_package(n) for n, _ in data.train),
+            "train_topics": sum(is_english(n) for n, _ in data.train),
+            "train_python_bytes": sum(len(t.encode()) for n, t in data.train if is_stdlib(n)),
+            "train_package_bytes": sum(len(t.encode()) for n, t in data.train if is_package(n)),
+            "train_english_bytes": sum(len(t.encode()) for n, t in data.train if is_english(n)),
+            "train_packages": {p.name: p.version for p in data.train_packages},
             "train": {n: sha256(t.encode()) for n, t in data.train},
             "held_out_python": {n: sha256(t.encode()) for n, t in data.python_eval},
+            "held_out_packages": {
+                p.name: {"version": p.version, "files": {rel: sha256(t.encode()) for rel, t in p.files},
+                         "evaluated": [rel for rel, _ in data.packages_eval[p.name]]}
+                for p in data.held_out_packages
+            },
             "held_out_english": {n: sha256(t.encode()) for n, t in data.english_eval},
-            "left_out_unreadable": data.unreadable,
+            "left_out": data.unreadable,
+            "left_out_duplicates": data.duplicates,
         },
         "files": {},
     }
