@@ -89,12 +89,12 @@ CONFIG = {
 @dataclass(frozen=True)
 class Settings:
     seed: int = 0
-    steps: int = 800
+    steps: int = 500
     batch: int = 16
     seq_len: int = 256
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 150
+    warmup: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     aux_loss_coef: float = 0.01  # Switch-style load balancing over the mixture blocks, as transformers' Qwen2-MoE
@@ -426,12 +426,18 @@ def write(out: Path, model, tok: Tokenizer, record: dict) -> None:
 
 
 def model_card(r: dict) -> str:
-    e, s, c = r["evaluation"], r["settings"], r["config"]
+    e, s, c, d = r["evaluation"], r["settings"], r["config"], r["data"]
+    package_rows = "\n".join(
+        f"| {name} {d['held_out_packages'][name]['version']} | {v['files']} | {v['bytes']:,} | {v['bpb']:.3f} | {v['gzip_bpb']:.3f} |"
+        for name, v in e["packages"].items()
+    )
+    trained_on = ", ".join(f"{n} {v}" for n, v in d["train_packages"].items())
     return f"""# tiny-code-moe
 
 A {r['parameters']:,}-parameter Qwen2-MoE-family model (model_type `qwen2_moe`), trained by
-`tools/train_tiny_moe.py` on the standard library of Python {r['python']}. It is moelens's trained
-embedded default, so that `moelens inspect` and `moelens trace` show routing that means something.
+`tools/train_tiny_moe.py` on Python's standard library ({r['python']}) and the Python of
+{len(d['train_packages'])} installed packages. It is moelens's trained embedded default, so that
+`moelens inspect` and `moelens trace` show routing that means something.
 
 - **Architecture.** {c['num_hidden_layers']} blocks, d_model {c['hidden_size']}, {c['num_attention_heads']} heads
   ({c['num_key_value_heads']} key/value heads). Block 0 is dense (width {c['intermediate_size']}). Blocks 1 to
@@ -439,26 +445,46 @@ embedded default, so that `moelens inspect` and `moelens trace` show routing tha
   top-{c['num_experts_per_tok']}) plus a sigmoid-gated shared expert (width {c['shared_expert_intermediate_size']}).
   Embeddings are tied; weights are float32.
 - **Tokenizer.** Byte-level BPE with {c['vocab_size']} tokens, trained by the same script on the training
-  text (`tokenizers`). `{EOS}` (id 0) starts every document; `{PAD}` is id 1.
+  text only (`tokenizers`). `{EOS}` (id 0) starts every document; `{PAD}` is id 1.
   sha256 of tokenizer.json: `{r['tokenizer_sha256']}`.
-- **Training.** {s['steps']} steps of {s['batch']} x {s['seq_len']} tokens ({s['steps'] * s['batch'] * s['seq_len']:,} tokens).
+- **Training.** {s['steps']} steps of {s['batch']} x {s['seq_len']} tokens ({s['steps'] * s['batch'] * s['seq_len']:,} tokens,
+  {s['steps'] * s['batch'] * s['seq_len'] / r['training_tokens']:.2f} of a pass over the {r['training_tokens']:,} training tokens).
   AdamW: lr {s['lr']}, warmup {s['warmup']} steps, cosine decay to {s['min_lr_ratio']} of the peak, weight decay
   {s['weight_decay']}. Load-balancing loss weight {s['aux_loss_coef']}. Seed {s['seed']}.
   Run with torch {r['torch']} on {s['threads']} CPU thread(s) ({r['machine']}) in {r['training_seconds']:.0f} s.
   Training loss on the last batch: {r['curve'][-1]['loss']} nats/token; its load balance {r['curve'][-1]['aux']} (1.0 is perfectly even).
-- **Training text.** {r['data']['train_files']} standard-library .py files ({r['data']['train_python_bytes']:,} bytes)
-  and {r['data']['train_topics']} pydoc help topics ({r['data']['train_english_bytes']:,} bytes). Left out: test
-  suites, site-packages, lib2to3, ensurepip, build configs, and files that are not UTF-8.
+- **Training text.** {d['train_files']} standard-library .py files ({d['train_python_bytes']:,} bytes),
+  {d['train_package_files']} .py files of {len(d['train_packages'])} installed packages ({d['train_package_bytes']:,} bytes:
+  at most {d['rules']['package_train_bytes']:,} bytes per package, files taken in the order of a hash of their path)
+  and {d['train_topics']} pydoc help topics ({d['train_english_bytes']:,} bytes). Left out: test suites, vendored
+  copies of other packages, files over {d['rules']['max_file_bytes']:,} bytes or not UTF-8, lib2to3, ensurepip,
+  build configs, and any file with the same bytes as a held-out file.
+  Packages trained on: {trained_on}.
+
+## What was held out
+
+- **Whole packages**: every installed distribution whose group (the normalized name with trailing digits
+  removed, so that a fork such as httpx2 goes with httpx) has a sha256 that is 0 modulo {HELD_OUT_PACKAGE_EVERY}.
+  None of their files was trained on; at most {d['rules']['package_eval_bytes']:,} bytes of each (same hash order)
+  are evaluated.
+- **Standard library**: every {HELD_OUT_PYTHON_EVERY}th file by a hash of its path ({e['python_files']} files).
+- **English**: every {HELD_OUT_TOPIC_EVERY}th pydoc help topic by name ({e['english_topics']} topics).
 
 ## Evaluation on text it did not see
+
+| held-out package | files | bytes | tiny-code-moe bits/byte | gzip -9 bits/byte |
+|---|---|---|---|---|
+{package_rows}
+| **all held-out packages** | {e['packages_files']} | {e['packages_bytes']:,} | **{e['packages_bpb']:.3f}** | {e['packages_gzip_bpb']:.3f} |
 
 | held-out text | bytes | tiny-code-moe bits/byte | gzip -9 bits/byte |
 |---|---|---|---|
 | Python: every {HELD_OUT_PYTHON_EVERY}th stdlib file by path hash ({e['python_files']} files) | {e['python_bytes']:,} | {e['python_bpb']:.3f} | {e['python_gzip_bpb']:.3f} |
 | English: every {HELD_OUT_TOPIC_EVERY}th pydoc topic ({e['english_topics']} topics) | {e['english_bytes']:,} | {e['english_bpb']:.3f} | {e['english_gzip_bpb']:.3f} |
 
-gzip compresses each file on its own. `training_record.json` holds the exact file lists (with the sha256 of
-each file), every setting and the loss curve.
+gzip compresses each file on its own; the model reads each file from its start, in windows of
+{s['seq_len']} tokens. `training_record.json` holds the exact file lists (with the sha256 of each file, the
+package versions), every setting and the loss curve.
 """
 
 
