@@ -59,7 +59,7 @@ def held_out_python(min_bytes: int = 24_000) -> list[str]:
     pytest.skip(f"this interpreter's standard library differs from Python {RECORD['python']}'s, which the model was trained on")
 
 
-def held_out_package_files(min_bytes: int = 16_000, per_package: int = 4_000) -> dict[str, list[str]]:
+def held_out_package_files(min_bytes: int = 24_000, per_package: int = 6_000) -> dict[str, list[str]]:
     """Files of the held-out packages (never trained on, whole distributions) that are installed here byte for
     byte, found by the record's sha256 of each: up to per_package bytes from each package, in the record's
     evaluation order, so that the sample spans packages. A file absent or of another version is passed over;
@@ -71,7 +71,7 @@ def held_out_package_files(min_bytes: int = 16_000, per_package: int = 4_000) ->
         taken = 0
         for rel in package["evaluated"]:
             text = present(roots, rel, package["files"][rel])
-            if text is None or not 1_000 <= len(text.encode()) <= per_package - taken:
+            if text is None or not 2_000 <= len(text.encode()) <= per_package - taken:
                 continue
             chosen.setdefault(name, []).append(text)
             taken += len(text.encode())

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 import moelens
@@ -89,6 +89,7 @@ CONFIG = {
 @dataclass(frozen=True)
 class Settings:
     seed: int = 0
+    data_seed: int = 1  # draws the training windows; a continuation run takes another one
     steps: int = 500
     batch: int = 16
     seq_len: int = 256
@@ -310,6 +311,26 @@ def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def load_weights(model, weights: Path) -> str:
+    """Start from a checkpoint this script wrote (the model's parameters under transformers' keys); returns
+    its sha256. Every key is required and every parameter is set: reading the tensors back gives the file."""
+    stored = load_file(weights)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    keys = expected_keys(type(model).site_map(model.cfg))
+    if set(stored) != set(keys):
+        raise ValueError(f"{weights}: keys differ from this model's: missing {sorted(set(keys) - set(stored))[:5]}, "
+                         f"unexpected {sorted(set(stored) - set(keys))[:5]}")
+    with torch.no_grad():
+        for key, target in keys.items():
+            slot = params[target.param][target.index]
+            if slot.shape != stored[key].shape or stored[key].dtype != slot.dtype:
+                raise ValueError(f"{weights}: {key} is {tuple(stored[key].shape)} {stored[key].dtype}, expected {tuple(slot.shape)} {slot.dtype}")
+            slot.copy_(stored[key])
+    back = checkpoint_tensors(model)
+    assert all(torch.equal(back[k], stored[k]) for k in keys), "a parameter was not loaded"
+    return sha256(weights.read_bytes())
+
+
 # ---- training ----------------------------------------------------------------------------------------------
 class RouterCapture:
     """Permanent hooks that keep each mixture block's router logits and chosen experts (with their graph)."""
@@ -355,7 +376,7 @@ def lr_at(step: int, s: Settings) -> float:
 
 
 def train(model, stream: torch.Tensor, s: Settings, log) -> list[dict]:
-    gen = torch.Generator().manual_seed(s.seed + 1)
+    gen = torch.Generator().manual_seed(s.data_seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -432,6 +453,18 @@ def model_card(r: dict) -> str:
         for name, v in e["packages"].items()
     )
     trained_on = ", ".join(f"{n} {v}" for n, v in d["train_packages"].items())
+    runs, run = [], r
+    while run:  # this run, then the runs it continued, earliest last
+        runs.append(run)
+        run = run.get("init_from")
+    runs.reverse()
+    steps = sum(run["settings"]["steps"] for run in runs)
+    seconds = sum(run["training_seconds"] for run in runs)
+    continued = "" if len(runs) == 1 else (
+        f" In {len(runs)} runs of the script, each after the first started from the previous one's weights "
+        f"(`--init-from`) with a fresh optimizer and schedule and its own draw of windows: "
+        + " then ".join(f"{run['settings']['steps']} steps (data seed {run['settings'].get('data_seed', 1)})" for run in runs) + "."
+    )
     return f"""# tiny-code-moe
 
 A {r['parameters']:,}-parameter Qwen2-MoE-family model (model_type `qwen2_moe`), trained by
@@ -447,11 +480,11 @@ A {r['parameters']:,}-parameter Qwen2-MoE-family model (model_type `qwen2_moe`),
 - **Tokenizer.** Byte-level BPE with {c['vocab_size']} tokens, trained by the same script on the training
   text only (`tokenizers`). `{EOS}` (id 0) starts every document; `{PAD}` is id 1.
   sha256 of tokenizer.json: `{r['tokenizer_sha256']}`.
-- **Training.** {s['steps']} steps of {s['batch']} x {s['seq_len']} tokens ({s['steps'] * s['batch'] * s['seq_len']:,} tokens,
-  {s['steps'] * s['batch'] * s['seq_len'] / r['training_tokens']:.2f} of a pass over the {r['training_tokens']:,} training tokens).
+- **Training.** {steps} steps of {s['batch']} x {s['seq_len']} tokens ({steps * s['batch'] * s['seq_len']:,} tokens,
+  {steps * s['batch'] * s['seq_len'] / r['training_tokens']:.2f} of a pass over the {r['training_tokens']:,} training tokens).{continued}
   AdamW: lr {s['lr']}, warmup {s['warmup']} steps, cosine decay to {s['min_lr_ratio']} of the peak, weight decay
   {s['weight_decay']}. Load-balancing loss weight {s['aux_loss_coef']}. Seed {s['seed']}.
-  Run with torch {r['torch']} on {s['threads']} CPU thread(s) ({r['machine']}) in {r['training_seconds']:.0f} s.
+  Run with torch {r['torch']} on {s['threads']} CPU thread(s) ({r['machine']}) in {seconds:.0f} s.
   Training loss on the last batch: {r['curve'][-1]['loss']} nats/token; its load balance {r['curve'][-1]['aux']} (1.0 is perfectly even).
 - **Training text.** {d['train_files']} standard-library .py files ({d['train_python_bytes']:,} bytes),
   {d['train_package_files']} .py files of {len(d['train_packages'])} installed packages ({d['train_package_bytes']:,} bytes:
@@ -486,6 +519,18 @@ gzip compresses each file on its own; the model reads each file from its start, 
 {s['seq_len']} tokens. `training_record.json` holds the exact file lists (with the sha256 of each file, the
 package versions), every setting and the loss curve.
 """
+
+
+def continuation_of(folder: Path, tok: Tokenizer) -> dict:
+    """What a continuation starts from: the earlier run's record (settings, curve, time); its tokenizer must be
+    the one this run trained, byte for byte, or the token ids would mean other things."""
+    record = json.loads((folder / "training_record.json").read_text())
+    if tok.to_str() != Tokenizer.from_file(str(folder / "tokenizer.json")).to_str():
+        raise ValueError(f"{folder / 'tokenizer.json'} differs from the tokenizer trained on this data: continue only "
+                         "a run on the same installed packages and standard library")
+    return {"folder": str(folder), "command": record["command"], "settings": record["settings"],
+            "training_seconds": record["training_seconds"], "curve": record["curve"],
+            "init_from": record.get("init_from")}
 
 
 def python_bytes(docs: list[tuple[str, str]]) -> int:
@@ -524,8 +569,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint into")
     parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--init-from", type=Path, help="continue from a checkpoint folder this script wrote on the same "
+                        "data (same tokenizer, checked), with a fresh optimizer and schedule")
+    parser.add_argument("--data-seed", type=int, default=Settings.data_seed, help="seed of the training windows' draw")
     args = parser.parse_args(argv)
-    s = Settings(steps=args.steps)
+    s = Settings(steps=args.steps, data_seed=args.data_seed)
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     root, site = stdlib_root(), site_packages()
@@ -540,6 +588,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(stream):,} training tokens ({train_bytes / len(stream):.2f} bytes/token)", flush=True)
 
     model = new_model(s.seed)
+    init_from = None
+    if args.init_from is not None:
+        init_from = continuation_of(args.init_from, tok)
+        init_from["model.safetensors"] = load_weights(model, args.init_from / "model.safetensors")
     model.set_experts_backend("torch")
     started = time.time()
     curve = train(model, stream, s, lambda row: print(json.dumps(row), flush=True))
@@ -562,6 +614,7 @@ def main(argv: list[str] | None = None) -> None:
         "tokenizer_sha256": "",  # of tokenizer.json as written
         "training_tokens": len(stream),
         "training_seconds": seconds,
+        "init_from": init_from,  # the run this one continues (its settings, curve and weights' sha256), or None
         "curve": curve,
         "evaluation": evaluation,
         "data": {
