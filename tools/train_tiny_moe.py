@@ -22,9 +22,11 @@ import argparse
 import ast
 import gzip
 import hashlib
+import importlib.metadata
 import json
 import math
 import platform
+import re
 import sys
 import sysconfig
 import time
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 import moelens
@@ -42,7 +44,14 @@ from moelens.loaders.checkpoint import expected_keys
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 SKIPPED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "ensurepip"}
+# test suites, and vendored copies of other packages (a held-out package must not come back through them)
+PACKAGE_SKIPPED_DIRS = {"test", "tests", "_tests", "testing", "__pycache__", "_vendor", "vendor", "vendored",
+                        "_vendored", "extern", "_extern", "_distutils"}
+MAX_FILE_BYTES = 200_000  # larger files are mostly generated tables
+PACKAGE_TRAIN_BYTES = 500_000  # per training package, so that torch or transformers do not dominate
+PACKAGE_EVAL_BYTES = 100_000  # per held-out package evaluated
 HELD_OUT_PYTHON_EVERY = 20
+HELD_OUT_PACKAGE_EVERY = 8
 HELD_OUT_TOPIC_EVERY = 10
 
 CONFIG = {
@@ -80,12 +89,13 @@ CONFIG = {
 @dataclass(frozen=True)
 class Settings:
     seed: int = 0
-    steps: int = 2000
+    data_seed: int = 1  # draws the training windows; a continuation run takes another one
+    steps: int = 500
     batch: int = 16
     seq_len: int = 256
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 150
+    warmup: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     aux_loss_coef: float = 0.01  # Switch-style load balancing over the mixture blocks, as transformers' Qwen2-MoE
@@ -97,7 +107,12 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def site_packages() -> Path:
+    return Path(sysconfig.get_paths()["purelib"])
+
+
 def python_files(root: Path) -> list[Path]:
+    """The standard library's .py files, test suites, site-packages and build configs left out."""
     files = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -107,14 +122,32 @@ def python_files(root: Path) -> list[Path]:
     return files
 
 
+def hash_int(text: str) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest(), 16)
+
+
 def held_out(rel: str) -> bool:
-    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELD_OUT_PYTHON_EVERY == 0
+    return hash_int(rel) % HELD_OUT_PYTHON_EVERY == 0
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def package_group(name: str) -> str:
+    """Forks published under a numbered name (httpx2 of httpx) share their original's group, so that a held-out
+    package is not trained on through its fork."""
+    return normalized(name).rstrip("0123456789") or normalized(name)
+
+
+def held_out_package(name: str) -> bool:
+    return hash_int(package_group(name)) % HELD_OUT_PACKAGE_EVERY == 0
 
 
 def read_text(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:  # a few stdlib files are in legacy encodings: leave them out, recorded
+    except UnicodeDecodeError:  # some files are in legacy encodings: leave them out, recorded
         return None
 
 
@@ -128,26 +161,94 @@ def topics(root: Path) -> dict[str, str]:
 
 
 @dataclass
+class Package:
+    """One installed distribution's Python: every eligible file (path relative to site-packages, text)."""
+
+    name: str
+    version: str
+    files: list[tuple[str, str]]
+
+    def selection(self, cap: int) -> list[tuple[str, str]]:
+        """Files in the order of a hash of their path, until cap bytes: a deterministic sample of the package
+        that no single package can make large."""
+        chosen, total = [], 0
+        for rel, text in sorted(self.files, key=lambda f: hashlib.sha256(f[0].encode()).hexdigest()):
+            if total >= cap:
+                break
+            chosen.append((rel, text))
+            total += len(text.encode())
+        return chosen
+
+
+def installed_packages(root: Path, left_out: list[str]) -> list[Package]:
+    """Every distribution installed in site-packages (this project excepted) with the .py files its RECORD
+    lists under root: files over MAX_FILE_BYTES, not UTF-8 or blank, in test suites, vendored copies or
+    caches are left out (their paths go to left_out)."""
+    packages: dict[str, Package] = {}
+    for dist in importlib.metadata.distributions(path=[str(root)]):
+        name = normalized(dist.metadata["Name"])
+        if name in packages or name == "moelens":
+            continue
+        files = []
+        for entry in sorted(str(f) for f in dist.files or ()):
+            path = (root / entry).resolve()
+            if not entry.endswith(".py") or entry.startswith("..") or not path.is_file():
+                continue
+            rel = Path(entry)
+            if PACKAGE_SKIPPED_DIRS & set(rel.parts[:-1]) or path.stat().st_size > MAX_FILE_BYTES:
+                left_out.append(f"{name}: {entry}")
+                continue
+            text = read_text(path)
+            if text is None or not text.strip():
+                left_out.append(f"{name}: {entry}")
+                continue
+            files.append((rel.as_posix(), text))
+        if files:
+            packages[name] = Package(name, dist.version, files)
+    return [packages[n] for n in sorted(packages)]
+
+
+@dataclass
 class Corpus:
     train: list[tuple[str, str]]  # (name, text)
-    python_eval: list[tuple[str, str]]
+    python_eval: list[tuple[str, str]]  # held-out standard-library files
+    packages_eval: dict[str, list[tuple[str, str]]]  # held-out package -> its evaluated files
     english_eval: list[tuple[str, str]]
+    train_packages: list[Package]
+    held_out_packages: list[Package]
     unreadable: list[str]
+    duplicates: list[str]
 
 
-def corpus(root: Path) -> Corpus:
+def corpus(stdlib: Path, site: Path) -> Corpus:
     train, python_eval, unreadable = [], [], []
-    for path in python_files(root):
-        rel = path.relative_to(root).as_posix()
-        text = read_text(path)
+    for path in python_files(stdlib):
+        rel = path.relative_to(stdlib).as_posix()
+        text = read_text(path) if path.stat().st_size <= MAX_FILE_BYTES else None
         if text is None or not text.strip():
             unreadable.append(rel)
             continue
         (python_eval if held_out(rel) else train).append((rel, text))
+    packages = installed_packages(site, unreadable)
+    train_packages = [p for p in packages if not held_out_package(p.name)]
+    held_packages = [p for p in packages if held_out_package(p.name)]
+    for package in train_packages:
+        train.extend((f"site-packages/{rel}", text) for rel, text in package.selection(PACKAGE_TRAIN_BYTES))
     english_eval = []
-    for i, (name, text) in enumerate(sorted(topics(root).items())):
+    for i, (name, text) in enumerate(sorted(topics(stdlib).items())):
         (english_eval if i % HELD_OUT_TOPIC_EVERY == 0 else train).append((f"pydoc_data/topics.py:{name}", text))
-    return Corpus(train, python_eval, english_eval, unreadable)
+    # a file with the same bytes as a held-out file, or as an earlier training file, is not trained on
+    seen = {sha256(t.encode()) for _, t in python_eval} | {sha256(t.encode()) for p in held_packages for _, t in p.files}
+    kept, duplicates = [], []
+    for name, text in train:
+        digest = sha256(text.encode())
+        if digest in seen:
+            duplicates.append(name)
+        else:
+            seen.add(digest)
+            kept.append((name, text))
+    packages_eval = {p.name: p.selection(PACKAGE_EVAL_BYTES) for p in held_packages}
+    return Corpus(kept, python_eval, packages_eval, english_eval, train_packages, held_packages, unreadable, duplicates)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------------------
@@ -210,6 +311,26 @@ def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def load_weights(model, weights: Path) -> str:
+    """Start from a checkpoint this script wrote (the model's parameters under transformers' keys); returns
+    its sha256. Every key is required and every parameter is set: reading the tensors back gives the file."""
+    stored = load_file(weights)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    keys = expected_keys(type(model).site_map(model.cfg))
+    if set(stored) != set(keys):
+        raise ValueError(f"{weights}: keys differ from this model's: missing {sorted(set(keys) - set(stored))[:5]}, "
+                         f"unexpected {sorted(set(stored) - set(keys))[:5]}")
+    with torch.no_grad():
+        for key, target in keys.items():
+            slot = params[target.param][target.index]
+            if slot.shape != stored[key].shape or stored[key].dtype != slot.dtype:
+                raise ValueError(f"{weights}: {key} is {tuple(stored[key].shape)} {stored[key].dtype}, expected {tuple(slot.shape)} {slot.dtype}")
+            slot.copy_(stored[key])
+    back = checkpoint_tensors(model)
+    assert all(torch.equal(back[k], stored[k]) for k in keys), "a parameter was not loaded"
+    return sha256(weights.read_bytes())
+
+
 # ---- training ----------------------------------------------------------------------------------------------
 class RouterCapture:
     """Permanent hooks that keep each mixture block's router logits and chosen experts (with their graph)."""
@@ -255,7 +376,7 @@ def lr_at(step: int, s: Settings) -> float:
 
 
 def train(model, stream: torch.Tensor, s: Settings, log) -> list[dict]:
-    gen = torch.Generator().manual_seed(s.seed + 1)
+    gen = torch.Generator().manual_seed(s.data_seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -276,7 +397,7 @@ def train(model, stream: torch.Tensor, s: Settings, log) -> list[dict]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
-        if step % 50 == 0 or step == s.steps - 1:
+        if step % 50 == 0 or step == 20 or step == s.steps - 1:
             row = {"step": step, "loss": round(lm.item(), 4), "aux": round(aux.item(), 4), "seconds": round(time.time() - started, 1)}
             curve.append(row)
             log(row)
@@ -326,12 +447,30 @@ def write(out: Path, model, tok: Tokenizer, record: dict) -> None:
 
 
 def model_card(r: dict) -> str:
-    e, s, c = r["evaluation"], r["settings"], r["config"]
+    e, s, c, d = r["evaluation"], r["settings"], r["config"], r["data"]
+    package_rows = "\n".join(
+        f"| {name} {d['held_out_packages'][name]['version']} | {v['files']} | {v['bytes']:,} | {v['bpb']:.3f} | {v['gzip_bpb']:.3f} |"
+        for name, v in e["packages"].items()
+    )
+    trained_on = ", ".join(f"{n} {v}" for n, v in d["train_packages"].items())
+    runs, run = [], r
+    while run:  # this run, then the runs it continued, earliest last
+        runs.append(run)
+        run = run.get("init_from")
+    runs.reverse()
+    steps = sum(run["settings"]["steps"] for run in runs)
+    seconds = sum(run["training_seconds"] for run in runs)
+    continued = "" if len(runs) == 1 else (
+        f" In {len(runs)} runs of the script, each after the first started from the previous one's weights "
+        f"(`--init-from`) with a fresh optimizer and schedule and its own draw of windows: "
+        + " then ".join(f"{run['settings']['steps']} steps (data seed {run['settings'].get('data_seed', 1)})" for run in runs) + "."
+    )
     return f"""# tiny-code-moe
 
 A {r['parameters']:,}-parameter Qwen2-MoE-family model (model_type `qwen2_moe`), trained by
-`tools/train_tiny_moe.py` on the standard library of Python {r['python']}. It is moelens's trained
-embedded default, so that `moelens inspect` and `moelens trace` show routing that means something.
+`tools/train_tiny_moe.py` on Python's standard library ({r['python']}) and the Python of
+{len(d['train_packages'])} installed packages. It is moelens's trained embedded default, so that
+`moelens inspect` and `moelens trace` show routing that means something.
 
 - **Architecture.** {c['num_hidden_layers']} blocks, d_model {c['hidden_size']}, {c['num_attention_heads']} heads
   ({c['num_key_value_heads']} key/value heads). Block 0 is dense (width {c['intermediate_size']}). Blocks 1 to
@@ -339,64 +478,130 @@ embedded default, so that `moelens inspect` and `moelens trace` show routing tha
   top-{c['num_experts_per_tok']}) plus a sigmoid-gated shared expert (width {c['shared_expert_intermediate_size']}).
   Embeddings are tied; weights are float32.
 - **Tokenizer.** Byte-level BPE with {c['vocab_size']} tokens, trained by the same script on the training
-  text (`tokenizers`). `{EOS}` (id 0) starts every document; `{PAD}` is id 1.
+  text only (`tokenizers`). `{EOS}` (id 0) starts every document; `{PAD}` is id 1.
   sha256 of tokenizer.json: `{r['tokenizer_sha256']}`.
-- **Training.** {s['steps']} steps of {s['batch']} x {s['seq_len']} tokens ({s['steps'] * s['batch'] * s['seq_len']:,} tokens).
+- **Training.** {steps} steps of {s['batch']} x {s['seq_len']} tokens ({steps * s['batch'] * s['seq_len']:,} tokens,
+  {steps * s['batch'] * s['seq_len'] / r['training_tokens']:.2f} of a pass over the {r['training_tokens']:,} training tokens).{continued}
   AdamW: lr {s['lr']}, warmup {s['warmup']} steps, cosine decay to {s['min_lr_ratio']} of the peak, weight decay
   {s['weight_decay']}. Load-balancing loss weight {s['aux_loss_coef']}. Seed {s['seed']}.
-  Run with torch {r['torch']} on {s['threads']} CPU thread(s) ({r['machine']}) in {r['training_seconds']:.0f} s.
+  Run with torch {r['torch']} on {s['threads']} CPU thread(s) ({r['machine']}) in {seconds:.0f} s.
   Training loss on the last batch: {r['curve'][-1]['loss']} nats/token; its load balance {r['curve'][-1]['aux']} (1.0 is perfectly even).
-- **Training text.** {r['data']['train_files']} standard-library .py files ({r['data']['train_python_bytes']:,} bytes)
-  and {r['data']['train_topics']} pydoc help topics ({r['data']['train_english_bytes']:,} bytes). Left out: test
-  suites, site-packages, lib2to3, ensurepip, build configs, and files that are not UTF-8.
+- **Training text.** {d['train_files']} standard-library .py files ({d['train_python_bytes']:,} bytes),
+  {d['train_package_files']} .py files of {len(d['train_packages'])} installed packages ({d['train_package_bytes']:,} bytes:
+  at most {d['rules']['package_train_bytes']:,} bytes per package, files taken in the order of a hash of their path)
+  and {d['train_topics']} pydoc help topics ({d['train_english_bytes']:,} bytes). Left out: test suites, vendored
+  copies of other packages, files over {d['rules']['max_file_bytes']:,} bytes or not UTF-8, lib2to3, ensurepip,
+  build configs, and any file with the same bytes as a held-out file.
+  Packages trained on: {trained_on}.
+
+## What was held out
+
+- **Whole packages**: every installed distribution whose group (the normalized name with trailing digits
+  removed, so that a fork such as httpx2 goes with httpx) has a sha256 that is 0 modulo {HELD_OUT_PACKAGE_EVERY}.
+  None of their files was trained on; at most {d['rules']['package_eval_bytes']:,} bytes of each (same hash order)
+  are evaluated.
+- **Standard library**: every {HELD_OUT_PYTHON_EVERY}th file by a hash of its path ({e['python_files']} files).
+- **English**: every {HELD_OUT_TOPIC_EVERY}th pydoc help topic by name ({e['english_topics']} topics).
 
 ## Evaluation on text it did not see
+
+| held-out package | files | bytes | tiny-code-moe bits/byte | gzip -9 bits/byte |
+|---|---|---|---|---|
+{package_rows}
+| **all held-out packages** | {e['packages_files']} | {e['packages_bytes']:,} | **{e['packages_bpb']:.3f}** | {e['packages_gzip_bpb']:.3f} |
 
 | held-out text | bytes | tiny-code-moe bits/byte | gzip -9 bits/byte |
 |---|---|---|---|
 | Python: every {HELD_OUT_PYTHON_EVERY}th stdlib file by path hash ({e['python_files']} files) | {e['python_bytes']:,} | {e['python_bpb']:.3f} | {e['python_gzip_bpb']:.3f} |
 | English: every {HELD_OUT_TOPIC_EVERY}th pydoc topic ({e['english_topics']} topics) | {e['english_bytes']:,} | {e['english_bpb']:.3f} | {e['english_gzip_bpb']:.3f} |
 
-gzip compresses each file on its own. `training_record.json` holds the exact file lists (with the sha256 of
-each file), every setting and the loss curve.
+gzip compresses each file on its own; the model reads each file from its start, in windows of
+{s['seq_len']} tokens. `training_record.json` holds the exact file lists (with the sha256 of each file, the
+package versions), every setting and the loss curve.
 """
+
+
+def continuation_of(folder: Path, tok: Tokenizer) -> dict:
+    """What a continuation starts from: the earlier run's record (settings, curve, time); its tokenizer must be
+    the one this run trained, byte for byte, or the token ids would mean other things."""
+    record = json.loads((folder / "training_record.json").read_text())
+    if tok.to_str() != Tokenizer.from_file(str(folder / "tokenizer.json")).to_str():
+        raise ValueError(f"{folder / 'tokenizer.json'} differs from the tokenizer trained on this data: continue only "
+                         "a run on the same installed packages and standard library")
+    return {"folder": str(folder), "command": record["command"], "settings": record["settings"],
+            "training_seconds": record["training_seconds"], "curve": record["curve"],
+            "init_from": record.get("init_from")}
+
+
+def python_bytes(docs: list[tuple[str, str]]) -> int:
+    return sum(len(t.encode()) for _, t in docs)
+
+
+def evaluate(model, tok: Tokenizer, data: Corpus, seq_len: int) -> dict:
+    """bits/byte of the model and of gzip -9 on each held-out set: each held-out package, all of them
+    together, the held-out standard-library files and the held-out help topics."""
+    packages = {}
+    for name, docs in data.packages_eval.items():
+        packages[name] = {"files": len(docs), "bytes": python_bytes(docs),
+                          "bpb": bits_per_byte(model, tok, docs, seq_len), "gzip_bpb": gzip_bits_per_byte(docs)}
+        print(json.dumps({name: packages[name]}), flush=True)
+    all_package_docs = [d for docs in data.packages_eval.values() for d in docs]
+    total_bytes = python_bytes(all_package_docs)
+    return {
+        "packages": packages,
+        "packages_files": len(all_package_docs),
+        "packages_bytes": total_bytes,
+        # the pooled figure: every evaluated byte counts once, whichever package it is in
+        "packages_bpb": sum(v["bpb"] * v["bytes"] for v in packages.values()) / total_bytes,
+        "packages_gzip_bpb": gzip_bits_per_byte(all_package_docs),
+        "python_files": len(data.python_eval),
+        "python_bytes": python_bytes(data.python_eval),
+        "python_bpb": bits_per_byte(model, tok, data.python_eval, seq_len),
+        "python_gzip_bpb": gzip_bits_per_byte(data.python_eval),
+        "english_topics": len(data.english_eval),
+        "english_bytes": python_bytes(data.english_eval),
+        "english_bpb": bits_per_byte(model, tok, data.english_eval, seq_len),
+        "english_gzip_bpb": gzip_bits_per_byte(data.english_eval),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint into")
     parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--init-from", type=Path, help="continue from a checkpoint folder this script wrote on the same "
+                        "data (same tokenizer, checked), with a fresh optimizer and schedule")
+    parser.add_argument("--data-seed", type=int, default=Settings.data_seed, help="seed of the training windows' draw")
     args = parser.parse_args(argv)
-    s = Settings(steps=args.steps)
+    s = Settings(steps=args.steps, data_seed=args.data_seed)
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
-    root = stdlib_root()
-    data = corpus(root)
-    print(f"{len(data.train)} training documents, {len(data.python_eval)} held-out Python files, "
-          f"{len(data.english_eval)} held-out topics, {len(data.unreadable)} unreadable files left out", flush=True)
+    root, site = stdlib_root(), site_packages()
+    data = corpus(root, site)
+    print(f"{len(data.train)} training documents ({python_bytes(data.train):,} bytes) from the standard library and "
+          f"{len(data.train_packages)} packages; held out: {len(data.python_eval)} standard-library files, "
+          f"{len(data.held_out_packages)} packages ({', '.join(p.name for p in data.held_out_packages)}), "
+          f"{len(data.english_eval)} topics; {len(data.unreadable)} files left out, {len(data.duplicates)} duplicates", flush=True)
     tok = train_tokenizer([t for _, t in data.train], CONFIG["vocab_size"])
     stream = token_stream(tok, [t for _, t in data.train])
-    train_bytes = sum(len(t.encode()) for _, t in data.train)
+    train_bytes = python_bytes(data.train)
     print(f"{len(stream):,} training tokens ({train_bytes / len(stream):.2f} bytes/token)", flush=True)
 
     model = new_model(s.seed)
+    init_from = None
+    if args.init_from is not None:
+        init_from = continuation_of(args.init_from, tok)
+        init_from["model.safetensors"] = load_weights(model, args.init_from / "model.safetensors")
     model.set_experts_backend("torch")
     started = time.time()
     curve = train(model, stream, s, lambda row: print(json.dumps(row), flush=True))
     seconds = time.time() - started
 
-    evaluation = {
-        "python_files": len(data.python_eval),
-        "python_bytes": sum(len(t.encode()) for _, t in data.python_eval),
-        "python_bpb": bits_per_byte(model, tok, data.python_eval, s.seq_len),
-        "python_gzip_bpb": gzip_bits_per_byte(data.python_eval),
-        "english_topics": len(data.english_eval),
-        "english_bytes": sum(len(t.encode()) for _, t in data.english_eval),
-        "english_bpb": bits_per_byte(model, tok, data.english_eval, s.seq_len),
-        "english_gzip_bpb": gzip_bits_per_byte(data.english_eval),
-    }
-    print(json.dumps(evaluation), flush=True)
-    python_docs = [n for n, _ in data.train if not n.startswith("pydoc_data/")]
+    evaluation = evaluate(model, tok, data, s.seq_len)
+    print(json.dumps({k: v for k, v in evaluation.items() if k != "packages"}), flush=True)
+    is_stdlib = lambda n: not n.startswith(("pydoc_data/", "site-packages/"))
+    is_package = lambda n: n.startswith("site-packages/")
+    is_english = lambda n: n.startswith("pydoc_data/")
     record = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -409,18 +614,39 @@ def main(argv: list[str] | None = None) -> None:
         "tokenizer_sha256": "",  # of tokenizer.json as written
         "training_tokens": len(stream),
         "training_seconds": seconds,
+        "init_from": init_from,  # the run this one continues (its settings, curve and weights' sha256), or None
         "curve": curve,
         "evaluation": evaluation,
         "data": {
             "stdlib": str(root),
-            "train_files": len(python_docs),
-            "train_topics": len(data.train) - len(python_docs),
-            "train_python_bytes": sum(len(t.encode()) for n, t in data.train if not n.startswith("pydoc_data/")),
-            "train_english_bytes": sum(len(t.encode()) for n, t in data.train if n.startswith("pydoc_data/")),
+            "site_packages": str(site),
+            "rules": {
+                "held_out_stdlib": f"sha256 of the path relative to the standard library, as an integer, % {HELD_OUT_PYTHON_EVERY} == 0",
+                "held_out_packages": f"sha256 of the package group (the normalized distribution name, trailing digits removed) % {HELD_OUT_PACKAGE_EVERY} == 0",
+                "held_out_english": f"every {HELD_OUT_TOPIC_EVERY}th pydoc topic by name, from the first",
+                "package_train_bytes": PACKAGE_TRAIN_BYTES,
+                "package_eval_bytes": PACKAGE_EVAL_BYTES,
+                "max_file_bytes": MAX_FILE_BYTES,
+                "package_skipped_dirs": sorted(PACKAGE_SKIPPED_DIRS),
+                "stdlib_skipped_dirs": sorted(SKIPPED_DIRS),
+            },
+            "train_files": sum(is_stdlib(n) for n, _ in data.train),
+            "train_package_files": sum(is_package(n) for n, _ in data.train),
+            "train_topics": sum(is_english(n) for n, _ in data.train),
+            "train_python_bytes": sum(len(t.encode()) for n, t in data.train if is_stdlib(n)),
+            "train_package_bytes": sum(len(t.encode()) for n, t in data.train if is_package(n)),
+            "train_english_bytes": sum(len(t.encode()) for n, t in data.train if is_english(n)),
+            "train_packages": {p.name: p.version for p in data.train_packages},
             "train": {n: sha256(t.encode()) for n, t in data.train},
             "held_out_python": {n: sha256(t.encode()) for n, t in data.python_eval},
+            "held_out_packages": {
+                p.name: {"version": p.version, "files": {rel: sha256(t.encode()) for rel, t in p.files},
+                         "evaluated": [rel for rel, _ in data.packages_eval[p.name]]}
+                for p in data.held_out_packages
+            },
             "held_out_english": {n: sha256(t.encode()) for n, t in data.english_eval},
-            "left_out_unreadable": data.unreadable,
+            "left_out": data.unreadable,
+            "left_out_duplicates": data.duplicates,
         },
         "files": {},
     }
