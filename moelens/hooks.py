@@ -373,8 +373,9 @@ class HookedRootModule(nn.Module):
 
     hook_dict: dict[str, HookPoint]
     mod_dict: dict[str, nn.Module]
-    # what run_with_cache returns, built as cache_class(store, model, has_batch_dim=True): set by the model
-    # class (moelens.cache.ActivationCache), so that hooks know nothing of the cache built on them
+    # what run_with_cache returns, built as cache_class(store, model, has_batch_dim=True): set by the subclass
+    # moelens.hook_points.HookedRootModule (moelens.cache.ActivationCache), so that hooks know nothing of the
+    # cache built on them
     cache_class: ClassVar[type]
     is_caching: bool = False  # TransformerLens's flag: True while caching hooks are on (run_with_cache)
 
@@ -480,8 +481,8 @@ class HookedRootModule(nn.Module):
     ) -> None:
         """TransformerLens's reset_hooks: clear every HookPoint's ctx (clear_contexts) and remove the model's
         hooks of `direction` (non-permanent ones unless including_permanent; only those of context level
-        `level` when given). The hooks of a run_with_hooks / run_with_cache / hooks() call in progress belong
-        to that call and stay until it ends."""
+        `level` when given), and those of the calling thread's run_with_hooks / run_with_cache / hooks() calls
+        in progress, as TransformerLens; other threads' call hooks stay."""
         if not isinstance(clear_contexts, bool):  # moelens's old reset_hooks(including_permanent) positional
             raise TypeError(f"reset_hooks: clear_contexts must be a bool, got {clear_contexts!r}")
         if clear_contexts:

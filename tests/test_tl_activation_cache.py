@@ -869,3 +869,46 @@ def test_run_with_cache_pos_slice_remove_batch(model, model_config):
             for name in ("pre", "post"):  # MIXTURE
                 site = mlp_site(model, name, layer)
                 assert torch.equal(cache_no_slice[site][i, :], cache_with_slice[site][0, :])
+
+
+# ---- project_output_onto (TransformerLens's get_neuron_results / stack_neuron_results / get_full_resid_decomposition)
+@no_grad
+def test_project_output_onto_is_the_components_times_the_projection(ioi):
+    """Folded into the weights before the neurons are expanded; the same numbers as expanding, then projecting."""
+    model, _, _, cache = ioi
+    torch.manual_seed(0)
+    P = torch.randn(model.cfg.d_model, 3)
+    p = P[:, 0]
+    for layer in (0, 1):  # dense, mixture
+        full = cache.get_neuron_results(layer, pos_slice=-1)
+        torch.testing.assert_close(cache.get_neuron_results(layer, pos_slice=-1, project_output_onto=P), full @ P)
+        torch.testing.assert_close(cache.get_neuron_results(layer, pos_slice=-1, project_output_onto=p), full @ p)
+    stack, labels = cache.stack_neuron_results(-1, pos_slice=-1, incl_remainder=True, apply_ln=True, return_labels=True)
+    projected, same_labels = cache.stack_neuron_results(
+        -1, pos_slice=-1, incl_remainder=True, apply_ln=True, return_labels=True, project_output_onto=P
+    )
+    assert same_labels == labels
+    torch.testing.assert_close(projected, stack @ P, atol=1e-5, rtol=1e-5)
+    for expand in (True, False):
+        full = cache.get_full_resid_decomposition(layer=-1, pos_slice=-1, expand_neurons=expand, apply_ln=True)
+        torch.testing.assert_close(
+            cache.get_full_resid_decomposition(layer=-1, pos_slice=-1, expand_neurons=expand, apply_ln=True, project_output_onto=p),
+            full @ p, atol=1e-5, rtol=1e-5,
+        )
+    with pytest.raises(ValueError, match=r"project_output_onto must be a \[d_model\] or \[d_model, n_outputs\] tensor \(d_model 128\), got \(64,\)"):
+        cache.get_neuron_results(0, project_output_onto=torch.zeros(64))
+
+
+@no_grad
+def test_full_decomposition_onto_a_logit_difference_sums_to_it(ioi):
+    """The oracle is the model's logits: every component of the final stream, normalised by the cached scale and
+    projected onto the answer tokens' logit-difference direction, sums to each prompt's logit difference."""
+    model, tokens, answer_tokens, cache = ioi
+    directions = model.tokens_to_residual_directions(answer_tokens)  # [batch, 2, d_model]
+    logits = model(tokens)[:, -1]
+    want = logits.gather(-1, answer_tokens)
+    want = want[:, 0] - want[:, 1]
+    for b in (0, 5):
+        direction = directions[b, 0] - directions[b, 1]
+        stack = cache.get_full_resid_decomposition(pos_slice=-1, apply_ln=True, project_output_onto=direction)
+        torch.testing.assert_close(stack[:, b].sum(), want[b], atol=1e-4, rtol=1e-4)

@@ -327,3 +327,21 @@ def test_tokenize_and_concatenate_joins_documents_with_eos_and_cuts_rows():
         utils.tokenize_and_concatenate(dataset, tok, column_name="content", num_proc=None)
     with pytest.raises(TypeError, match="takes a datasets.Dataset"):
         utils.tokenize_and_concatenate(texts, tok)
+
+
+def test_factored_matrix_dimensions_and_row_column_indexing():
+    """TransformerLens's FactoredMatrix names (ldim, rdim, mdim) and indexing past the leading axes: rows index
+    A, columns index B, an int keeps its matrix axis; the product is the dense product's slice."""
+    torch.manual_seed(0)
+    A, B = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 4, 6)
+    fm, dense = FactoredMatrix(A, B), A @ B
+    assert (fm.ldim, fm.rdim, fm.mdim) == (5, 6, 4)
+    assert_close(fm[1].AB, dense[1])
+    assert_close(fm[1, 2, 1:4].AB, dense[1, 2, 1:4])
+    assert_close(fm[1, 2, :, [5, 0]].AB, dense[1, 2][:, [5, 0]])
+    assert_close(fm[1, 2, -1, 3].AB, dense[1, 2, -1:, 3:4])
+    assert_close(fm[0, 0, torch.tensor([4, 1])].AB, dense[0, 0, [4, 1]])
+    with pytest.raises(IndexError, match="too many indices"):
+        fm[0, 0, 0, 0, 0]
+    with pytest.raises(IndexError, match="out of range for a FactoredMatrix axis of size 5"):
+        fm[0, 0, 5]

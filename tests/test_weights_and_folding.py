@@ -181,8 +181,9 @@ def test_factored_matrix(family_models):
         close(ba, ab, 1e-4)
         close((OV[0, 0] @ OV[1, 0]).AB, OV[0, 0].AB @ OV[1, 0].AB, 1e-4)
         close(OV[0, 0].T.AB, OV[0, 0].AB.T)
+        close(OV[0, 0, 3].AB, OV[0, 0].AB[3:4])  # as TransformerLens: past the leading axes, rows of AB
         with pytest.raises(IndexError):
-            OV[0, 0, 0]
+            OV[0, 0, 0, 0, 0]
         with pytest.raises(ValueError):
             FactoredMatrix(torch.ones(3, 2), torch.ones(3, 2))
 

@@ -15,7 +15,6 @@ from jaxtyping import Float, Int
 from torch import nn
 
 from moelens import families, generation, pretrained
-from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.hook_points import HookedRootModule
 from moelens.hooks import HookPoint
@@ -71,7 +70,6 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
 
     model_type: ClassVar[str] = ""  # config.json's model_type; a family class with one registers itself
     components: ClassVar[Components]
-    cache_class = ActivationCache
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
