@@ -1,19 +1,28 @@
-"""Train tiny-code-moe, the trained embedded default, on the running interpreter's own standard library.
+"""Train tiny-code-moe, the trained embedded default, on the Python of the running interpreter's environment.
 
-    python tools/train_tiny_moe.py --out moelens/defaults/tiny-code-moe
+    python tools/train_tiny_moe.py --out /tmp/tcm-stage1
+    python tools/train_tiny_moe.py --out moelens/defaults/tiny-code-moe --steps 700 --init-from /tmp/tcm-stage1 --data-seed 2
 
 The model is a Qwen2-MoE-family checkpoint (a dense first block, then mixture blocks of routed experts with
 top-2 routing and a sigmoid-gated shared expert), trained with moelens's own HookedQwen2Moe (torch expert
 backend) and written in transformers' checkpoint layout, so moelens and transformers both load it.
 
-Data, all of it present in every Python installation:
-- Python: the standard library's .py files (test suites, site-packages and build configs left out). Every
+Data, read offline from the interpreter's own files:
+- Python: the standard library's .py files (test suites, site-packages and build configs left out); every
   20th file by a hash of its relative path is held out for evaluation and for the README's trace.
+- Python: every installed distribution's .py files (listed by its RECORD; test suites, vendored copies,
+  files over MAX_FILE_BYTES and non-UTF-8 files left out), at most PACKAGE_TRAIN_BYTES per distribution.
+  Whole distributions are held out: those whose name (normalized, trailing digits removed, so a numbered
+  fork goes with its original) hashes to 0 modulo HELD_OUT_PACKAGE_EVERY.
 - English: the prose of pydoc_data's help topics; every 10th topic (sorted by name) is held out.
+A training file with the same bytes as a held-out one is dropped. The tokenizer is trained on the training
+split only.
 
-Everything is seeded: the same interpreter version, torch version and thread count give the same weights.
-The script writes, next to the weights, MODEL_CARD.md (what a person reads) and training_record.json (the
-exact file lists with hashes, the tokenizer's hash, every setting, the loss curve and the evaluations).
+Everything is seeded: the same installed files, interpreter version, torch version and thread count give the
+same weights. --init-from continues an earlier run on the same data (its tokenizer is checked) with a fresh
+optimizer and schedule. The script writes, next to the weights, MODEL_CARD.md (what a person reads) and
+training_record.json (the package versions and exact file lists with hashes, the tokenizer's hash, every
+setting, the loss curves and the evaluations).
 """
 
 from __future__ import annotations
