@@ -1,6 +1,6 @@
 """SAE-Lens's HookedSAETransformer API on moelens models: add_sae, reset_saes, run_with_saes,
 run_with_cache_with_saes, run_with_hooks_with_saes and the saes() context, taking SAE-Lens SAE objects
-(`pip install "moelens[sae]"`; sae_lens itself is imported only by the caller who makes the SAEs).
+(`pip install ".[sae]"` from the checkout; sae_lens itself is imported only by the caller who makes the SAEs).
 
 An attached SAE sits at the site named by `sae.cfg.metadata.hook_name`: a hook there replaces the tensor by the
 SAE's reconstruction, or, with use_error_term=True, by reconstruction + error, which is the site's own tensor

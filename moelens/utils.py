@@ -399,12 +399,13 @@ def tokenize_and_concatenate(
     without special tokens, joined with the EOS token between documents, and cut into rows of max_length
     (max_length - 1 and a BOS first with add_bos_token); the tail that does not fill a row is dropped, except
     that a batch shorter than one row gives one row padded with the pad token. num_proc: processes for
-    `map` (ignored when streaming). Needs the `datasets` package (pip install "moelens[datasets]")."""
+    `map` (ignored when streaming). Needs the `datasets` package (`pip install ".[datasets]"` from moelens's
+    checkout)."""
     try:
         import datasets  # optional: only this function needs it
     except ImportError:
         raise ImportError(
-            'tokenize_and_concatenate needs the "datasets" package: pip install "moelens[datasets]"'
+            "tokenize_and_concatenate needs the datasets package: pip install '.[datasets]' from moelens's checkout"
         ) from None
     if not isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
         raise TypeError(f"tokenize_and_concatenate takes a datasets.Dataset or IterableDataset, got {type(dataset).__name__}")

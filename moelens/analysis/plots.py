@@ -25,7 +25,7 @@ def _figure(size: tuple[float, float]):
     try:
         from matplotlib.figure import Figure
     except ImportError as err:
-        raise ImportError("moelens plots need matplotlib: pip install 'moelens[plot]'") from err
+        raise ImportError("moelens plots need matplotlib: pip install '.[plot]' from moelens's checkout") from err
     return Figure(figsize=size, layout="constrained")
 
 

@@ -76,7 +76,7 @@ class Trace:
         try:
             import duckdb
         except ImportError as err:
-            raise ImportError(f"trace analyses query Parquet with DuckDB: pip install 'moelens[trace]' ({err})") from err
+            raise ImportError(f"trace analyses query Parquet with DuckDB: pip install '.[trace]' from moelens's checkout ({err})") from err
 
         con = duckdb.connect()
         if not self.parts:

@@ -53,7 +53,7 @@ try:
 
     from moelens.traces.parts import PartWriter, batch_rows, schema
 except ImportError as err:  # pyarrow
-    raise ImportError(f"moelens trace writes Parquet with pyarrow: pip install 'moelens[trace]' ({err})") from err
+    raise ImportError(f"moelens trace writes Parquet with pyarrow: pip install '.[trace]' from moelens's checkout ({err})") from err
 from moelens.traces.sources import (
     FileDocuments,
     Files,
