@@ -220,7 +220,7 @@ def test_softmax_scale_is_transformers(models):
             ref = DeepseekV3Attention(config, 0)
         ours = HookedDeepseekV3.config_from_hf(config.to_dict())
         with torch.device("meta"):
-            attn = MultiHeadLatentAttention(ours)
+            attn = MultiHeadLatentAttention(ours, 0)
         assert attn.scale == ref.scaling
     assert attn.scale == 192**-0.5 * (1 + 0.1 * math.log(40)) ** 2
     assert models["mscale"].blocks[0].attn.scale != models["mscale"].cfg.d_head ** -0.5
