@@ -394,5 +394,5 @@ def test_plots_name_the_extra_without_matplotlib(qwen_model, tokens, monkeypatch
     from moelens.analysis import plot_routing
 
     monkeypatch.setitem(__import__("sys").modules, "matplotlib.figure", None)  # import now fails
-    with pytest.raises(ImportError, match=r"pip install 'moelens\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[plot\]' from moelens's checkout"):
         plot_routing(routing_table(qwen_model, tokens[:1]))
