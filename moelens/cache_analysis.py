@@ -36,6 +36,7 @@ from moelens.hooks import slice_pos, unwrap_slice
 
 if TYPE_CHECKING:
     from moelens.models.base import HookedTransformer
+    from moelens.models.components.parts import GatedMlpPart, RoutedPart
 
 PosSlice = int | slice | tuple | list | torch.Tensor | None
 Projection = Float[torch.Tensor, "d_model"] | Float[torch.Tensor, "d_model n_outputs"] | None
@@ -309,45 +310,33 @@ class CacheAnalysis:
             Wt = Wt @ project.to(post.device, post.dtype)
         return post[..., None] * Wt
 
-    def _dense_neurons(
-        self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
+    def _gated_mlp_neurons(
+        self, l: int, part: GatedMlpPart, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[int]]:
-        """[*batch_and_pos, n, d_model]: each dense-MLP neuron's write (post[i] * W_down[:, i])."""
-        self._require(f"the neurons of block {l}", [f"blocks.{l}.mlp.hook_post"])
-        post, W = self._get(f"blocks.{l}.mlp.hook_post", pos_slice), self.model.blocks[l].mlp.down_proj.weight
-        idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
-        if idx is not None:
-            post, W = post.index_select(-1, idx), W.index_select(1, idx.to(W.device))
-        return self._writes(post, W, project), _ids(idx, post.shape[-1])
-
-    def _shared_neurons(
-        self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[int]]:
-        """[*batch_and_pos, n, d_model]: each shared-expert neuron's write as added (Qwen2-MoE's gate in)."""
-        pre, mlp = f"blocks.{l}.mlp", self.model.blocks[l].mlp
-        gated = mlp.shared_expert_gated
-        self._require(f"the shared-expert neurons of block {l}", [f"{pre}.shared_expert.hook_post"] + ([f"{pre}.hook_shared_gate"] if gated else []))
-        post = self._get(f"{pre}.shared_expert.hook_post", pos_slice)
-        if gated:  # Qwen2-MoE: sigmoid(gate) scales the whole shared expert, so each neuron
-            post = post * torch.sigmoid(self._get(f"{pre}.hook_shared_gate", pos_slice))
-        W = mlp.shared_expert.down_proj.weight
+        """[*batch_and_pos, n, d_model]: each neuron of a gated-MLP part (a dense block's MLP, a shared expert)
+        as the part adds it: post[i] * W_down[:, i], times the part's gate where it has one (Qwen2-MoE's)."""
+        what = f"the neurons of block {l}" if part.kind == "dense" else f"the {part.label} neurons of block {l}"
+        self._require(what, [part.neurons.name] + ([part.gate.hook.name] if part.gate is not None else []))
+        post = self._get(part.neurons.name, pos_slice)
+        if part.gate is not None:  # the gate scales the whole part, so each neuron
+            post = post * part.gate.scale(self._get(part.gate.hook.name, pos_slice))
+        W = part.write_weight()
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
             post, W = post.index_select(-1, idx), W.index_select(1, idx.to(W.device))
         return self._writes(post, W, project), _ids(idx, post.shape[-1])
 
     def _slot_neurons(
-        self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
+        self, l: int, part: RoutedPart, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """[*batch_and_pos, top_k, n, d_model]: each routing slot's expert neurons, weighted as the
         mixture weighs that slot (weight * post[i] * W_down[expert][:, i])."""
-        pre = f"blocks.{l}.mlp"
-        self._require(f"the expert neurons of block {l}", [f"{pre}.experts.hook_post", f"{pre}.hook_expert_weights", f"{pre}.hook_expert_indices"])
-        post = self._get(f"{pre}.experts.hook_post", pos_slice)
-        weights = self._get(f"{pre}.hook_expert_weights", pos_slice)
-        indices = self._get(f"{pre}.hook_expert_indices", pos_slice)
+        self._require(f"the expert neurons of block {l}", [part.neurons.name, part.weights.name, part.indices.name])
+        post = self._get(part.neurons.name, pos_slice)
+        weights = self._get(part.weights.name, pos_slice)
+        indices = self._get(part.indices.name, pos_slice)
         dtype = torch.promote_types(post.dtype, weights.dtype)
-        W_down = self.model.blocks[l].mlp.experts.tensors().down  # [E, d_model, d_expert]
+        W_down = part.module.tensors().down  # [E, d_model, d_expert]
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
             post, W_down = post.index_select(-1, idx), W_down.index_select(2, idx.to(W_down.device))
@@ -378,45 +367,55 @@ class CacheAnalysis:
         if not -n <= layer < n:
             raise ValueError(f"get_neuron_results: layer must be in [0, {n}), got {layer}")
         layer %= n
-        block = self.model.blocks[layer]
-        if shared:
-            if not (block.is_moe and block.mlp.has_shared_expert):
-                raise ValueError(f"get_neuron_results(shared=True): block {layer} has no shared expert")
-            result = self._shared_neurons(layer, pos_slice, neuron_slice, project)[0]
-        elif block.is_moe:
-            result = self._slot_neurons(layer, pos_slice, neuron_slice, project)[0]
+        parts = self.model.blocks[layer].mlp.parts()
+        # a mixture's routed experts (or with shared=True its shared expert), a dense block's MLP
+        kind = "shared" if shared else "routed" if any(p.kind == "routed" for p in parts) else "dense"
+        part = next((p for p in parts if p.kind == kind), None)
+        if part is None:
+            what = "shared expert" if shared else "routed experts or dense MLP"
+            raise ValueError(f"get_neuron_results(shared={shared}): block {layer} has no {what}")
+        if part.kind == "routed":
+            result = self._slot_neurons(layer, part, pos_slice, neuron_slice, project)[0]
         else:
-            result = self._dense_neurons(layer, pos_slice, neuron_slice, project)[0]
+            result = self._gated_mlp_neurons(layer, part, pos_slice, neuron_slice, project)[0]
         return result.squeeze(-1) if squeeze else result
 
     def _mlp_neuron_parts(
         self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
     ) -> tuple[list[torch.Tensor], list[str]]:
-        """Block l's neurons as components [n, *batch_and_pos, d_model]: a dense block's "L{l}N{i}" (as
-        TransformerLens); a mixture's shared expert "L{l}.shared.N{i}", then each routed expert's
-        "L{l}.E{e}.N{i}" (zero where a token did not route to e; sums over a token's slots routed to e)."""
-        block = self.model.blocks[l]
-        if not block.is_moe:
-            stack, ids = self._dense_neurons(l, pos_slice, neuron_slice, project)
-            return [stack.movedim(-2, 0)], [f"L{l}N{i}" for i in ids]
-        parts, labels = [], []
-        if block.mlp.has_shared_expert:
-            stack, ids = self._shared_neurons(l, pos_slice, neuron_slice, project)
-            parts.append(stack.movedim(-2, 0))
-            labels += [f"L{l}.shared.N{i}" for i in ids]
-        slots, ids = self._slot_neurons(l, pos_slice, neuron_slice, project)  # [*rest, k, n, d]
-        indices = self._get(f"blocks.{l}.mlp.hook_expert_indices", pos_slice)
-        onehot = torch.nn.functional.one_hot(indices, self.model.cfg.n_experts).to(slots.dtype)  # [*rest, k, E]
-        per_expert = torch.einsum("...knd,...ke->en...d", slots, onehot).flatten(0, 1)
-        parts.append(per_expert)
-        labels += [f"L{l}.E{e}.N{i}" for e in range(self.model.cfg.n_experts) for i in ids]
-        down_bias = block.mlp.experts.tensors().down_bias
+        """Block l's neurons as components [n, *batch_and_pos, d_model], part by part (block.mlp.parts()): a
+        dense block's "L{l}N{i}" (as TransformerLens); a mixture's shared expert "L{l}.shared.N{i}" and each
+        routed expert's "L{l}.E{e}.N{i}" (zero where a token did not route to e; sums over a token's slots
+        routed to e), in the order of its parts."""
+        stacks, labels = [], []
+        for part in self.model.blocks[l].mlp.parts():
+            if part.kind == "routed":
+                routed, routed_labels = self._routed_neuron_parts(l, part, pos_slice, neuron_slice, project)
+                stacks, labels = stacks + routed, labels + routed_labels
+                continue
+            stack, ids = self._gated_mlp_neurons(l, part, pos_slice, neuron_slice, project)
+            stacks.append(stack.movedim(-2, 0))
+            labels += [f"L{l}N{i}" for i in ids] if part.kind == "dense" else [f"L{l}.{part.label}.N{i}" for i in ids]
+        return stacks, labels
+
+    def _routed_neuron_parts(
+        self, l: int, part: RoutedPart, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], list[str]]:
+        """The routed experts' neurons per expert "L{l}.E{e}.N{i}", then their output biases "L{l}.E{e}.bias"
+        where they have them."""
+        slots, ids = self._slot_neurons(l, part, pos_slice, neuron_slice, project)  # [*rest, k, n, d]
+        indices = self._get(part.indices.name, pos_slice)
+        n_experts = part.module.n_experts
+        onehot = torch.nn.functional.one_hot(indices, n_experts).to(slots.dtype)  # [*rest, k, E]
+        stacks = [torch.einsum("...knd,...ke->en...d", slots, onehot).flatten(0, 1)]
+        labels = [f"L{l}.E{e}.N{i}" for e in range(n_experts) for i in ids]
+        down_bias = part.module.tensors().down_bias
         if down_bias is not None:  # each routed expert's output bias, weighted as its slot: "L{l}.E{e}.bias"
-            weights = self._get(f"blocks.{l}.mlp.hook_expert_weights", pos_slice).to(slots.dtype)
+            weights = self._get(part.weights.name, pos_slice).to(slots.dtype)
             bias_slots = weights[..., None] * down_bias.to(slots.device, slots.dtype)[indices]  # [*rest, k, d]
-            parts.append(torch.einsum("...kd,...ke->e...d", bias_slots, onehot))
-            labels += [f"L{l}.E{e}.bias" for e in range(self.model.cfg.n_experts)]
-        return parts, labels
+            stacks.append(torch.einsum("...kd,...ke->e...d", bias_slots, onehot))
+            labels += [f"L{l}.E{e}.bias" for e in range(n_experts)]
+        return stacks, labels
 
     def stack_neuron_results(
         self,
@@ -461,25 +460,26 @@ class CacheAnalysis:
 
     # ---- the full decomposition --------------------------------------------------------------------
     def _mlp_out_parts(self, l: int, pos_slice: PosSlice) -> tuple[list[torch.Tensor], list[str]]:
-        """Block l's MLP output as components: a dense block's "{l}_mlp_out" (TransformerLens's label); a
-        mixture's shared expert as added "L{l}.shared" and each routed expert "L{l}.E{e}" (a token's share
-        from e is the sum of its slots routed to e; zero where it did not choose e)."""
-        block, what, pre = self.model.blocks[l], "get_full_resid_decomposition", f"blocks.{l}.mlp"
-        if not block.is_moe:
-            self._require(what, [f"blocks.{l}.hook_mlp_out"])
-            return [self._get(f"blocks.{l}.hook_mlp_out", pos_slice)[None]], [f"{l}_mlp_out"]
-        parts, labels = [], []
-        if block.mlp.has_shared_expert:
-            self._require(what, [f"{pre}.hook_shared_out"])
-            parts.append(self._get(f"{pre}.hook_shared_out", pos_slice)[None])
-            labels.append(f"L{l}.shared")
-        self._require(what, [f"{pre}.hook_expert_indices", f"{pre}.hook_expert_outputs"])
-        n_experts = self.model.cfg.n_experts
-        onehot = torch.nn.functional.one_hot(self._get(f"{pre}.hook_expert_indices", pos_slice), n_experts)
-        outputs = self._get(f"{pre}.hook_expert_outputs", pos_slice)
-        parts.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
-        labels += [f"L{l}.E{e}" for e in range(n_experts)]
-        return parts, labels
+        """Block l's MLP output as components, part by part (block.mlp.parts()): a dense block's "{l}_mlp_out"
+        (TransformerLens's label); a mixture's shared expert as added "L{l}.shared" and each routed expert
+        "L{l}.E{e}" (a token's share from e is the sum of its slots routed to e; zero where it did not choose
+        e), in the order of its parts."""
+        block, what = self.model.blocks[l], "get_full_resid_decomposition"
+        stacks, labels = [], []
+        for part in block.mlp.parts():
+            if part.kind == "routed":
+                self._require(what, [part.indices.name, part.slot_outputs.name])
+                n_experts = part.module.n_experts
+                onehot = torch.nn.functional.one_hot(self._get(part.indices.name, pos_slice), n_experts)
+                outputs = self._get(part.slot_outputs.name, pos_slice)
+                stacks.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
+                labels += [f"L{l}.E{e}" for e in range(n_experts)]
+                continue
+            out = block.hook_mlp_out if part.out is None else part.out  # a dense MLP's term is all of hook_mlp_out
+            self._require(what, [out.name])
+            stacks.append(self._get(out.name, pos_slice)[None])
+            labels.append(f"{l}_mlp_out" if part.kind == "dense" else f"L{l}.{part.label}")
+        return stacks, labels
 
     def _accumulated_bias(self, n_attn: int, like: torch.Tensor) -> torch.Tensor:
         """The o_proj biases of the first n_attn blocks, summed, as one component [1, *batch_and_pos, d]
@@ -679,20 +679,20 @@ class CacheAnalysis:
         other component's, to the logit. Zero where a token did not choose e, and for dense blocks. The
         shared expert is not in it (see get_full_resid_decomposition, "L{l}.shared"). Computed in float32."""
         cfg = self.model.cfg
-        moe = cfg.moe_layer_indices
+        routed = [(l, p) for l, block in enumerate(self.model.blocks) for p in block.mlp.parts() if p.kind == "routed"]
         names = ["ln_final.hook_scale"]
-        names += [f"blocks.{l}.mlp.hook_expert_{s}" for l in moe for s in ("outputs", "indices")]
+        names += [name for _, part in routed for name in (part.slot_outputs.name, part.indices.name)]
         self._require("expert_logit_attribution", names)
         scale = self._get("ln_final.hook_scale", pos_slice).float()  # [*rest, 1]
         rest = scale.shape[:-1]
         dirs = self._directions(tokens_or_logit_directions, incorrect_tokens, pos_slice, rest).float()
         out = scale.new_zeros(cfg.n_layers, cfg.n_experts, *rest)
-        for l in moe:
-            outputs = self._get(f"blocks.{l}.mlp.hook_expert_outputs", pos_slice).float()  # [*rest, k, d]
-            indices = self._get(f"blocks.{l}.mlp.hook_expert_indices", pos_slice)
+        for l, part in routed:
+            outputs = self._get(part.slot_outputs.name, pos_slice).float()  # [*rest, k, d]
+            indices = self._get(part.indices.name, pos_slice)
             per_slot = (outputs * dirs.to(outputs.device).unsqueeze(-2)).sum(-1) / scale  # [*rest, k]
             per_expert = per_slot.new_zeros(*rest, cfg.n_experts).scatter_add_(-1, indices, per_slot)
-            out[l] = per_expert.movedim(-1, 0)
+            out[l] += per_expert.movedim(-1, 0)
         return out
 
 

@@ -1,9 +1,10 @@
 """Weight processing: fold RMSNorm weights into their readers, center the unembedding (in place).
 
 fold_layer_norm: an RMSNorm computes w * n with n = x / rms(x), and every reader is linear in its input,
-so W @ (w * n) = (W * w) @ n. The weight of ln1 goes into q/k/v projections, of ln2 into the router, the
-experts' gate and up rows, the shared expert's gate and up projections and Qwen2-MoE's shared expert gate
-(or a dense block's gate and up), of ln_final into the unembedding; then each norm's weight is set to 1.
+so W @ (w * n) = (W * w) @ n. The weight of ln1 goes into q/k/v projections, of ln2 into every weight the
+MLP's parts read their input with (block.mlp.parts(), input_weights: the router, the experts' gate and up
+rows, a shared expert's gate and up projections and its gate's map where it has one, a dense block's gate and
+up), of ln_final into the unembedding; then each norm's weight is set to 1.
 Biases are added after the projection and do not change. Everything linear is unchanged up to rounding.
 
 Routing is not linear: the top-k choice is discontinuous, so a rounding-sized change of a router logit can
@@ -83,7 +84,8 @@ def chosen_experts(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, 
 def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     """Fold every RMSNorm weight (ln1, ln2, ln_final) into its readers and set the norm weights to 1; return
     how many tokens of a probe batch had their routing changed by it."""
-    stored = next((b.mlp.experts.spec.storage for b in model.blocks if b.is_moe and b.mlp.experts.spec.storage), None)
+    routed = [part.module for block in model.blocks for part in block.mlp.parts() if part.kind == "routed"]
+    stored = next((experts.spec.storage for experts in routed if experts.spec.storage), None)
     if stored is not None:  # their tensors() are dequantized copies: scaling those would fold nothing
         raise ValueError(
             f"fold_ln rewrites the routed experts' gate and up rows, which this model keeps stored as {stored!r} "
@@ -96,18 +98,9 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
         for proj in block.attn.input_projections():
             _scale_inputs(proj.weight, w1)
         w2 = block.ln2.weight.float()
-        mlp = block.mlp
-        if block.is_moe:
-            _scale_inputs(mlp.router.weight, w2)
-            _scale_inputs(mlp.experts.tensors().gate_up, w2)  # gate and up rows both read ln2's output; biases do not
-            if mlp.has_shared_expert:
-                _scale_inputs(mlp.shared_expert.gate_proj.weight, w2)
-                _scale_inputs(mlp.shared_expert.up_proj.weight, w2)
-            if mlp.shared_expert_gated:
-                _scale_inputs(mlp.shared_gate.weight, w2)
-        else:
-            _scale_inputs(mlp.gate_proj.weight, w2)
-            _scale_inputs(mlp.up_proj.weight, w2)
+        for part in block.mlp.parts():  # everything that reads ln2's output; biases are added after and do not
+            for weight in part.input_weights():
+                _scale_inputs(weight, w2)
         block.ln1.weight.fill_(1.0)
         block.ln2.weight.fill_(1.0)
     untie(model)

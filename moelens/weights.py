@@ -39,6 +39,7 @@ from moelens.factored_matrix import FactoredMatrix
 if TYPE_CHECKING:
     from moelens.config import MoeConfig
     from moelens.models.components import Attention, Embed, RMSNorm, SparseMoe
+    from moelens.models.components.parts import GatedMlpPart
 
 
 class WeightViews:
@@ -192,10 +193,18 @@ class WeightViews:
             )
         return torch.stack([fn(block.mlp) for block in self.blocks])
 
-    def _shared(self, what: str, fn: Callable[[SparseMoe], torch.Tensor]) -> torch.Tensor:
-        if not any(block.is_moe and block.mlp.has_shared_expert for block in self.blocks):
+    def _shared(self, what: str, fn: Callable[[GatedMlpPart], torch.Tensor]) -> torch.Tensor:
+        """fn(the mixture's shared expert part) per layer (block.mlp.parts(): its part of kind "shared")."""
+        if not any(part.kind == "shared" for block in self.blocks for part in block.mlp.parts()):
             raise ValueError(f"{what}: this model's mixtures have no shared expert")
-        return self._per_moe_layer(what, fn)
+
+        def per_layer(mlp: SparseMoe) -> torch.Tensor:
+            shared = [part for part in mlp.parts() if part.kind == "shared"]
+            if len(shared) != 1:
+                raise ValueError(f"{what}: {type(mlp).__name__} has {len(shared)} shared experts, not one per layer")
+            return fn(shared[0])
+
+        return self._per_moe_layer(what, per_layer)
 
     @property
     def W_router(self) -> Float[torch.Tensor, "n_layers n_experts d_model"]:
@@ -249,22 +258,31 @@ class WeightViews:
 
     @property
     def W_shared_gate(self) -> Float[torch.Tensor, "n_layers d_model d_shared"]:
-        return self._shared("W_shared_gate", lambda m: m.shared_expert.gate_proj.weight.T)
+        return self._shared("W_shared_gate", lambda part: part.module.gate_proj.weight.T)
 
     @property
     def W_shared_in(self) -> Float[torch.Tensor, "n_layers d_model d_shared"]:
-        return self._shared("W_shared_in", lambda m: m.shared_expert.up_proj.weight.T)
+        return self._shared("W_shared_in", lambda part: part.module.up_proj.weight.T)
 
     @property
     def W_shared_out(self) -> Float[torch.Tensor, "n_layers d_shared d_model"]:
-        return self._shared("W_shared_out", lambda m: m.shared_expert.down_proj.weight.T)
+        return self._shared("W_shared_out", lambda part: part.module.down_proj.weight.T)
 
     @property
     def W_shared_sigmoid_gate(self) -> Float[torch.Tensor, "n_layers d_model"]:
         """Qwen2-MoE's shared_expert_gate: the shared expert is scaled by sigmoid(x @ this[l])."""
-        if not any(b.is_moe and b.mlp.shared_expert_gated for b in self.blocks):
-            raise ValueError("W_shared_sigmoid_gate: this model's shared expert is not gated (only Qwen2-MoE's is)")
-        return self._shared("W_shared_sigmoid_gate", lambda m: m.shared_gate.weight[0])
+        def sigmoid_gated(part: GatedMlpPart) -> bool:
+            return part.gate is not None and part.gate.activation is torch.sigmoid
+
+        if not any(part.kind == "shared" and sigmoid_gated(part) for block in self.blocks for part in block.mlp.parts()):
+            raise ValueError("W_shared_sigmoid_gate: this model's shared expert is not gated by a sigmoid (only Qwen2-MoE's is)")
+
+        def gate_row(part: GatedMlpPart) -> torch.Tensor:
+            if not sigmoid_gated(part):
+                raise ValueError("W_shared_sigmoid_gate: some of this model's shared experts have no sigmoid gate")
+            return part.gate.module.weight[0]
+
+        return self._shared("W_shared_sigmoid_gate", gate_row)
 
     # ---- processing ---------------------------------------------------------------------------------
     def process_weights_(self, fold_ln: bool = False, center_unembed: bool = False) -> None:

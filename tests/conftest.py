@@ -102,7 +102,17 @@ def copy_checkpoint(tmp_path, checkpoints):
     return copy
 
 
+def shared_parts(model, layer: int | None = None) -> list:
+    """Capability read from the model: the shared-expert parts (block.mlp.parts()) of that layer, or of all."""
+    layers = [layer] if layer is not None else range(model.cfg.n_layers)
+    return [p for l in layers for p in model.blocks[l].mlp.parts() if p.kind == "shared"]
+
+
 def has_shared_expert(model, layer: int | None = None) -> bool:
-    """Capability read from the model: whether (that layer's) mixture block has a shared expert."""
-    blocks = [model.blocks[layer]] if layer is not None else [b for b in model.blocks if b.is_moe]
-    return any(b.is_moe and b.mlp.has_shared_expert for b in blocks)
+    """Whether (that layer's) mixture block has a shared expert."""
+    return bool(shared_parts(model, layer))
+
+
+def shared_expert_gated(model, layer: int | None = None) -> bool:
+    """Whether (that layer's) shared expert is scaled by a gate (Qwen2-MoE's sigmoid)."""
+    return any(p.gate is not None for p in shared_parts(model, layer))

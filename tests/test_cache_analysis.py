@@ -55,7 +55,7 @@ def expected_labels(model, expand=False):
         if not block.is_moe:
             labels += [f"L{l}N{i}" for i in range(cfg.d_mlp)] if expand else [f"{l}_mlp_out"]
             continue
-        if block.mlp.has_shared_expert:
+        if has_shared_expert(model, l):
             labels += [f"L{l}.shared.N{i}" for i in range(cfg.d_shared)] if expand else [f"L{l}.shared"]
         if expand:
             labels += [f"L{l}.E{e}.N{i}" for e in range(cfg.n_experts) for i in range(cfg.d_expert)]

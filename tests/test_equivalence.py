@@ -20,7 +20,7 @@ def check_report(report, model, tol=1e-5):
     n_moe = sum(model.cfg.moe_layers)
     for site in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices", "hook_routed_out"):
         assert sum(s.endswith(site) for s in compared) == n_moe, site
-    n_shared = sum(b.is_moe and b.mlp.has_shared_expert for b in model.blocks)
+    n_shared = sum(p.kind == "shared" for b in model.blocks for p in b.mlp.parts())
     assert sum(s.endswith("shared_expert.hook_out") for s in compared) == n_shared
     for site in report.sites:
         assert site.max_abs_diff <= tol, site

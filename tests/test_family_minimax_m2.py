@@ -136,7 +136,7 @@ def test_references_cover_what_transformers_exposes(ckpts, refs):
 def test_components():
     parts = HookedMiniMaxM2.components
     assert parts.attention is ProjectionQKNormAttention and parts.moe is SparseMoe
-    assert parts.router is SigmoidTopKFloat32Weights and not parts.moe.has_shared_expert
+    assert parts.router is SigmoidTopKFloat32Weights
     assert SigmoidTopKFloat32Weights.choice_bias and not SigmoidTopKFloat32Weights.float32_weight
 
 

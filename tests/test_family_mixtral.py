@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 import moelens.models.mixtral  # noqa: F401  (registers model_type "mixtral")
 from moelens import HookedTransformer
 from moelens.loaders.errors import CheckpointError
+from moelens.models.components import SparseMoe
 from moelens.models.components.router_float32_weights import SoftmaxTopKFloat32Weights
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
 from moelens.models.mixtral import HookedMixtral
@@ -133,7 +134,7 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
 
 def test_router_rule():
     assert HookedMixtral.components.router is SoftmaxTopKFloat32Weights
-    assert not SoftmaxTopKFloat32Weights.float32_weight and not HookedMixtral.components.moe.has_shared_expert
+    assert not SoftmaxTopKFloat32Weights.float32_weight and HookedMixtral.components.moe is SparseMoe
 
 
 # ---- the sliding window ---------------------------------------------------------------------------------

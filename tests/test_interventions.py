@@ -11,7 +11,7 @@ other hooks are on or on the experts backend.
 
 import pytest
 import torch
-from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert
+from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert, shared_expert_gated
 
 from moelens import HookedTransformer
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
@@ -40,16 +40,16 @@ def test_identities(family_models, family, tokens):
         mlp, block = f"blocks.{layer}.mlp", model.blocks[layer]
         if not block.is_moe:
             continue
-        if not block.mlp.has_shared_expert:
+        if not has_shared_expert(model, layer):
             assert torch.equal(cache[f"{mlp}.hook_routed_out"], cache["mlp_out", layer])
         else:
             torch.testing.assert_close(
                 cache[f"{mlp}.hook_routed_out"] + cache[f"{mlp}.hook_shared_out"], cache["mlp_out", layer], rtol=0, atol=0
             )
-        if block.mlp.shared_expert_gated:
+        if shared_expert_gated(model, layer):
             gated = torch.sigmoid(cache[f"{mlp}.hook_shared_gate"]) * cache[f"{mlp}.shared_expert.hook_out"]
             torch.testing.assert_close(gated, cache[f"{mlp}.hook_shared_out"], rtol=0, atol=0)
-        elif block.mlp.has_shared_expert:
+        elif has_shared_expert(model, layer):
             assert torch.equal(cache[f"{mlp}.hook_shared_out"], cache[f"{mlp}.shared_expert.hook_out"])
         torch.testing.assert_close(cache[f"{mlp}.hook_expert_outputs"].sum(2).to(cache["mlp_out", layer].dtype),
                                    cache[f"{mlp}.hook_routed_out"], rtol=0, atol=1e-6)
@@ -218,7 +218,7 @@ def test_hooks_fire_in_family_order(family_models, family, tokens):
         assert shared < router and routed < pos["blocks.0.mlp.hook_shared_gate"] < shared_out
     elif isinstance(mlp, SharedFirstMoe):  # shared expert first, added as it is
         assert pos["blocks.0.mlp.hook_shared_out"] < router
-    elif mlp.has_shared_expert:  # the shared expert after the routed experts
+    elif has_shared_expert(model, int(layer)):  # the shared expert after the routed experts
         assert routed < pos["blocks.0.mlp.shared_expert.hook_out"]
     if mlp.router.choice_bias:
         assert pos["blocks.0.mlp.hook_router_scores"] < pos["blocks.0.mlp.hook_choice_scores"] < pos["blocks.0.mlp.hook_expert_indices"]
@@ -268,9 +268,9 @@ def test_shapes_and_support_table(family_models, family, tokens):
     names = set(table.names())
     assert names == {n if not n.startswith("blocks.") else "blocks.L." + n.split(".", 2)[2] for n in model.hook_dict}
     mlps = [b.mlp for b in model.blocks if b.is_moe]
-    assert ("blocks.L.mlp.hook_shared_gate" in names) == any(m.shared_expert_gated for m in mlps)
+    assert ("blocks.L.mlp.hook_shared_gate" in names) == shared_expert_gated(model)
     assert ("blocks.L.mlp.hook_choice_scores" in names) == any(m.router.choice_bias for m in mlps)
-    assert ("blocks.L.mlp.shared_expert.hook_out" in names) == any(m.has_shared_expert for m in mlps)
+    assert ("blocks.L.mlp.shared_expert.hook_out" in names) == has_shared_expert(model)
     row = {r.name: r for r in table.rows}["blocks.L.mlp.hook_expert_indices"]
     top_k = sorted({cfg.top_k[layer] for layer in moe_layers(model)})
     assert row.shape == "[batch, pos, " + "|".join(str(k) for k in top_k) + "]"

@@ -6,7 +6,7 @@ comparing logits (and routing) with the unprocessed model.
 
 import pytest
 import torch
-from conftest import FAMILIES, has_shared_expert
+from conftest import FAMILIES, has_shared_expert, shared_expert_gated
 
 from moelens import HookedTransformer
 from moelens.factored_matrix import FactoredMatrix
@@ -133,9 +133,9 @@ def test_expert_views_reproduce_hooks(runs, family):
             close(x @ model.W_shared_gate[l], cache[sh + "hook_pre"])
             close(x @ model.W_shared_in[l], cache[sh + "hook_pre_linear"])
             close(cache[sh + "hook_post"] @ model.W_shared_out[l], cache[sh + "hook_out"])
-            if model.blocks[l].mlp.shared_expert_gated:
+            if shared_expert_gated(model, l):
                 close(x @ model.W_shared_sigmoid_gate[l], cache["shared_gate", l][..., 0])
-        if not any(b.mlp.shared_expert_gated for b in model.blocks):
+        if not shared_expert_gated(model):
             with pytest.raises(ValueError, match="not gated"):
                 model.W_shared_sigmoid_gate
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from moelens.hooks import HookPoint
 from moelens.experts.activations import activation
+from moelens.models.components.parts import GatedMlpPart
 
 
 class GatedMLP(nn.Module):
@@ -46,6 +47,11 @@ class GatedMLP(nn.Module):
     def b_out(self) -> Float[torch.Tensor, "d_model"]:
         """Zeros: the projections have no bias."""
         return self.down_proj.weight.new_zeros(self.down_proj.weight.shape[0])
+
+    def parts(self) -> tuple[GatedMlpPart]:
+        """As a dense block's MLP: one part, the whole MLP (its term is the block's hook_mlp_out); see
+        moelens.models.components.parts."""
+        return (GatedMlpPart("dense", self, out=None),)
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         pre = self.hook_pre(self.gate_proj(x))

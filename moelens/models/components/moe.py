@@ -17,6 +17,7 @@ from moelens.kernels.expert_parallel import ExpertShard
 from moelens.kernels.experts import VIEW_SITES, ExpertViewPoint, ViewGroup, check_indices, routed_subset
 from moelens.kernels.offload import OffloadedExperts
 from moelens.models.components.mlp import GatedMLP
+from moelens.models.components.parts import GatedMlpPart, MlpPart, PartGate, RoutedPart
 from moelens.models.components.router import TopKRouter
 
 
@@ -166,10 +167,8 @@ class Experts(nn.Module):
 
 class SparseMoe(nn.Module):
     """A router and routed experts, nothing else (Mixtral, OLMoE, Qwen3-MoE). Subclasses add a shared expert;
-    each one's forward runs its parts in the family's order, which is the order its hooks fire in."""
-
-    has_shared_expert: ClassVar[bool] = False
-    shared_expert_gated: ClassVar[bool] = False  # the shared expert scaled by sigmoid(shared_gate(x))
+    each one's forward runs its parts in the family's order, which is the order its hooks fire in, and parts()
+    lists them as data (moelens.models.components.parts) for the code that works on every arrangement."""
 
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__()
@@ -191,6 +190,18 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         return self._routed(x)
+
+    def parts(self) -> tuple[MlpPart, ...]:
+        """What this mixture adds to the stream, part by part (moelens.models.components.parts), in the order
+        the decompositions list them: a shared expert before the routed experts, whichever the forward runs
+        first. The parts' `out` terms sum to the block's hook_mlp_out."""
+        return (self._routed_part(),)
+
+    def _routed_part(self) -> RoutedPart:
+        return RoutedPart(
+            self.router, self.experts, out=self.hook_routed_out, slot_outputs=self.hook_expert_outputs,
+            indices=self.hook_expert_indices, weights=self.hook_expert_weights,
+        )
 
     # TransformerLens's dense-MLP weights (block.mlp.W_in [d_model, d_mlp], ...): a mixture has one per expert
     _DENSE_WEIGHTS: ClassVar[dict[str, str]] = {
@@ -237,8 +248,6 @@ class SharedExpertMoe(SparseMoe):
     """Routed experts, then a shared expert (d_shared wide) that every token goes through, added ungated
     (Solar-Open, DeepSeek-V3)."""
 
-    has_shared_expert = True
-
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__(cfg, layer, router)
         self.shared_expert = GatedMLP(cfg.d_model, cfg.d_shared, cfg.act_fn, "d_shared", hook_out=True)
@@ -247,6 +256,9 @@ class SharedExpertMoe(SparseMoe):
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         routed = self._routed(x)
         return routed + self.hook_shared_out(self.shared_expert(x))
+
+    def parts(self) -> tuple[MlpPart, ...]:
+        return (GatedMlpPart("shared", self.shared_expert, out=self.hook_shared_out), self._routed_part())
 
 
 class SharedFirstMoe(SharedExpertMoe):
@@ -261,8 +273,6 @@ class GatedSharedExpertMoe(SharedExpertMoe):
     """The shared expert first; after the routed experts it is scaled by sigmoid(shared_gate(x)), a
     one-output linear map of the block input (Qwen2-MoE)."""
 
-    shared_expert_gated = True
-
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__(cfg, layer, router)
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
@@ -273,3 +283,7 @@ class GatedSharedExpertMoe(SharedExpertMoe):
         routed = self._routed(x)
         gate = torch.sigmoid(self.hook_shared_gate(self.shared_gate(x)))
         return routed + self.hook_shared_out(gate * ungated)
+
+    def parts(self) -> tuple[MlpPart, ...]:
+        gate = PartGate(self.shared_gate, self.hook_shared_gate, torch.sigmoid)
+        return (GatedMlpPart("shared", self.shared_expert, out=self.hook_shared_out, gate=gate), self._routed_part())
