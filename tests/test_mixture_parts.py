@@ -154,7 +154,7 @@ def test_a_new_arrangement_is_folded_and_viewed_by_its_parts(custom, tokens):
         assert torch.equal(custom.W_shared_in[l], block.mlp.always_on.up_proj.weight.T)
         assert torch.equal(custom.W_shared_out[l], block.mlp.always_on.down_proj.weight.T)
     with pytest.raises(ValueError, match="not gated by a sigmoid"):
-        custom.W_shared_sigmoid_gate
+        _ = custom.W_shared_sigmoid_gate
     # a routing table reports the mean factor of the part's gate (here tanh)
     table = routing_table(custom, tokens[:1])
     with torch.no_grad():
