@@ -13,9 +13,8 @@ from safetensors.torch import load_file, save_file
 import moelens.models.mixtral  # noqa: F401  (registers model_type "mixtral")
 from moelens import HookedTransformer
 from moelens.loaders.errors import CheckpointError
-from moelens.models.components.router_float32_weights import SoftmaxTopKFloat32Weights
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
-from moelens.models.mixtral import HookedMixtral
+from moelens.models.mixtral import HookedMixtral, SoftmaxTopKFloat32Weights
 from moelens.plan import plan
 from moelens.verify import compare, load_reference
 
