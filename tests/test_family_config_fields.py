@@ -159,9 +159,10 @@ CASES = {
             truncate=False), max_position_embeddings=256, qkv_bias=True, o_bias=True, attention_windows=(5, None, 5),
             moe_layers=(True, True, True), n_experts=8, top_k=(3, 3, 3), d_expert=32, swiglu_limit=1.5),
         read=["attention_bias", "head_dim", "hidden_size", "intermediate_size", "layer_types",
-            "max_position_embeddings", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
-            "num_local_experts", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
-            "rope_theta", "sliding_window", "swiglu_alpha", "swiglu_limit", "tie_word_embeddings", "vocab_size"],
+            "max_position_embeddings", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_local_experts", "partial_rotary_factor", "rms_norm_eps", "rope_parameters",
+            "rope_scaling", "rope_theta", "sliding_window", "swiglu_alpha", "swiglu_limit", "tie_word_embeddings",
+            "vocab_size"],
         ignored=("hidden_act",),
     ),
     "glm4_moe": Case(
