@@ -17,7 +17,7 @@ from moelens.experts.spec import GLU, ExpertSpec
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: plain, YaRN or Hunyuan's alpha-NTK (which only changes the base)."""
+    """Rotary embedding: plain, YaRN or an NTK-alpha stretch (which only changes the base)."""
 
     theta: float
     kind: Literal["default", "yarn"] = "default"
@@ -31,7 +31,7 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
-    # the rotated dims stored as interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave)
+    # the rotated dims stored as interleaved pairs (x0, x1), (x2, x3), ... (config.json's rope_interleave)
     interleaved: bool = False
 
 
@@ -45,7 +45,7 @@ class MoeConfig:
     use_split_qkv_input, use_hook_mlp_in, use_attn_in.
 
     d_mlp is the width of the *dense* MLPs (the blocks that are not mixtures; 0 when every block is one).
-    TransformerLens's Mixtral and OLMoE configs put each expert's width in d_mlp; here that is d_expert, and a
+    TransformerLens's MoE configs put each expert's width in d_mlp; here that is d_expert, and a
     shared expert's width is d_shared. Code that sizes per-neuron buffers from cfg.d_mlp on an MoE layer wants
     d_expert.
 
@@ -208,7 +208,7 @@ class MoeConfig:
 
     @property
     def rotary_adjacent_pairs(self) -> bool:
-        """True where the rotated dims are interleaved pairs (DeepSeek's rope_interleave)."""
+        """True where the rotated dims are interleaved pairs (config.json's rope_interleave)."""
         return self.rope.interleaved
 
     @property
