@@ -17,7 +17,7 @@ from moelens.experts.spec import GLU, ExpertSpec
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: plain, YaRN or Hunyuan's alpha-NTK (which only changes the base)."""
+    """Rotary embedding: plain, YaRN or an NTK-alpha stretch (which only changes the base)."""
 
     theta: float
     kind: Literal["default", "yarn"] = "default"
@@ -31,7 +31,7 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
-    # the rotated dims stored as interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave)
+    # the rotated dims stored as interleaved pairs (x0, x1), (x2, x3), ... (config.json's rope_interleave)
     interleaved: bool = False
 
 
@@ -45,7 +45,7 @@ class MoeConfig:
     use_split_qkv_input, use_hook_mlp_in, use_attn_in.
 
     d_mlp is the width of the *dense* MLPs (the blocks that are not mixtures; 0 when every block is one).
-    TransformerLens's Mixtral and OLMoE configs put each expert's width in d_mlp; here that is d_expert, and a
+    TransformerLens's MoE configs put each expert's width in d_mlp; here that is d_expert, and a
     shared expert's width is d_shared. Code that sizes per-neuron buffers from cfg.d_mlp on an MoE layer wants
     d_expert.
 
@@ -208,7 +208,7 @@ class MoeConfig:
 
     @property
     def rotary_adjacent_pairs(self) -> bool:
-        """True where the rotated dims are interleaved pairs (DeepSeek's rope_interleave)."""
+        """True where the rotated dims are interleaved pairs (config.json's rope_interleave)."""
         return self.rope.interleaved
 
     @property
@@ -245,7 +245,7 @@ class MoeConfig:
         return "causal"
 
 
-_REQUIRED = object()  # default of the typed reads: the field must be present
+REQUIRED = object()  # default of the typed reads (and of a family's defaults): the field must be present
 
 # The most moelens accepts for config.json's size fields: ten times and more what the largest published
 # models use (~100 layers, 512 experts, d_model 7168, 262k tokens), and low enough that reading a config and
@@ -297,12 +297,12 @@ class HFConfig:
     def _value(self, name: str, default):
         value = self.opt(name)
         if value is None:
-            if default is _REQUIRED:
+            if default is REQUIRED:
                 raise KeyError(self.label(name))
             return default, False
         return value, True
 
-    def integer(self, name: str, default=_REQUIRED, *, at_least: int | None = None, at_most: int | None = None):
+    def integer(self, name: str, default=REQUIRED, *, at_least: int | None = None, at_most: int | None = None):
         value, present = self._value(name, default)
         if present:
             _check_integer(value, self.label(name), at_least, at_most)
@@ -310,7 +310,7 @@ class HFConfig:
         return value
 
     def number(
-        self, name: str, default=_REQUIRED, *, at_least: float | None = None, above: float | None = None,
+        self, name: str, default=REQUIRED, *, at_least: float | None = None, above: float | None = None,
         at_most: float | None = None,
     ):
         """A finite number (a JSON int is a fine float); at_least and at_most inclusive, above exclusive."""
@@ -322,19 +322,19 @@ class HFConfig:
             raise _bad(self.label(name), value, _expected("a finite number", at_least, above, at_most))
         return float(value)
 
-    def flag(self, name: str, default=_REQUIRED):
+    def flag(self, name: str, default=REQUIRED):
         value, present = self._value(name, default)
         if present and not isinstance(value, bool):
             raise _bad(self.label(name), value, "true or false")
         return value
 
-    def text(self, name: str, default=_REQUIRED):
+    def text(self, name: str, default=REQUIRED):
         value, present = self._value(name, default)
         if present and not isinstance(value, str):
             raise _bad(self.label(name), value, "a string")
         return value
 
-    def integers(self, name: str, default=_REQUIRED, *, at_least: int | None = None, at_most: int | None = None):
+    def integers(self, name: str, default=REQUIRED, *, at_least: int | None = None, at_most: int | None = None):
         """A list of integers, each checked as integer() checks one."""
         value, present = self._value(name, default)
         if not present:
@@ -381,11 +381,11 @@ class HFConfig:
         params, scaling = self.section("rope_parameters"), self.section("rope_scaling")
         return HFConfig({**scaling.raw, **params.raw}, {**scaling.parents, **params.parents})
 
-    def rope(self, partial_rotary_factor: float = 1.0) -> RopeConfig:
+    def rope(self, partial_rotary_factor: float = 1.0, theta: float = 10000.0) -> RopeConfig:
         """Rotary settings from either spelling: rope_theta + rope_scaling (Hub) or rope_parameters (transformers).
-        partial_rotary_factor: the family's default where config.json gives none (in either place)."""
+        partial_rotary_factor, theta: the family's defaults where config.json gives none (in either place)."""
         rope = self.rope_section()
-        theta = rope.number("rope_theta", self.number("rope_theta", 10000.0, above=0), above=0)
+        theta = rope.number("rope_theta", self.number("rope_theta", theta, above=0), above=0)
         kind = rope.text("rope_type", rope.text("type", "default"))
         partial = rope.number(
             "partial_rotary_factor",
@@ -415,6 +415,59 @@ class HFConfig:
                 truncate=rope.flag("truncate", True),
             )
         raise ValueError(f"rope type {kind!r} is not supported by this family (rope settings: {rope.raw})")
+
+
+def common_fields(
+    hf: HFConfig,
+    *,
+    rms_norm_eps: float,
+    max_position_embeddings: int,
+    num_key_value_heads: int | None = None,
+    hidden_size: int = REQUIRED,
+    rope_theta: float = 10000.0,
+    partial_rotary_factor: float = 1.0,
+    d_head: int | None = None,
+    rope: RopeConfig | None = None,
+    act_fn: str | None = None,
+) -> dict:
+    """The MoeConfig fields every family reads from the same config.json fields: d_model (hidden_size),
+    n_layers (num_hidden_layers), n_heads (num_attention_heads), n_kv_heads (num_key_value_heads), d_head
+    (head_dim, else hidden_size // num_attention_heads), d_vocab (vocab_size), norm_eps (rms_norm_eps), rope
+    (HFConfig.rope), max_position_embeddings, act_fn (hidden_act, "silu" where absent) and tie_word_embeddings
+    (false where absent).
+
+    The keywords named as config.json's fields are the family's defaults for them where config.json has none
+    (transformers' config class's): hidden_size is required unless given one, num_key_value_heads None means
+    num_attention_heads. d_head, rope: the family's own reading of them, where it has one. act_fn: the family's
+    fixed activation, where config.json's hidden_act does not choose it (then hidden_act is not read)."""
+    n_heads = hf.integer("num_attention_heads", at_least=1)
+    kv_default = n_heads if num_key_value_heads is None else num_key_value_heads
+    return dict(
+        d_model=hf.integer("hidden_size", hidden_size, at_least=1),
+        n_layers=hf.integer("num_hidden_layers", at_least=1),
+        n_heads=n_heads,
+        n_kv_heads=hf.integer("num_key_value_heads", kv_default, at_least=1),
+        d_head=hf.head_dim() if d_head is None else d_head,
+        d_vocab=hf.integer("vocab_size", at_least=1),
+        norm_eps=hf.number("rms_norm_eps", rms_norm_eps, at_least=0),
+        rope=hf.rope(partial_rotary_factor, rope_theta) if rope is None else rope,
+        max_position_embeddings=hf.integer("max_position_embeddings", max_position_embeddings, at_least=1),
+        act_fn=hf.text("hidden_act", "silu") if act_fn is None else act_fn,
+        tie_word_embeddings=hf.flag("tie_word_embeddings", False),
+    )
+
+
+def routed_fields(
+    hf: HFConfig, moe_layers: tuple[bool, ...], n_experts: int, d_expert: int, *, num_experts_per_tok: int = REQUIRED
+) -> dict:
+    """moe_layers, n_experts, d_expert as the family read them, and top_k: num_experts_per_tok (between 1 and
+    n_experts; the family's default where absent) on every mixture block, 0 on the dense ones, and not read
+    where no block is a mixture."""
+    top_k = 0
+    if any(moe_layers):
+        top_k = hf.integer("num_experts_per_tok", num_experts_per_tok, at_least=1, at_most=n_experts)
+    top_ks = tuple(top_k if moe else 0 for moe in moe_layers)
+    return dict(moe_layers=moe_layers, n_experts=n_experts, top_k=top_ks, d_expert=d_expert)
 
 
 def _bad(label: str, value, expected: str) -> ValueError:

@@ -2,23 +2,25 @@
 transformers' own DeepseekV3ForCausalLM on the same tiny checkpoints."""
 
 import math
-import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 import moelens.models.deepseek_v3  # noqa: F401  (registers the family)
 import tiny
+import family_harness as harness
 import tiny_deepseek_v3 as tiny_ds
+from family_harness import (
+    References, build_checkpoints, check_bit_exact, check_greedy_generation, copy_checkpoint, left_padded,
+    rewrite_tensors, stored_keys, tokens,
+)
 from moelens import HookedTransformer, KVCache
 from moelens.loaders.errors import CheckpointError
 from moelens.models.components.latent_attention import MultiHeadLatentAttention
 from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.plan import plan
 from moelens.utils import get_act_name
-from moelens.verify import compare, load_reference
+from moelens.verify import compare
 from test_plan import hf_component, hf_weights
 
 VARIANTS = [v for (_, v) in tiny_ds.VARIANTS]
@@ -26,8 +28,7 @@ VARIANTS = [v for (_, v) in tiny_ds.VARIANTS]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepseek_v3")
-    return {v: build(root / v) for (_, v), build in tiny_ds.VARIANTS.items()}
+    return build_checkpoints(tmp_path_factory, "deepseek_v3", tiny_ds.VARIANTS)
 
 
 @pytest.fixture(scope="module")
@@ -37,30 +38,23 @@ def models(checkpoints):
 
 @pytest.fixture(scope="module")
 def references(checkpoints):
-    return {v: load_reference(p) for v, p in checkpoints.items()}
+    return References(checkpoints)
 
 
-def tokens(seed=3, shape=(2, 40)):
-    return torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(seed))
+PER_BLOCK = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post", "ln1.hook_normalized",
+             "ln2.hook_normalized", "attn.hook_q", "attn.hook_kv_latent", "attn.hook_z")
 
 
 def check_report(report, model, tol=1e-5):
-    assert report.max_logit_diff <= tol, report
-    compared = {s.site for s in report.sites}
-    cfg = model.cfg
+    harness.check_report(report, model, lambda layer: PER_BLOCK, tol)
+    cfg, compared = model.cfg, {s.site for s in report.sites}
     for layer in range(cfg.n_layers):
-        for site in ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post", "ln1.hook_normalized",
-                     "ln2.hook_normalized", "attn.hook_q", "attn.hook_kv_latent", "attn.hook_z"):
-            assert f"blocks.{layer}.{site}" in compared, site
         assert (f"blocks.{layer}.attn.hook_q_latent" in compared) == (cfg.q_lora_rank is not None)
         assert (f"blocks.{layer}.mlp.hook_post" in compared) == (not cfg.moe_layers[layer])
     n_moe = sum(cfg.moe_layers)
     for site in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices", "hook_routed_out",
                  "shared_expert.hook_out"):
         assert sum(s.endswith(site) for s in compared) == n_moe, site
-    for site in report.sites:
-        assert site.max_abs_diff <= tol, site
-    assert report.index_mismatches == 0
 
 
 def test_variants_are_what_they_claim(models, checkpoints):
@@ -76,10 +70,10 @@ def test_variants_are_what_they_claim(models, checkpoints):
     assert base.d_head == 20 and base.d_rot == 8 and base.v_head_dim == 10
     assert type(models["base"].blocks[0].attn) is MultiHeadLatentAttention
     assert len(list(checkpoints["sharded"].glob("*.safetensors"))) > 1
-    keys = _keys(checkpoints["fused"])
+    keys = stored_keys(checkpoints["fused"])
     assert "model.layers.1.mlp.experts.gate_up_proj" in keys and not any(".experts.0." in k for k in keys)
     # transformers saves the Hub's per-expert spelling; the base checkpoint is loaded in it
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in _keys(checkpoints["base"])
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in stored_keys(checkpoints["base"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -138,35 +132,22 @@ def test_attention_sites_without_a_module_of_their_own(models, references, varia
 
 
 @pytest.mark.parametrize("variant", ["base", "plain_q"])
-def test_bfloat16_is_bit_exact(checkpoints, variant):
+def test_bfloat16_is_bit_exact(checkpoints, references, variant):
     """Same ops in the same order and memory layout as transformers' eager MLA: bf16 logits and every
     reference site identical, the router float32 as transformers keeps it."""
     path = checkpoints[variant]
     model = HookedTransformer.from_pretrained(path, dtype=torch.bfloat16, progress=False)
-    ref = load_reference(path, torch.bfloat16)
+    ref = references(variant, torch.bfloat16)
     for layer, block in enumerate(model.blocks):
         if block.is_moe:
             assert block.mlp.router.weight.dtype == ref.model.layers[layer].mlp.gate.weight.dtype == torch.float32
-    report = compare(model, ref, tokens())
-    assert report.index_mismatches == 0
-    assert report.max_logit_diff == 0.0, report
-    assert all(s.max_abs_diff == 0.0 for s in report.sites), report
+    check_bit_exact(compare(model, ref, tokens()))
 
 
 @pytest.mark.parametrize("variant,padded", [("base", False), ("base", True), ("plain_q", True)])
 def test_greedy_generation_matches_transformers(models, references, variant, padded):
-    model, ref = models[variant], references[variant]
-    toks = tokens(5, (3, 9))
-    mask = None
-    if padded:
-        mask = torch.ones_like(toks)
-        mask[1, :3], mask[2, :1] = 0, 0
-        toks = toks.masked_fill(mask == 0, 0)
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = ref.generate(toks, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    got = model.generate(toks, attention_mask=mask, max_new_tokens=8, stop_at_eos=False, do_sample=False)
-    assert torch.equal(got, expected)
+    prompt = left_padded(5, (3, 9), (0, 3, 1)) if padded else (tokens(5, (3, 9)), None)
+    check_greedy_generation(models[variant], references[variant], *prompt)
 
 
 def test_cached_steps_match_the_uncached_forward(models):
@@ -233,15 +214,9 @@ def test_softmax_scale_is_transformers(models):
 @pytest.fixture
 def broken(checkpoints, tmp_path):
     def copy(variant="base"):
-        return shutil.copytree(checkpoints[variant], tmp_path / variant)
+        return copy_checkpoint(checkpoints, tmp_path, variant)
 
     return copy
-
-
-def _rewrite(folder, edit):
-    tensors = load_file(folder / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("key", [
@@ -254,7 +229,7 @@ def _rewrite(folder, edit):
 ])
 def test_missing_tensor_is_named(broken, key):
     folder = broken()
-    _rewrite(folder, lambda t: t.pop(key))
+    rewrite_tensors(folder, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match="missing") as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert key in str(info.value)
@@ -265,7 +240,7 @@ def test_multi_token_prediction_layer_is_skipped_only_when_the_config_has_one(br
     transformers nor moelens runs: they load past them; any other extra layer is refused."""
     folder = broken()
     n_layers = models["base"].cfg.n_layers
-    _rewrite(folder, lambda t: t.update({
+    rewrite_tensors(folder, lambda t: t.update({
         f"model.layers.{n_layers}.eh_proj.weight": torch.ones(4, 4),
         f"model.layers.{n_layers}.self_attn.kv_b_proj.weight": torch.ones(4, 4),
     }))
@@ -280,7 +255,7 @@ def test_multi_token_prediction_layer_is_skipped_only_when_the_config_has_one(br
 
 def test_misshapen_tensor_is_named(broken):
     folder, key = broken(), "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
-    _rewrite(folder, lambda t: t.update({key: torch.zeros(20, 64)}))  # kv_lora_rank + qk_rope_head_dim is 24
+    rewrite_tensors(folder, lambda t: t.update({key: torch.zeros(20, 64)}))  # kv_lora_rank + qk_rope_head_dim is 24
     with pytest.raises(CheckpointError) as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert all(part in str(info.value) for part in (key, "(20, 64)", "(24, 64)", "config.json"))
@@ -288,7 +263,7 @@ def test_misshapen_tensor_is_named(broken):
 
 def test_plain_q_checkpoint_with_a_bottleneck_tensor_is_refused(broken):
     folder = broken("plain_q")
-    _rewrite(folder, lambda t: t.update({"model.layers.0.self_attn.q_a_proj.weight": torch.zeros(24, 64)}))
+    rewrite_tensors(folder, lambda t: t.update({"model.layers.0.self_attn.q_a_proj.weight": torch.zeros(24, 64)}))
     with pytest.raises(CheckpointError, match="unexpected"):
         HookedTransformer.from_pretrained(folder, progress=False)
 
@@ -379,8 +354,3 @@ def test_embedded_default_loads_and_runs():
     assert logits.shape[-1] == 260 and torch.isfinite(logits).all()
     assert cache["blocks.3.attn.hook_kv_latent"].shape[-1] == 16
     assert model.generate("Hi", max_new_tokens=3, stop_at_eos=False, do_sample=False)
-
-
-def _keys(folder):
-    with safe_open(folder / "model.safetensors", "pt") as f:
-        return list(f.keys())

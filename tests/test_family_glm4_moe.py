@@ -8,12 +8,15 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 import moelens.models.glm4_moe  # noqa: F401  (registers model_type "glm4_moe")
 import tiny
+import family_harness as harness
 import tiny_glm4_moe as tiny_glm
+from family_harness import (
+    ATTENTION_SITES, BLOCK_SITES, MODEL_SITES, ROUTER_SITES, References, build_checkpoints, check_bit_exact,
+    check_greedy_generation, copy_checkpoint, left_padded, rewrite_tensors, stored_keys, tokens,
+)
 from moelens import HookedTransformer
 from moelens.cli import main
 from moelens.loaders.errors import CheckpointError
@@ -21,7 +24,7 @@ from moelens.models.components import Attention, SharedExpertMoe, SigmoidGrouped
 from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
 from moelens.models.glm4_moe import HookedGlm4Moe
 from moelens.plan import plan
-from moelens.verify import compare, load_reference
+from moelens.verify import compare
 from test_plan import hf_component, hf_weights
 
 VARIANTS = [v for (_, v) in tiny_glm.VARIANTS]
@@ -29,8 +32,7 @@ VARIANTS = [v for (_, v) in tiny_glm.VARIANTS]
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm4_moe")
-    return {v: build(root / v) for (_, v), build in tiny_glm.VARIANTS.items()}
+    return build_checkpoints(tmp_path_factory, "glm4_moe", tiny_glm.VARIANTS)
 
 
 @pytest.fixture(scope="module")
@@ -40,45 +42,18 @@ def models(ckpts):
 
 @pytest.fixture(scope="module")
 def refs(ckpts):
-    cache = {}
-
-    def get(variant, dtype=torch.float32):
-        if (variant, dtype) not in cache:
-            cache[variant, dtype] = load_reference(ckpts[variant], dtype)
-        return cache[variant, dtype]
-
-    return get
+    return References(ckpts)
 
 
-def tokens(seed=3, shape=(2, 40)):
-    return torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def keys(folder):
-    out = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            out += list(f.keys())
-    return out
-
-
-BLOCK_SITES = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post", "ln1.hook_normalized",
-               "ln2.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
-MIXTURE_SITES = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices",
-                 "mlp.hook_routed_out", "mlp.shared_expert.hook_out")
+GLM_BLOCK_SITES = BLOCK_SITES + ATTENTION_SITES
+MIXTURE_SITES = ROUTER_SITES + ("mlp.shared_expert.hook_out",)
 
 
 def check_report(report, model, tol=1e-5):
-    assert report.max_logit_diff <= tol, report
-    compared = {s.site for s in report.sites}
-    for layer in range(model.cfg.n_layers):
-        sites = BLOCK_SITES + (MIXTURE_SITES if model.cfg.moe_layers[layer] else ("mlp.hook_post",))
-        for site in sites:
-            assert f"blocks.{layer}.{site}" in compared, site
-    assert {"ln_final.hook_normalized", "hook_logits"} <= compared
-    for site in report.sites:
-        assert site.max_abs_diff <= tol, site
-    assert report.index_mismatches == 0
+    def sites(layer):
+        return GLM_BLOCK_SITES + (MIXTURE_SITES if model.cfg.moe_layers[layer] else ("mlp.hook_post",))
+
+    harness.check_report(report, model, sites, tol, MODEL_SITES)
 
 
 def test_variants_are_what_they_claim(models, ckpts):
@@ -95,9 +70,9 @@ def test_variants_are_what_they_claim(models, ckpts):
     assert type(models["base"].blocks[0].attn) is QKNormBeforeRotaryAttention
     assert type(models["air"].blocks[0].attn) is Attention
     assert len(list(ckpts["sharded"].glob("*.safetensors"))) > 1
-    fused = keys(ckpts["fused"])
+    fused = stored_keys(ckpts["fused"])
     assert "model.layers.1.mlp.experts.gate_up_proj" in fused and not any(".experts.0." in k for k in fused)
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys(ckpts["base"])  # the Hub's spelling
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in stored_keys(ckpts["base"])  # the Hub's spelling
     # transformers writes the rotary share inside rope_parameters
     assert json.loads((ckpts["base"] / "config.json").read_text())["rope_parameters"]["partial_rotary_factor"] == 0.5
 
@@ -183,10 +158,7 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
             gate = ref.model.layers[layer].mlp.gate
             assert block.mlp.router.weight.dtype == gate.weight.dtype == torch.float32
             assert block.mlp.router.e_score_correction_bias.dtype == gate.e_score_correction_bias.dtype == torch.float32
-    report = compare(model, ref, tokens())
-    assert report.index_mismatches == 0
-    assert report.max_logit_diff == 0.0, report
-    assert all(s.max_abs_diff == 0.0 for s in report.sites), report
+    check_bit_exact(compare(model, ref, tokens()))
 
 
 # ---- generation -------------------------------------------------------------------------------------
@@ -194,17 +166,8 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
 
 @pytest.mark.parametrize("variant,padded", [("base", False), ("base", True), ("air", True)])
 def test_greedy_generation_matches_transformers(models, refs, variant, padded):
-    model, ref = models[variant], refs(variant)
-    toks, mask = tokens(5, (3, 9)), None
-    if padded:
-        mask = torch.ones_like(toks)
-        mask[1, :3], mask[2, :1] = 0, 0
-        toks = toks.masked_fill(mask == 0, 0)
-    ref.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = ref.generate(toks, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    got = model.generate(toks, attention_mask=mask, max_new_tokens=8, stop_at_eos=False, do_sample=False)
-    assert torch.equal(got, expected)
+    prompt = left_padded(5, (3, 9), (0, 3, 1)) if padded else (tokens(5, (3, 9)), None)
+    check_greedy_generation(models[variant], refs(variant), *prompt)
 
 
 # ---- config spellings -------------------------------------------------------------------------------
@@ -264,17 +227,6 @@ def test_config_refusals():
 # ---- checkpoints the loader refuses, and the MTP layers it passes over ------------------------------------
 
 
-def _copy(ckpts, tmp_path, variant="base"):
-    return shutil.copytree(ckpts[variant], tmp_path / variant)
-
-
-def _rewrite(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize("key", [
     "model.layers.1.self_attn.q_norm.weight",
     "model.layers.2.self_attn.k_proj.bias",
@@ -284,16 +236,16 @@ def _rewrite(folder, edit):
     "model.layers.0.mlp.up_proj.weight",
 ])
 def test_missing_tensor_is_named(ckpts, tmp_path, key):
-    folder = _copy(ckpts, tmp_path)
-    _rewrite(folder, lambda t: t.pop(key))
+    folder = copy_checkpoint(ckpts, tmp_path)
+    rewrite_tensors(folder, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match="missing") as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert key in str(info.value)
 
 
 def test_misshapen_tensor_is_named(ckpts, tmp_path):
-    folder, key = _copy(ckpts, tmp_path), "model.layers.2.mlp.shared_experts.gate_proj.weight"
-    _rewrite(folder, lambda t: t.update({key: torch.zeros(24, 64)}))  # moe_intermediate_size * n_shared_experts is 48
+    folder, key = copy_checkpoint(ckpts, tmp_path), "model.layers.2.mlp.shared_experts.gate_proj.weight"
+    rewrite_tensors(folder, lambda t: t.update({key: torch.zeros(24, 64)}))  # moe_intermediate_size * n_shared_experts is 48
     with pytest.raises(CheckpointError) as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert all(part in str(info.value) for part in (key, "(24, 64)", "(48, 64)"))
@@ -301,7 +253,7 @@ def test_misshapen_tensor_is_named(ckpts, tmp_path):
 
 def test_q_norm_without_use_qk_norm_is_refused(ckpts, tmp_path):
     """A checkpoint with q/k norms whose config says use_qk_norm false would silently drop them: refused."""
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     tiny.edit_config(folder, use_qk_norm=False)
     with pytest.raises(CheckpointError, match="unexpected") as info:
         HookedTransformer.from_pretrained(folder, progress=False)
@@ -311,14 +263,14 @@ def test_q_norm_without_use_qk_norm_is_refused(ckpts, tmp_path):
 def test_multi_token_prediction_layers_are_skipped_only_when_the_config_has_them(ckpts, models, tmp_path):
     """GLM's Hub checkpoints store num_nextn_predict_layers extra layers after the last block, which neither
     transformers nor moelens runs: they load past them; any other extra layer is refused."""
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     n_layers = models["base"].cfg.n_layers
     extra = {
         f"model.layers.{n_layers}.eh_proj.weight": torch.ones(64, 128),
         f"model.layers.{n_layers}.enorm.weight": torch.ones(64),
         f"model.layers.{n_layers}.mlp.experts.0.up_proj.weight": torch.ones(24, 64),
     }
-    _rewrite(folder, lambda t: t.update(extra))
+    rewrite_tensors(folder, lambda t: t.update(extra))
     tiny.edit_config(folder, num_nextn_predict_layers=0)
     with pytest.raises(CheckpointError, match=f"unexpected .*model.layers.{n_layers}."):
         HookedTransformer.from_pretrained(folder, progress=False)

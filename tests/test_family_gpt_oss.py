@@ -2,15 +2,18 @@
 generation, the sinks, the sliding layers, the clamped SwiGLU, the stored expert layouts, errors, the full-size
 parameter count and the embedded default."""
 
-import json
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+import family_harness as harness
 import tiny_gpt_oss
+from family_harness import (
+    MODEL_SITES, References, build_checkpoints, check_greedy_generation, check_report, config_json, rewrite_tensors,
+    stored_keys,
+)
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from moelens import HookedTransformer
 from moelens.experts.spec import ClampedSwiGLU
@@ -38,23 +41,16 @@ GPT_OSS_20B = {
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt_oss")
-    return {variant: build(root / variant) for (_, variant), build in VARIANTS.items()}
+    return build_checkpoints(tmp_path_factory, "gpt_oss", VARIANTS)
 
 
 @pytest.fixture(scope="module")
 def refs(ckpts):
-    return {}
-
-
-def reference(refs, ckpts, variant, dtype=torch.float32):
-    if (variant, dtype) not in refs:
-        refs[variant, dtype] = load_reference(ckpts[variant], dtype)
-    return refs[variant, dtype]
+    return References(ckpts)
 
 
 def tokens(seed=3, shape=(2, 24)):
-    return torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(seed))
+    return harness.tokens(seed, shape)
 
 
 # ---- float32: every site against transformers ---------------------------------------------------------------
@@ -63,16 +59,10 @@ def tokens(seed=3, shape=(2, 24)):
 def test_float32_every_site(ckpts, refs, variant):
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
     assert type(model) is HookedGptOss and isinstance(model.blocks[0].attn, SinkAttention)
-    report = compare(model, reference(refs, ckpts, variant), tokens())
-    assert report.index_mismatches == 0 and report.max_logit_diff <= 1e-5, report
-    assert all(s.max_abs_diff <= 1e-5 for s in report.sites), report
-    compared = {s.site for s in report.sites}
     per_block = ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z",
                  "hook_attn_out", "ln2.hook_normalized", "mlp.hook_router_logits", "mlp.hook_expert_weights",
                  "mlp.hook_expert_indices", "mlp.hook_routed_out", "hook_mlp_out", "hook_resid_post")
-    for layer in range(model.cfg.n_layers):
-        assert {f"blocks.{layer}.{s}" for s in per_block} <= compared
-    assert {"ln_final.hook_normalized", "hook_logits"} <= compared
+    check_report(compare(model, refs(variant), tokens()), model, lambda layer: per_block, model_sites=MODEL_SITES)
 
 
 def test_variants_are_what_they_claim(ckpts):
@@ -95,7 +85,7 @@ def test_bfloat16_routing_identical_and_logits_bit_exact(ckpts, refs, variant):
     stored [E, d_model, 2*d_expert] layout, moelens by the [E, 2*d_expert, d_model] one, which can round a
     routed output differently in its last bfloat16 bit (at most one ulp at a site: checked here)."""
     model = HookedTransformer.from_pretrained(ckpts[variant], dtype=torch.bfloat16, progress=False)
-    ref = reference(refs, ckpts, variant, torch.bfloat16)
+    ref = refs(variant, torch.bfloat16)
     report = compare(model, ref, tokens())
     assert report.index_mismatches == 0
     assert report.max_logit_diff == 0.0, report
@@ -171,13 +161,7 @@ def test_biased_expert_decomposition_sums_to_the_routed_output(ckpts):
 
 def test_greedy_generation_matches_transformers(ckpts, refs):
     model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
-    ref = reference(refs, ckpts, "base")
-    ref.generation_config.eos_token_id = None
-    prompt = tokens(5, (2, 9))
-    with torch.no_grad():
-        expected = ref.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    got = model.generate(prompt, max_new_tokens=8, stop_at_eos=False, do_sample=False)
-    assert torch.equal(got, expected)
+    check_greedy_generation(model, refs("base"), tokens(5, (2, 9)))
 
 
 # ---- checkpoint layouts and errors ----------------------------------------------------------------------------
@@ -187,7 +171,7 @@ def test_stored_layout_is_mapped_onto_the_spec(ckpts):
     d_expert, d_model]; moelens holds W_gate_up [E, 2*d_expert, d_model] gate rows first, W_down [E, d_model,
     d_expert] and the biases gate first."""
     model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
-    assert set(expected_keys(HookedGptOss.site_map(model.cfg))) == set(_keys(ckpts["base"]))
+    assert set(expected_keys(HookedGptOss.site_map(model.cfg))) == set(stored_keys(ckpts["base"]))
     with safe_open(ckpts["base"] / "model.safetensors", "pt") as f:
         gate_up = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")
         bias = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_bias")
@@ -201,7 +185,7 @@ def test_stored_layout_is_mapped_onto_the_spec(ckpts):
 
 def test_misshapen_expert_tensor_names_its_key_and_stored_shape(ckpts, tmp_path):
     folder = shutil.copytree(ckpts["base"], tmp_path / "ckpt")
-    _rewrite(folder, lambda t: t.update({"model.layers.0.mlp.experts.down_proj": torch.zeros(8, 64, 32)}))
+    rewrite_tensors(folder, lambda t: t.update({"model.layers.0.mlp.experts.down_proj": torch.zeros(8, 64, 32)}))
     with pytest.raises(CheckpointError) as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     message = str(info.value)
@@ -212,7 +196,7 @@ def test_misshapen_expert_tensor_names_its_key_and_stored_shape(ckpts, tmp_path)
 def test_missing_sinks_and_expert_bias_name_their_keys(ckpts, tmp_path):
     for key in ("model.layers.2.self_attn.sinks", "model.layers.1.mlp.experts.down_proj_bias"):
         folder = shutil.copytree(ckpts["base"], tmp_path / key)
-        _rewrite(folder, lambda t: t.pop(key))
+        rewrite_tensors(folder, lambda t: t.pop(key))
         with pytest.raises(CheckpointError, match="missing") as info:
             HookedTransformer.from_pretrained(folder, progress=False)
         assert key in str(info.value)
@@ -226,7 +210,7 @@ def test_missing_sinks_and_expert_bias_name_their_keys(ckpts, tmp_path):
 ])
 def test_config_refusals(ckpts, change, message):
     with pytest.raises(ValueError, match=message):
-        HookedGptOss.config_from_hf({**_config(ckpts["base"]), **change})
+        HookedGptOss.config_from_hf({**config_json(ckpts["base"]), **change})
 
 
 def test_triton_backend_refuses_the_clamped_biased_experts_and_auto_uses_torch(ckpts):
@@ -261,24 +245,6 @@ def test_support_lists_the_sink_site(ckpts):
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
-
-def _keys(folder):
-    keys = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            keys += list(f.keys())
-    return keys
-
-
-def _config(folder):
-    return json.loads((folder / "config.json").read_text())
-
-
-def _rewrite(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _hf_config(config):
@@ -335,6 +301,6 @@ def test_mxfp4_experts_offloaded_and_bfloat16(mxfp4):
 
 def test_mxfp4_blocks_of_the_wrong_shape_name_their_key(mxfp4, tmp_path):
     folder = shutil.copytree(mxfp4, tmp_path / "ckpt")
-    _rewrite(folder, lambda t: t.update({"model.layers.2.mlp.experts.down_proj_scales": torch.zeros(8, 64, 2, dtype=torch.uint8)}))
+    rewrite_tensors(folder, lambda t: t.update({"model.layers.2.mlp.experts.down_proj_scales": torch.zeros(8, 64, 2, dtype=torch.uint8)}))
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.down_proj_scales"):
         HookedTransformer.from_pretrained(folder, progress=False)

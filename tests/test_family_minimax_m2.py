@@ -8,9 +8,13 @@ import shutil
 
 import pytest
 import torch
+import family_harness as harness
 import tiny_minimax_m2 as tiny_mm
+from family_harness import (
+    MODEL_SITES, References, build_checkpoints, check_bit_exact, check_greedy_generation, copy_checkpoint,
+    left_padded, rewrite_tensors, stored_keys, tokens,
+)
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 import tiny
 from moelens import CheckpointError, HookedTransformer
@@ -29,31 +33,12 @@ D_ROT = 16  # the tiny models' rotary_dim: half of head_dim 32
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("minimax_m2")
-    return {v: build(root / v) for (_, v), build in tiny_mm.VARIANTS.items()}
+    return build_checkpoints(tmp_path_factory, "minimax_m2", tiny_mm.VARIANTS)
 
 
 @pytest.fixture(scope="module")
-def refs():
-    return {}
-
-
-def reference(refs, ckpts, variant, dtype=torch.float32):
-    if (variant, dtype) not in refs:
-        refs[variant, dtype] = load_reference(ckpts[variant], dtype)
-    return refs[variant, dtype]
-
-
-def tokens(seed=3, shape=(2, 40)):
-    return torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def keys(folder):
-    out = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            out += list(f.keys())
-    return out
+def refs(ckpts):
+    return References(ckpts)
 
 
 PER_BLOCK = (
@@ -64,12 +49,7 @@ PER_BLOCK = (
 
 
 def check_report(report, model, tol=1e-5):
-    assert report.index_mismatches == 0 and report.max_logit_diff <= tol, report
-    compared = {s.site for s in report.sites}
-    for layer in range(model.cfg.n_layers):
-        assert {f"blocks.{layer}.{s}" for s in PER_BLOCK} <= compared
-    assert {"ln_final.hook_normalized", "hook_logits"} <= compared
-    assert all(s.max_abs_diff <= tol for s in report.sites), report
+    harness.check_report(report, model, lambda layer: PER_BLOCK, tol, MODEL_SITES)
 
 
 # ---- float32: every site, every variant ---------------------------------------------------------------------
@@ -79,11 +59,11 @@ def check_report(report, model, tol=1e-5):
 def test_float32_every_site(ckpts, refs, variant):
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
     assert type(model) is HookedMiniMaxM2
-    check_report(compare(model, reference(refs, ckpts, variant), tokens()), model)
+    check_report(compare(model, refs(variant), tokens()), model)
 
 
 def test_float32_left_padded_and_fused_attention(ckpts, refs):
-    model, ref = HookedTransformer.from_pretrained(ckpts["base"], progress=False), reference(refs, ckpts, "base")
+    model, ref = HookedTransformer.from_pretrained(ckpts["base"], progress=False), refs("base")
     toks, mask = tokens(5, (3, 24)), torch.ones(3, 24, dtype=torch.long)
     mask[0, :4], mask[1, :9] = 0, 0
     report = compare(model, ref, toks, mask)
@@ -106,10 +86,10 @@ def test_variants_are_what_they_claim(ckpts):
     hub = json.loads((ckpts["hub_config"] / "config.json").read_text())
     assert "rope_parameters" not in hub and hub["rotary_dim"] == D_ROT and hub["use_qk_norm"] is True
     assert len(list(ckpts["sharded"].glob("*.safetensors"))) > 1
-    fused = keys(ckpts["fused"])
+    fused = stored_keys(ckpts["fused"])
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused and "model.layers.0.mlp.e_score_correction_bias" in fused
     assert not any("block_sparse_moe" in k or "experts.0." in k for k in fused)
-    prefixed = keys(ckpts["mlp_prefix"])
+    prefixed = stored_keys(ckpts["mlp_prefix"])
     assert "model.layers.2.mlp.experts.7.w2.weight" in prefixed and not any("block_sparse_moe" in k for k in prefixed)
 
 
@@ -117,7 +97,7 @@ def test_references_cover_what_transformers_exposes(ckpts, refs):
     """Every reference names a real transformers module; of each attention block only q_proj and k_proj (whose
     raw outputs the whole-projection norms consume) have no moelens hook."""
     model = HookedTransformer.from_pretrained(ckpts["base"], device="meta", progress=False)
-    ref = reference(refs, ckpts, "base")
+    ref = refs("base")
     site_map = HookedMiniMaxM2.site_map(model.cfg)
     modules = {r.module for r in site_map.references}
     for r in site_map.references:
@@ -151,7 +131,7 @@ def test_rotary_turns_the_first_rotary_dim_dims_as_transformers(ckpts, refs, dty
     original = modeling.apply_rotary_pos_emb
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", lambda *a, **k: seen.append(original(*a, **k)) or seen[-1])
     model = HookedTransformer.from_pretrained(ckpts["base"], dtype=dtype, progress=False)
-    ref = reference(refs, ckpts, "base", dtype)
+    ref = refs("base", dtype)
     with torch.no_grad():
         out = ref(tokens(), output_attentions=True)
     _, cache = model.run_with_cache(tokens(), names_filter=["*hook_q", "*hook_k", "*rot_q", "*rot_k", "*pattern"])
@@ -222,7 +202,7 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant, seeds):
     too), the logits bfloat16, the sigmoid and the top-k weights float32 (the expert outputs are scaled in
     float32, as transformers' experts): identical bf16 results, on several inputs."""
     model = HookedTransformer.from_pretrained(ckpts[variant], dtype=torch.bfloat16, progress=False)
-    ref = reference(refs, ckpts, variant, torch.bfloat16)
+    ref = refs(variant, torch.bfloat16)
     for layer, block in enumerate(model.blocks):
         theirs = ref.model.layers[layer].mlp
         assert block.mlp.router.weight.dtype == theirs.gate.weight.dtype == torch.bfloat16
@@ -230,10 +210,7 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant, seeds):
     _, cache = model.run_with_cache(tokens(), names_filter=lambda n: n.endswith(("router_logits", "expert_weights")))
     assert cache["router_logits", 0].dtype == torch.bfloat16 and cache["expert_weights", 0].dtype == torch.float32
     for seed in seeds:
-        report = compare(model, ref, tokens(seed))
-        assert report.index_mismatches == 0
-        assert report.max_logit_diff == 0.0, report
-        assert all(s.max_abs_diff == 0.0 for s in report.sites), report
+        check_bit_exact(compare(model, ref, tokens(seed)))
 
 
 # ---- generation --------------------------------------------------------------------------------------------
@@ -242,17 +219,8 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant, seeds):
 @pytest.mark.parametrize("variant,padded", [("base", True), ("full_rotary_tied", False)])
 def test_greedy_generation_matches_transformers(ckpts, refs, variant, padded):
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
-    ref = reference(refs, ckpts, variant)
-    ref.generation_config.eos_token_id = None
-    toks, mask = tokens(5, (3, 9)), None
-    if padded:
-        mask = torch.ones_like(toks)
-        mask[1, :3], mask[2, :1] = 0, 0
-        toks = toks.masked_fill(mask == 0, 0)
-    with torch.no_grad():
-        expected = ref.generate(toks, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    got = model.generate(toks, attention_mask=mask, max_new_tokens=8, stop_at_eos=False, do_sample=False)
-    assert got.shape == (3, 17) and torch.equal(got, expected)
+    prompt = left_padded(5, (3, 9), (0, 3, 1)) if padded else (tokens(5, (3, 9)), None)
+    check_greedy_generation(model, refs(variant), *prompt)
 
 
 # ---- checkpoint and config spellings ---------------------------------------------------------------------------
@@ -262,7 +230,7 @@ def test_hub_spelling_is_what_transformers_saves(ckpts):
     """MiniMaxAI/MiniMax-M2 stores model.layers.L.block_sparse_moe.{gate.weight, e_score_correction_bias,
     experts.E.w1/w3/w2.weight} (w1 gate, w3 up, w2 down) and self_attn.{q,k}_norm.weight over the whole
     projection; transformers 5's save_pretrained writes the same, and moelens expects exactly those keys."""
-    stored = set(keys(ckpts["base"]))
+    stored = set(stored_keys(ckpts["base"]))
     for key in ("model.layers.0.block_sparse_moe.gate.weight", "model.layers.2.block_sparse_moe.e_score_correction_bias",
                 "model.layers.1.block_sparse_moe.experts.7.w1.weight", "model.layers.0.block_sparse_moe.experts.0.w3.weight",
                 "model.layers.2.block_sparse_moe.experts.3.w2.weight", "model.layers.0.self_attn.q_norm.weight",
@@ -324,17 +292,6 @@ def test_both_config_spellings_read_as_transformers(ckpts):
 # ---- bad checkpoints and configs ---------------------------------------------------------------------------
 
 
-def _copy(ckpts, tmp_path, variant="base"):
-    return shutil.copytree(ckpts[variant], tmp_path / variant)
-
-
-def _rewrite(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 @pytest.mark.parametrize("key", [
     "model.layers.1.block_sparse_moe.experts.3.w3.weight",
     "model.layers.2.block_sparse_moe.e_score_correction_bias",
@@ -342,8 +299,8 @@ def _rewrite(folder, edit):
     "model.layers.1.self_attn.k_norm.weight",
 ])
 def test_missing_tensor_is_named_in_the_hub_spelling(ckpts, tmp_path, key):
-    folder = _copy(ckpts, tmp_path)
-    _rewrite(folder, lambda t: t.pop(key))
+    folder = copy_checkpoint(ckpts, tmp_path)
+    rewrite_tensors(folder, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match="missing") as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert key in str(info.value)
@@ -351,17 +308,17 @@ def test_missing_tensor_is_named_in_the_hub_spelling(ckpts, tmp_path, key):
 
 def test_per_head_sized_q_norm_is_refused_with_its_key(ckpts, tmp_path):
     """A q norm of one head's size (qk_norm_type "per_head", the layout of other families) is not MiniMax-M2's."""
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     key = "model.layers.0.self_attn.q_norm.weight"
-    _rewrite(folder, lambda t: t.update({key: torch.ones(32)}))
+    rewrite_tensors(folder, lambda t: t.update({key: torch.ones(32)}))
     with pytest.raises(CheckpointError) as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert all(part in str(info.value) for part in (key, "(32,)", "(128,)", "model.safetensors"))
 
 
 def test_fused_checkpoint_missing_down_proj_is_named(ckpts, tmp_path):
-    folder = _copy(ckpts, tmp_path, "fused")
-    _rewrite(folder, lambda t: t.pop("model.layers.0.mlp.experts.down_proj"))
+    folder = copy_checkpoint(ckpts, tmp_path, "fused")
+    rewrite_tensors(folder, lambda t: t.pop("model.layers.0.mlp.experts.down_proj"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.down_proj"):
         HookedTransformer.from_pretrained(folder, progress=False)
 
@@ -369,9 +326,9 @@ def test_fused_checkpoint_missing_down_proj_is_named(ckpts, tmp_path):
 def test_multi_token_prediction_modules_are_skipped_only_when_the_config_has_them(ckpts, tmp_path):
     """Layers stored after the last block are the MTP modules (num_mtp_modules), which neither transformers nor
     moelens runs; without them in the config they are unexpected tensors, named."""
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     key = "model.layers.3.block_sparse_moe.experts.0.w1.weight"
-    _rewrite(folder, lambda t: t.update({key: torch.ones(32, 64), "model.layers.4.self_attn.q_proj.weight": torch.ones(4)}))
+    rewrite_tensors(folder, lambda t: t.update({key: torch.ones(32, 64), "model.layers.4.self_attn.q_proj.weight": torch.ones(4)}))
     with pytest.raises(CheckpointError, match=rf"unexpected .*{key}"):
         HookedTransformer.from_pretrained(folder, progress=False)
     tiny.edit_config(folder, num_mtp_modules=2)
@@ -383,7 +340,7 @@ def test_multi_token_prediction_modules_are_skipped_only_when_the_config_has_the
 def test_published_fp8_config_is_read(ckpts, tmp_path):
     """MiniMax-M2's published quantization_config (block-scaled fp8) is a format moelens reads; its fp8
     weights are loaded and compared with transformers' dequantizing load in tests/test_quantized_checkpoints.py."""
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     tiny.edit_config(folder, quantization_config=MINIMAX_M2["quantization_config"])
     assert type(HookedTransformer.from_pretrained(folder, progress=False)) is HookedMiniMaxM2
 
@@ -476,7 +433,7 @@ def test_embedded_default_verify_and_generate(tmp_path, monkeypatch, capsys):
     assert logits.shape[-1] == 260 and torch.isfinite(logits).all()
     assert model.generate("Hi", max_new_tokens=3, stop_at_eos=False, do_sample=False)
     folder = default_checkpoint("tiny-minimax-m2")
-    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in keys(folder)  # written in the Hub's spelling
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in stored_keys(folder)  # written in the Hub's spelling
     report = compare(model, load_reference(folder), torch.randint(0, 260, (2, 16)))
     assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0
     assert main(["verify", "tiny-minimax-m2"]) == 0

@@ -6,19 +6,21 @@ import json
 
 import pytest
 import torch
+import family_harness as harness
 import tiny_mixtral as tiny_mixtral
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from family_harness import (
+    ATTENTION_SITES, BLOCK_SITES, ROUTER_SITES, References, build_checkpoints, check_bit_exact, check_greedy_generation,
+    copy_checkpoint, left_padded, rewrite_tensors, stored_keys, tokens,
+)
 
 import moelens.models.mixtral  # noqa: F401  (registers model_type "mixtral")
 from moelens import HookedTransformer
 from moelens.loaders.errors import CheckpointError
 from moelens.models.components import SparseMoe
-from moelens.models.components.router_float32_weights import SoftmaxTopKFloat32Weights
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
-from moelens.models.mixtral import HookedMixtral
+from moelens.models.mixtral import HookedMixtral, SoftmaxTopKFloat32Weights
 from moelens.plan import plan
-from moelens.verify import compare, load_reference
+from moelens.verify import compare
 
 VARIANTS = [v for (f, v) in tiny_mixtral.VARIANTS if f == "mixtral"]
 WINDOW = 7  # the sliding_window variant's
@@ -26,48 +28,16 @@ WINDOW = 7  # the sliding_window variant's
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mixtral")
-    return {v: build(root / v) for (f, v), build in tiny_mixtral.VARIANTS.items()}
+    return build_checkpoints(tmp_path_factory, "mixtral", tiny_mixtral.VARIANTS)
 
 
 @pytest.fixture(scope="module")
 def refs(ckpts):
-    return {}
-
-
-def reference(refs, ckpts, variant, dtype=torch.float32):
-    if (variant, dtype) not in refs:
-        refs[variant, dtype] = load_reference(ckpts[variant], dtype)
-    return refs[variant, dtype]
-
-
-def tokens(seed=3, n=40):
-    return torch.randint(0, 96, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def keys(folder):
-    out = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            out += list(f.keys())
-    return out
-
-
-ATTENTION_SITES = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
-BLOCK_SITES = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post", "ln1.hook_normalized",
-               "ln2.hook_normalized")
-ROUTER_SITES = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices", "mlp.hook_routed_out")
+    return References(ckpts)
 
 
 def check_report(report, model, tol=1e-5):
-    assert report.max_logit_diff <= tol, report
-    compared = {s.site for s in report.sites}
-    for layer in range(model.cfg.n_layers):
-        for site in BLOCK_SITES + ATTENTION_SITES + ROUTER_SITES:
-            assert f"blocks.{layer}.{site}" in compared, site
-    for site in report.sites:
-        assert site.max_abs_diff <= tol, site
-    assert report.index_mismatches == 0
+    harness.check_report(report, model, lambda layer: BLOCK_SITES + ATTENTION_SITES + ROUTER_SITES, tol)
 
 
 # ---- float32: every site, every variant -------------------------------------------------------------
@@ -77,7 +47,7 @@ def check_report(report, model, tol=1e-5):
 def test_float32_every_site(ckpts, refs, variant):
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
     assert type(model) is HookedMixtral
-    check_report(compare(model, reference(refs, ckpts, variant), tokens()), model)
+    check_report(compare(model, refs(variant), tokens()), model)
 
 
 def test_variants_are_what_they_claim(ckpts):
@@ -86,13 +56,13 @@ def test_variants_are_what_they_claim(ckpts):
     assert cfg["sliding_window"].sliding_window == WINDOW < 40  # shorter than the tests' sequences
     assert cfg["mha_tied"].tie_word_embeddings and cfg["mha_tied"].n_kv_heads == 4 and cfg["mha_tied"].top_k[0] == 3
     assert not cfg["base"].qkv_bias and cfg["base"].norm_topk_prob and cfg["base"].d_mlp == 0
-    base = keys(ckpts["base"])  # what transformers 5's save_pretrained writes: the Hub's spelling
+    base = stored_keys(ckpts["base"])  # what transformers 5's save_pretrained writes: the Hub's spelling
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in base
     assert "model.layers.0.block_sparse_moe.gate.weight" in base and not any(".mlp." in k for k in base)
-    fused = keys(ckpts["fused"])  # transformers 5's module names, fused experts
+    fused = stored_keys(ckpts["fused"])  # transformers 5's module names, fused experts
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused and "model.layers.0.mlp.gate.weight" in fused
     assert not any("block_sparse_moe" in k or "experts.0." in k for k in fused)
-    prefixed = keys(ckpts["mlp_prefix"])
+    prefixed = stored_keys(ckpts["mlp_prefix"])
     assert "model.layers.2.mlp.experts.7.w2.weight" in prefixed and not any("block_sparse_moe" in k for k in prefixed)
     assert len(list(ckpts["sharded"].glob("*.safetensors"))) > 1
 
@@ -107,7 +77,7 @@ def test_site_map_references_cover_every_transformers_site(ckpts, refs):
         # transformers' Mixtral modules: the router returns (logits, weights, indices); o_proj reads z
         assert found[f"blocks.{layer}.mlp.hook_router_logits"].module == f"model.layers.{layer}.mlp.gate"
         assert found[f"blocks.{layer}.attn.hook_z"].read == "in"
-    hf = reference(refs, ckpts, "base")
+    hf = refs("base")
     for ref in found.values():  # every module path exists in transformers' model
         hf.get_submodule(ref.module)
 
@@ -120,16 +90,13 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
     """The router weight is bfloat16 like the model (logits bfloat16), its softmax float32 and the top-k
     weights stay float32, as transformers' MixtralTopKRouter: the slot sum then runs in float32."""
     model = HookedTransformer.from_pretrained(ckpts[variant], dtype=torch.bfloat16, progress=False)
-    ref = reference(refs, ckpts, variant, torch.bfloat16)
+    ref = refs(variant, torch.bfloat16)
     for layer, block in enumerate(model.blocks):
         assert block.mlp.router.weight.dtype == ref.model.layers[layer].mlp.gate.weight.dtype == torch.bfloat16
     _, cache = model.run_with_cache(tokens(), names_filter=lambda n: n.endswith(("router_logits", "expert_weights")))
     assert cache["blocks.0.mlp.hook_router_logits"].dtype == torch.bfloat16
     assert cache["blocks.0.mlp.hook_expert_weights"].dtype == torch.float32
-    report = compare(model, ref, tokens())
-    assert report.index_mismatches == 0
-    assert report.max_logit_diff == 0.0, report
-    assert all(s.max_abs_diff == 0.0 for s in report.sites), report
+    check_bit_exact(compare(model, ref, tokens()))
 
 
 def test_router_rule():
@@ -145,8 +112,8 @@ def test_sliding_window_pattern_equals_transformers(ckpts, refs):
     attention (its second output), head by head."""
     model = HookedTransformer.from_pretrained(ckpts["sliding_window"], progress=False)
     assert isinstance(model.blocks[0].attn, SlidingWindowAttention)
-    ref = reference(refs, ckpts, "sliding_window")
-    toks = tokens(n=24)
+    ref = refs("sliding_window")
+    toks = tokens(shape=(2, 24))
     theirs = {}
     handles = [
         layer.self_attn.register_forward_hook(lambda m, a, out, i=i: theirs.__setitem__(i, out[1]))
@@ -174,8 +141,8 @@ def test_sliding_window_pattern_equals_transformers(ckpts, refs):
 def test_sliding_window_left_padded_and_fused_backend(ckpts, refs):
     """Window positions count the padding, as transformers' cache positions do; SDPA gives the same."""
     model = HookedTransformer.from_pretrained(ckpts["sliding_window"], progress=False)
-    ref = reference(refs, ckpts, "sliding_window")
-    toks = tokens(seed=5, n=24)
+    ref = refs("sliding_window")
+    toks = tokens(seed=5, shape=(2, 24))
     mask = torch.ones_like(toks)
     mask[1, :6] = 0
     report = compare(model, ref, toks, mask)
@@ -192,55 +159,33 @@ def test_sliding_window_left_padded_and_fused_backend(ckpts, refs):
 def test_greedy_generation_matches_transformers(ckpts, refs, variant):
     """9 prompt tokens + 8 new, past the window of 7: the cached steps must mask the old keys too."""
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
-    ref = reference(refs, ckpts, variant)
-    ref.generation_config.eos_token_id = None
-    prompt = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones_like(prompt)
-    mask[1, :2] = 0
-    prompt = prompt.masked_fill(mask == 0, 0)
-    with torch.no_grad():
-        expected = ref.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    got = model.generate(prompt, attention_mask=mask, max_new_tokens=8, stop_at_eos=False, do_sample=False)
-    assert torch.equal(got, expected)
+    check_greedy_generation(model, refs(variant), *left_padded(7, (2, 9), (0, 2)))
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------
 
 
-def _copy(ckpts, tmp_path, variant="base"):
-    import shutil
-
-    return shutil.copytree(ckpts[variant], tmp_path / variant)
-
-
-def _rewrite(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 def test_missing_expert_tensor_is_named_in_the_hub_spelling(ckpts, tmp_path):
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     key = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
-    _rewrite(folder, lambda t: t.pop(key))
+    rewrite_tensors(folder, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match="missing") as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert key in str(info.value)
 
 
 def test_misshapen_router_is_named(ckpts, tmp_path):
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     key = "model.layers.2.block_sparse_moe.gate.weight"
-    _rewrite(folder, lambda t: t.update({key: torch.zeros(7, 64)}))
+    rewrite_tensors(folder, lambda t: t.update({key: torch.zeros(7, 64)}))
     with pytest.raises(CheckpointError) as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert key in str(info.value) and "(7, 64)" in str(info.value) and "(8, 64)" in str(info.value)
 
 
 def test_fused_checkpoint_missing_down_proj_is_named(ckpts, tmp_path):
-    folder = _copy(ckpts, tmp_path, "fused")
-    _rewrite(folder, lambda t: t.pop("model.layers.0.mlp.experts.down_proj"))
+    folder = copy_checkpoint(ckpts, tmp_path, "fused")
+    rewrite_tensors(folder, lambda t: t.pop("model.layers.0.mlp.experts.down_proj"))
     with pytest.raises(CheckpointError, match="model.layers.0.mlp.experts.down_proj"):
         HookedTransformer.from_pretrained(folder, progress=False)
 
@@ -305,6 +250,6 @@ def test_embedded_default_loads_and_runs(tmp_path, monkeypatch):
     logits = model(model.to_tokens("Hello mixture"))
     assert logits.shape[-1] == 260 and torch.isfinite(logits).all()
     folder = tmp_path / "defaults"
-    stored = [k for path in folder.rglob("model.safetensors") for k in keys(path.parent)]
+    stored = [k for path in folder.rglob("model.safetensors") for k in stored_keys(path.parent)]
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in stored  # written in the Hub's spelling
     assert json.loads(next(folder.rglob("config.json")).read_text())["model_type"] == "mixtral"

@@ -7,8 +7,11 @@ import shutil
 import pytest
 import torch
 import tiny_olmoe
+from family_harness import (
+    MODEL_SITES, References, build_checkpoints, check_bit_exact, check_greedy_generation, check_report, config_json,
+    left_padded, rewrite_tensors, stored_keys, tokens,
+)
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 import moelens.models.olmoe  # noqa: F401  (registers model_type "olmoe")
 from moelens import HookedTransformer
@@ -35,23 +38,12 @@ OLMOE_1B_7B = {
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("olmoe")
-    return {variant: build(root / variant) for (_, variant), build in VARIANTS.items()}
+    return build_checkpoints(tmp_path_factory, "olmoe", VARIANTS)
 
 
 @pytest.fixture(scope="module")
 def refs(ckpts):
-    return {}
-
-
-def reference(refs, ckpts, variant, dtype=torch.float32):
-    if (variant, dtype) not in refs:
-        refs[variant, dtype] = load_reference(ckpts[variant], dtype)
-    return refs[variant, dtype]
-
-
-def tokens(seed=3, shape=(2, 40)):
-    return torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(seed))
+    return References(ckpts)
 
 
 # ---- float32: every site against transformers ---------------------------------------------------------------
@@ -60,16 +52,10 @@ def tokens(seed=3, shape=(2, 40)):
 def test_float32_every_site(ckpts, refs, variant):
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
     assert type(model) is HookedOlmoe and isinstance(model.blocks[0].attn, ProjectionQKNormAttention)
-    report = compare(model, reference(refs, ckpts, variant), tokens())
-    assert report.index_mismatches == 0 and report.max_logit_diff <= 1e-5, report
-    assert all(s.max_abs_diff <= 1e-5 for s in report.sites), report
-    compared = {s.site for s in report.sites}
     per_block = ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "hook_attn_out",
                  "ln2.hook_normalized", "mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices",
                  "mlp.hook_routed_out", "hook_mlp_out", "hook_resid_post")
-    for layer in range(model.cfg.n_layers):
-        assert {f"blocks.{layer}.{s}" for s in per_block} <= compared
-    assert {"ln_final.hook_normalized", "hook_logits"} <= compared
+    check_report(compare(model, refs(variant), tokens()), model, lambda layer: per_block, model_sites=MODEL_SITES)
 
 
 def test_references_cover_what_transformers_exposes(ckpts, refs):
@@ -77,7 +63,7 @@ def test_references_cover_what_transformers_exposes(ckpts, refs):
     (hook_q / hook_k), v_proj (hook_v), the attention block (hook_attn_out); q_proj and k_proj's raw outputs
     have no moelens hook (the norm runs over all heads at once, before the split)."""
     model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
-    ref = reference(refs, ckpts, "base")
+    ref = refs("base")
     site_map = HookedOlmoe.site_map(model.cfg)
     modules = {r.module for r in site_map.references}
     for r in site_map.references:
@@ -99,7 +85,7 @@ def test_variants_are_what_they_claim(ckpts):
     assert bt.qkv_bias and bt.o_bias and bt.tie_word_embeddings and bt.n_kv_heads == bt.n_heads
     assert not cfg["base"].qkv_bias and not cfg["base"].tie_word_embeddings
     assert len(list(ckpts["sharded"].glob("*.safetensors"))) > 1
-    keys = json.dumps(_keys(ckpts["fused"]))
+    keys = json.dumps(stored_keys(ckpts["fused"]))
     assert "experts.gate_up_proj" in keys and "experts.0." not in keys
     assert cfg["base"].top_k == (3,) * 3 and cfg["base"].n_experts == 8 and cfg["base"].d_expert == 32
 
@@ -124,7 +110,7 @@ def test_clip_qkv_clamps(ckpts, refs):
         assert clamped.abs().max() == CLIP and torch.equal(clamped.flatten(2), raw.clamp(-CLIP, CLIP))
     assert cache["blocks.0.attn.hook_k"].abs().max() == CLIP
 
-    ref = reference(refs, ckpts, "clip")
+    ref = refs("clip")
     before = {}
     hook = ref.model.layers[0].self_attn.q_norm.register_forward_hook(
         lambda m, a, out: before.__setitem__("q", out.detach().clone())  # before transformers' in-place clamp_
@@ -136,7 +122,7 @@ def test_clip_qkv_clamps(ckpts, refs):
         hook.remove()
     assert torch.equal(before["q"], seen["q"])
 
-    unclipped = HookedOlmoe(HookedOlmoe.config_from_hf({**_config(ckpts["clip"]), "clip_qkv": None}))
+    unclipped = HookedOlmoe(HookedOlmoe.config_from_hf({**config_json(ckpts["clip"]), "clip_qkv": None}))
     unclipped.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert (unclipped(tokens()) - logits).abs().max() > 1e-2
@@ -149,13 +135,10 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
     """Same ops in the same order as transformers (OlmoeRMSNorm computes in float32 and casts back before the
     weight, as moelens's RMSNorm; the router stays in the model dtype): identical bf16 results."""
     model = HookedTransformer.from_pretrained(ckpts[variant], dtype=torch.bfloat16, progress=False)
-    ref = reference(refs, ckpts, variant, torch.bfloat16)
+    ref = refs(variant, torch.bfloat16)
     assert model.blocks[0].mlp.router.weight.dtype == ref.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
     assert model.blocks[0].attn.q_norm.weight.dtype == torch.bfloat16
-    report = compare(model, ref, tokens())
-    assert report.index_mismatches == 0
-    assert report.max_logit_diff == 0.0, report
-    assert all(s.max_abs_diff == 0.0 for s in report.sites), report
+    check_bit_exact(compare(model, ref, tokens()))
 
 
 # ---- generation -----------------------------------------------------------------------------------------------
@@ -163,19 +146,11 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
 @pytest.mark.parametrize("variant", ["base", "clip"])
 def test_greedy_generation_matches_transformers(ckpts, refs, variant):
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
-    ref = reference(refs, ckpts, variant)
-    ref.generation_config.eos_token_id = None
-    plain = tokens(5, (3, 9))
-    mask = torch.ones_like(plain)
-    mask[1, :3] = 0
-    mask[2, :1] = 0
-    padded = plain.masked_fill(mask == 0, 0)
-    runs = ((plain, None), (padded, mask)) if variant == "base" else ((padded, mask),)
-    for prompt, m in runs:
-        with torch.no_grad():
-            expected = ref.generate(prompt, attention_mask=m, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        got = model.generate(prompt, attention_mask=m, max_new_tokens=8, stop_at_eos=False, do_sample=False)
-        assert got.shape == (3, 17) and torch.equal(got, expected)
+    ref = refs(variant)
+    padded = left_padded(5, (3, 9), (0, 3, 1))
+    runs = ((tokens(5, (3, 9)), None), padded) if variant == "base" else (padded,)
+    for prompt, mask in runs:
+        check_greedy_generation(model, ref, prompt, mask)
 
 
 # ---- checkpoint spellings and errors --------------------------------------------------------------------------
@@ -183,7 +158,7 @@ def test_greedy_generation_matches_transformers(ckpts, refs, variant):
 def test_hub_spelling_is_what_transformers_saves(ckpts):
     """allenai/OLMoE-1B-7B-0924 stores per-expert tensors (model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight),
     the router as mlp.gate.weight and the norms as self_attn.{q,k}_norm.weight; transformers 5 saves the same."""
-    keys = set(_keys(ckpts["base"]))
+    keys = set(stored_keys(ckpts["base"]))
     for key in ("model.layers.2.mlp.experts.7.gate_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight",
                 "model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.0.mlp.gate.weight",
                 "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight", "lm_head.weight"):
@@ -209,7 +184,7 @@ def test_fused_and_per_expert_load_the_same(ckpts, tmp_path):
 
 def test_missing_norm_names_its_key(ckpts, tmp_path):
     folder = shutil.copytree(ckpts["base"], tmp_path / "ckpt")
-    _rewrite(folder, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    rewrite_tensors(folder, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
     with pytest.raises(CheckpointError) as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert "model.layers.1.self_attn.k_norm.weight" in str(info.value) and "missing" in str(info.value)
@@ -218,7 +193,7 @@ def test_missing_norm_names_its_key(ckpts, tmp_path):
 def test_per_head_sized_q_norm_is_refused_with_its_key(ckpts, tmp_path):
     """A q norm of one head's size (the per-head layout of other families) is not OLMoE's."""
     folder = shutil.copytree(ckpts["base"], tmp_path / "ckpt")
-    _rewrite(folder, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}))
+    rewrite_tensors(folder, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}))
     with pytest.raises(CheckpointError) as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     message = str(info.value)
@@ -228,7 +203,7 @@ def test_per_head_sized_q_norm_is_refused_with_its_key(ckpts, tmp_path):
 
 def test_missing_expert_names_its_key(ckpts, tmp_path):
     folder = shutil.copytree(ckpts["base"], tmp_path / "ckpt")
-    _rewrite(folder, lambda t: t.pop("model.layers.2.mlp.experts.6.gate_proj.weight"))
+    rewrite_tensors(folder, lambda t: t.pop("model.layers.2.mlp.experts.6.gate_proj.weight"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.6\.gate_proj\.weight"):
         HookedTransformer.from_pretrained(folder, progress=False)
 
@@ -243,7 +218,7 @@ def test_missing_expert_names_its_key(ckpts, tmp_path):
 ])
 def test_config_refusals(ckpts, change, message):
     with pytest.raises(ValueError, match=message):
-        HookedOlmoe.config_from_hf({**_config(ckpts["base"]), **change})
+        HookedOlmoe.config_from_hf({**config_json(ckpts["base"]), **change})
 
 
 # ---- plan, support, fold, embedded default ---------------------------------------------------------------------
@@ -300,24 +275,6 @@ def test_embedded_default(tmp_path, monkeypatch):
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
-
-def _keys(folder):
-    keys = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            keys += list(f.keys())
-    return keys
-
-
-def _config(folder):
-    return json.loads((folder / "config.json").read_text())
-
-
-def _rewrite(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _hf_config(config):

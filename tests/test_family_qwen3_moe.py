@@ -3,13 +3,15 @@ in bfloat16, greedy generation, the q/k norms before the rotary, checkpoint spel
 plan's counts at full size, support() and the embedded default."""
 
 import json
-import shutil
 
 import pytest
 import torch
+import family_harness as harness
 import tiny_qwen3_moe as tiny_qwen3
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from family_harness import (
+    ATTENTION_SITES, BLOCK_SITES, ROUTER_SITES, References, build_checkpoints, check_bit_exact, check_greedy_generation,
+    copy_checkpoint, left_padded, rewrite_tensors, stored_keys, tokens,
+)
 
 import moelens.models.qwen3_moe  # noqa: F401  (registers model_type "qwen3_moe")
 from moelens import HookedTransformer
@@ -19,55 +21,26 @@ from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttent
 from moelens.models.components.rotary import apply_rotary
 from moelens.models.qwen3_moe import HookedQwen3Moe
 from moelens.plan import plan
-from moelens.verify import compare, load_reference
+from moelens.verify import compare
 
 VARIANTS = [v for (f, v) in tiny_qwen3.VARIANTS if f == "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_moe")
-    return {v: build(root / v) for (f, v), build in tiny_qwen3.VARIANTS.items()}
+    return build_checkpoints(tmp_path_factory, "qwen3_moe", tiny_qwen3.VARIANTS)
 
 
 @pytest.fixture(scope="module")
-def refs():
-    return {}
-
-
-def reference(refs, ckpts, variant, dtype=torch.float32):
-    if (variant, dtype) not in refs:
-        refs[variant, dtype] = load_reference(ckpts[variant], dtype)
-    return refs[variant, dtype]
-
-
-def tokens(seed=3, n=40):
-    return torch.randint(0, 96, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def keys(folder):
-    out = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            out += list(f.keys())
-    return out
-
-
-ATTENTION_SITES = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z")
-BLOCK_SITES = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post", "ln1.hook_normalized",
-               "ln2.hook_normalized")
-ROUTER_SITES = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices", "mlp.hook_routed_out")
+def refs(ckpts):
+    return References(ckpts)
 
 
 def check_report(report, model, tol=1e-5):
-    assert report.max_logit_diff <= tol, report
-    compared = {s.site for s in report.sites}
-    for layer in range(model.cfg.n_layers):
-        for site in BLOCK_SITES + ATTENTION_SITES + (ROUTER_SITES if model.cfg.moe_layers[layer] else ("mlp.hook_post",)):
-            assert f"blocks.{layer}.{site}" in compared, site
-    for site in report.sites:
-        assert site.max_abs_diff <= tol, site
-    assert report.index_mismatches == 0
+    def sites(layer):
+        return BLOCK_SITES + ATTENTION_SITES + (ROUTER_SITES if model.cfg.moe_layers[layer] else ("mlp.hook_post",))
+
+    harness.check_report(report, model, sites, tol)
 
 
 # ---- float32: every site, every variant -------------------------------------------------------------
@@ -77,7 +50,7 @@ def check_report(report, model, tol=1e-5):
 def test_float32_every_site(ckpts, refs, variant):
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
     assert type(model) is HookedQwen3Moe
-    check_report(compare(model, reference(refs, ckpts, variant), tokens()), model)
+    check_report(compare(model, refs(variant), tokens()), model)
 
 
 def test_variants_are_what_they_claim(ckpts):
@@ -89,8 +62,8 @@ def test_variants_are_what_they_claim(ckpts):
     assert cfg["sparse_step_biased"].moe_layers == (False, True, False)
     assert cfg["sparse_step_biased"].qkv_bias and cfg["sparse_step_biased"].o_bias
     assert cfg["tied"].tie_word_embeddings
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in keys(ckpts["base"])  # the Hub's spelling
-    fused = keys(ckpts["fused"])
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in stored_keys(ckpts["base"])  # the Hub's spelling
+    fused = stored_keys(ckpts["fused"])
     assert "model.layers.0.mlp.experts.gate_up_proj" in fused and not any("experts.0." in k for k in fused)
     assert len(list(ckpts["sharded"].glob("*.safetensors"))) > 1
     # transformers 5 saves num_experts as num_local_experts (its attribute_map); the Hub says num_experts
@@ -107,7 +80,7 @@ def test_site_map_references_cover_every_transformers_site(ckpts, refs):
             assert f"blocks.{layer}.{site}" in found, site
     # hook_q / hook_k are the projections, before the norms
     assert found["blocks.0.attn.hook_q"].module == "model.layers.0.self_attn.q_proj"
-    hf = reference(refs, ckpts, "dense_block")
+    hf = refs("dense_block")
     for ref in found.values():
         hf.get_submodule(ref.module)
 
@@ -120,13 +93,10 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
     """Router weight and logits bfloat16, softmax float32, top-k weights cast back to bfloat16 (as
     transformers' Qwen3MoeTopKRouter)."""
     model = HookedTransformer.from_pretrained(ckpts[variant], dtype=torch.bfloat16, progress=False)
-    ref = reference(refs, ckpts, variant, torch.bfloat16)
+    ref = refs(variant, torch.bfloat16)
     for layer, block in enumerate(model.blocks):
         assert block.mlp.router.weight.dtype == ref.model.layers[layer].mlp.gate.weight.dtype == torch.bfloat16
-    report = compare(model, ref, tokens())
-    assert report.index_mismatches == 0
-    assert report.max_logit_diff == 0.0, report
-    assert all(s.max_abs_diff == 0.0 for s in report.sites), report
+    check_bit_exact(compare(model, ref, tokens()))
 
 
 def test_components():
@@ -137,7 +107,7 @@ def test_components():
 def test_q_and_k_are_normed_before_the_rotary(ckpts):
     """hook_rot_q = rotary(q_norm(hook_q)); editing hook_q goes through the norm."""
     model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
-    toks = tokens(n=12)
+    toks = tokens(shape=(2, 12))
     _, cache = model.run_with_cache(toks, names_filter=lambda n: n.startswith("blocks.0.attn.hook_"))
     attn = model.blocks[0].attn
     cos, sin = model.rotary(torch.arange(12).expand(2, 12), torch.float32)
@@ -157,45 +127,25 @@ def test_q_and_k_are_normed_before_the_rotary(ckpts):
 @pytest.mark.parametrize("variant", ["base", "dense_block"])
 def test_greedy_generation_matches_transformers(ckpts, refs, variant):
     model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
-    ref = reference(refs, ckpts, variant)
-    ref.generation_config.eos_token_id = None
-    prompt = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones_like(prompt)
-    mask[1, :2] = 0
-    prompt = prompt.masked_fill(mask == 0, 0)
-    with torch.no_grad():
-        expected = ref.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    got = model.generate(prompt, attention_mask=mask, max_new_tokens=8, stop_at_eos=False, do_sample=False)
-    assert torch.equal(got, expected)
+    check_greedy_generation(model, refs(variant), *left_padded(7, (2, 9), (0, 2)))
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------
 
 
-def _copy(ckpts, tmp_path, variant="base"):
-    return shutil.copytree(ckpts[variant], tmp_path / variant)
-
-
-def _rewrite(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 def test_missing_q_norm_is_named(ckpts, tmp_path):
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     key = "model.layers.1.self_attn.q_norm.weight"
-    _rewrite(folder, lambda t: t.pop(key))
+    rewrite_tensors(folder, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match="missing") as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert key in str(info.value)
 
 
 def test_misshapen_expert_is_named(ckpts, tmp_path):
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     key = "model.layers.2.mlp.experts.5.up_proj.weight"
-    _rewrite(folder, lambda t: t.update({key: torch.zeros(16, 64)}))
+    rewrite_tensors(folder, lambda t: t.update({key: torch.zeros(16, 64)}))
     with pytest.raises(CheckpointError) as info:
         HookedTransformer.from_pretrained(folder, progress=False)
     assert key in str(info.value) and "(16, 64)" in str(info.value) and "(32, 64)" in str(info.value)
@@ -203,7 +153,7 @@ def test_misshapen_expert_is_named(ckpts, tmp_path):
 
 def test_hub_config_spelling_loads(ckpts, tmp_path):
     """The Hub's config.json: num_experts (not num_local_experts), rope_theta at the top level."""
-    folder = _copy(ckpts, tmp_path)
+    folder = copy_checkpoint(ckpts, tmp_path)
     config = json.loads((folder / "config.json").read_text())
     config["num_experts"] = config.pop("num_local_experts")
     config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]

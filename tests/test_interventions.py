@@ -15,9 +15,9 @@ from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert
 
 from moelens import HookedTransformer
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
-from moelens.models.components.router_float32_weights import SoftmaxTopKFloat32Weights
 from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.minimax_m2 import SigmoidTopKFloat32Weights
+from moelens.models.mixtral import SoftmaxTopKFloat32Weights
 
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
 # the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral, MiniMax-M2)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moelens.config import HFConfig, MoeConfig
+from moelens.config import REQUIRED, HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import Components, SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.latent_attention import MultiHeadLatentAttention
@@ -64,59 +64,35 @@ class HookedDeepseekV3(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> DeepseekV3Config:
         hf = HFConfig(raw)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
-        n_heads = hf.integer("num_attention_heads", at_least=1)
-        # transformers' defaults are DeepSeek-V3's own sizes
-        first_dense = hf.integer("first_k_dense_replace", 3, at_least=0)
-        moe_layers = tuple(i >= first_dense for i in range(n_layers))
-        any_moe = any(moe_layers)
-        n_experts = hf.integer("n_routed_experts", 256, at_least=1)
-        top_k = hf.integer("num_experts_per_tok", 8, at_least=1, at_most=n_experts) if any_moe else 0
-        n_group, topk_group = hf.integer("n_group", 8, at_least=1), hf.integer("topk_group", 4, at_least=1)
-        if any_moe:
-            SigmoidGroupedTopK.check_groups(n_experts, top_k, n_group, topk_group)
-        d_expert = hf.integer("moe_intermediate_size", 2048, at_least=1)
-        d_nope = hf.integer("qk_nope_head_dim", 128, at_least=0)
-        d_rope = hf.integer("qk_rope_head_dim", 64, at_least=2)
         rope = hf.rope()
         if rope.partial_rotary_factor != 1.0:  # transformers' MLA would fail on the cos / sin width
             raise ValueError(
                 f"partial_rotary_factor {rope.partial_rotary_factor}: DeepSeek-V3 rotates qk_rope_head_dim dims, "
                 "set by qk_rope_head_dim (partial_rotary_factor must be 1)"
             )
-        rope = dataclasses.replace(rope, interleaved=hf.flag("rope_interleave", True))
-        n_kv_heads = hf.integer("num_key_value_heads", n_heads, at_least=1)
-        if n_kv_heads != n_heads:  # kv_b_proj decompresses one key and value per query head
+        d_nope = hf.integer("qk_nope_head_dim", 128, at_least=0)
+        d_rope = hf.integer("qk_rope_head_dim", 64, at_least=2)
+        # transformers' defaults are DeepSeek-V3's own sizes
+        fields = common_fields(
+            hf, rms_norm_eps=1e-6, max_position_embeddings=4096, hidden_size=7168, d_head=d_nope + d_rope,
+            rope=dataclasses.replace(rope, interleaved=hf.flag("rope_interleave", True)),
+        )
+        if fields["n_kv_heads"] != fields["n_heads"]:  # kv_b_proj decompresses one key and value per query head
             raise ValueError(
-                f"num_key_value_heads ({n_kv_heads}) must equal num_attention_heads ({n_heads}): latent attention "
-                "decompresses a key and a value for every head"
+                f"num_key_value_heads ({fields['n_kv_heads']}) must equal num_attention_heads ({fields['n_heads']}): "
+                "latent attention decompresses a key and a value for every head"
             )
+        first_dense = hf.integer("first_k_dense_replace", 3, at_least=0)
         attention_bias = hf.flag("attention_bias", False)
         return DeepseekV3Config(
+            **fields,
+            **deepseek_mixture_fields(
+                hf, fields["n_layers"], first_dense, n_routed_experts=256, num_experts_per_tok=8,
+                moe_intermediate_size=2048, intermediate_size=18432, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+            ),
             family=cls.model_type,
-            d_model=hf.integer("hidden_size", 7168, at_least=1),
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=n_heads,
-            d_head=d_nope + d_rope,
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-6, at_least=0),
-            rope=rope,
-            max_position_embeddings=hf.integer("max_position_embeddings", 4096, at_least=1),
             qkv_bias=attention_bias,  # q_a_proj and kv_a_proj_with_mqa (q_proj, q_b_proj, kv_b_proj have none)
             o_bias=attention_bias,
-            act_fn=hf.text("hidden_act", "silu"),
-            d_mlp=hf.integer("intermediate_size", 18432, at_least=1) if first_dense else 0,
-            moe_layers=moe_layers,
-            n_experts=n_experts if any_moe else 0,
-            top_k=tuple(top_k if m else 0 for m in moe_layers),
-            d_expert=d_expert if any_moe else 0,
-            d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1) if any_moe else 0,
-            norm_topk_prob=hf.flag("norm_topk_prob", True),
-            routed_scaling_factor=hf.number("routed_scaling_factor", 2.5),
-            n_group=n_group if any_moe else 1,
-            topk_group=topk_group if any_moe else 1,
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             # null: a plain q_proj; absent: transformers' default
             q_lora_rank=hf.integer("q_lora_rank", None, at_least=1) if "q_lora_rank" in raw else 1536,
             kv_lora_rank=hf.integer("kv_lora_rank", 512, at_least=1),
@@ -128,6 +104,46 @@ class HookedDeepseekV3(HookedTransformer):
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
         )
+
+
+def deepseek_mixture_fields(
+    hf: HFConfig,
+    n_layers: int,
+    first_dense: int,
+    *,
+    n_routed_experts: int = REQUIRED,
+    num_experts_per_tok: int = REQUIRED,
+    moe_intermediate_size: int = REQUIRED,
+    intermediate_size: int = REQUIRED,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> dict:
+    """DeepSeek-V3's mixture fields, which GLM-4.5 and Solar-Open spell and mean the same way: the first
+    `first_dense` blocks dense MLPs (intermediate_size wide, read only where there is one), the rest mixtures of
+    n_routed_experts experts (moe_intermediate_size wide), num_experts_per_tok of them chosen by the grouped sigmoid
+    router (SigmoidGroupedTopK: n_group, topk_group, norm_topk_prob, routed_scaling_factor), and a shared expert
+    n_shared_experts times moe_intermediate_size wide. The keywords are the family's defaults for the fields of
+    their name (REQUIRED: no default). Without mixture blocks the experts' sizes are 0 and the groups 1."""
+    moe_layers = tuple(i >= first_dense for i in range(n_layers))
+    any_moe = any(moe_layers)
+    n_experts = hf.integer("n_routed_experts", n_routed_experts, at_least=1)
+    d_expert = hf.integer("moe_intermediate_size", moe_intermediate_size, at_least=1)
+    routed = routed_fields(
+        hf, moe_layers, n_experts if any_moe else 0, d_expert if any_moe else 0, num_experts_per_tok=num_experts_per_tok
+    )
+    n_group, topk_group = hf.integer("n_group", n_group, at_least=1), hf.integer("topk_group", topk_group, at_least=1)
+    if any_moe:
+        SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k"]), n_group, topk_group)
+    return dict(
+        **routed,
+        d_mlp=hf.integer("intermediate_size", intermediate_size, at_least=1) if first_dense else 0,
+        d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1) if any_moe else 0,
+        norm_topk_prob=hf.flag("norm_topk_prob", True),
+        routed_scaling_factor=hf.number("routed_scaling_factor", routed_scaling_factor),
+        n_group=n_group if any_moe else 1,
+        topk_group=topk_group if any_moe else 1,
+    )
 
 
 def _layer_sites(cfg: DeepseekV3Config, layer: int, src: str, dst: str) -> list[Entry]:

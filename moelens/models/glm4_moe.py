@@ -20,10 +20,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moelens.config import HFConfig, MoeConfig
+from moelens.config import HFConfig, MoeConfig, common_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import Attention, Components, SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
+from moelens.models.deepseek_v3 import deepseek_mixture_fields
 from moelens.models.sites import (
     Entry, attention_projections, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts,
 )
@@ -59,46 +60,23 @@ class HookedGlm4Moe(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> Glm4MoeConfig:
         hf = HFConfig(raw)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
-        n_heads = hf.integer("num_attention_heads", at_least=1)
         # absent fields take transformers' Glm4MoeConfig defaults (GLM-4.5-Air's sizes)
+        fields = common_fields(
+            hf, rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8, partial_rotary_factor=0.5
+        )
         first_dense = hf.integer("first_k_dense_replace", 1, at_least=0)
-        moe_layers = tuple(i >= first_dense for i in range(n_layers))
-        any_moe = any(moe_layers)
-        n_experts = hf.integer("n_routed_experts", 128, at_least=1)
-        top_k = hf.integer("num_experts_per_tok", 8, at_least=1, at_most=n_experts) if any_moe else 0
-        n_group, topk_group = hf.integer("n_group", 1, at_least=1), hf.integer("topk_group", 1, at_least=1)
-        if any_moe:
-            SigmoidGroupedTopK.check_groups(n_experts, top_k, n_group, topk_group)
-        d_expert = hf.integer("moe_intermediate_size", 1408, at_least=1)
         # transformers 5 saves num_nextn_predict_layers (num_mtp_layers is its attribute name); absent: none stored
         mtp_layers = hf.integer("num_nextn_predict_layers", None, at_least=0)
         if mtp_layers is None:
             mtp_layers = hf.integer("num_mtp_layers", 0, at_least=0)
         return Glm4MoeConfig(
+            **fields,
+            **deepseek_mixture_fields(
+                hf, fields["n_layers"], first_dense, n_routed_experts=128, num_experts_per_tok=8,
+                moe_intermediate_size=1408, intermediate_size=10944, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+            ),
             family=cls.model_type,
-            d_model=hf.integer("hidden_size", at_least=1),
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=hf.integer("num_key_value_heads", 8, at_least=1),
-            d_head=hf.head_dim(),
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
-            rope=hf.rope(partial_rotary_factor=0.5),
-            max_position_embeddings=hf.integer("max_position_embeddings", 131072, at_least=1),
             qkv_bias=hf.flag("attention_bias", False),  # q, k, v only: transformers' o_proj has no bias
-            act_fn=hf.text("hidden_act", "silu"),
-            d_mlp=hf.integer("intermediate_size", 10944, at_least=1) if first_dense else 0,
-            moe_layers=moe_layers,
-            n_experts=n_experts if any_moe else 0,
-            top_k=tuple(top_k if m else 0 for m in moe_layers),
-            d_expert=d_expert if any_moe else 0,
-            d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1) if any_moe else 0,
-            norm_topk_prob=hf.flag("norm_topk_prob", True),
-            routed_scaling_factor=hf.number("routed_scaling_factor", 1.0),
-            n_group=n_group if any_moe else 1,
-            topk_group=topk_group if any_moe else 1,
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             qk_norm=hf.flag("use_qk_norm", False),
             mtp_layers=mtp_layers,
             fields_read=tuple(hf.read),

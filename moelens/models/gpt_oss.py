@@ -16,7 +16,6 @@ What is special about the family:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import nn
 
-from moelens.config import HFConfig, MoeConfig
+from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.experts.spec import ClampedSwiGLU, ExpertSpec
 from moelens.hooks import HookPoint
 from moelens.models.base import HookedTransformer
@@ -120,10 +119,12 @@ class HookedGptOss(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> GptOssConfig:
         hf = HFConfig(raw)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
-        n_heads = hf.integer("num_attention_heads", at_least=1)
+        # the experts' activation is fixed (ClampedSwiGLU): hidden_act is not read
+        fields = common_fields(
+            hf, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=DEFAULT_ROPE_THETA, act_fn="silu"
+        )
+        n_layers = fields["n_layers"]
         n_experts = hf.integer("num_local_experts", at_least=1)
-        top_k = hf.integer("num_experts_per_tok", 4, at_least=1, at_most=n_experts)
         window = hf.integer("sliding_window", 128, at_least=1)
         default_types = [LAYER_TYPES[i % 2] for i in range(n_layers)]  # transformers': sliding first, alternating
         layer_types = raw.get("layer_types", default_types)
@@ -132,33 +133,21 @@ class HookedGptOss(HookedTransformer):
                 f"layer_types must list {n_layers} entries, each one of {LAYER_TYPES}; got {layer_types!r}"
             )
         hf.read.append("layer_types")
-        rope = hf.rope()
-        if hf.rope_section().opt("rope_theta") is None and raw.get("rope_theta") is None:
-            rope = dataclasses.replace(rope, theta=DEFAULT_ROPE_THETA)
+        bias = hf.flag("attention_bias", True)
         return GptOssConfig(
+            **fields,
+            **routed_fields(
+                hf, (True,) * n_layers, n_experts, hf.integer("intermediate_size", at_least=1), num_experts_per_tok=4
+            ),
             family=cls.model_type,
-            d_model=hf.integer("hidden_size", at_least=1),
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
-            d_head=hf.head_dim(),
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
-            rope=rope,
-            max_position_embeddings=hf.integer("max_position_embeddings", 131072, at_least=1),
-            qkv_bias=hf.flag("attention_bias", True),
-            o_bias=hf.flag("attention_bias", True),
+            qkv_bias=bias,
+            o_bias=bias,
             attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types),
-            moe_layers=(True,) * n_layers,
-            n_experts=n_experts,
-            top_k=(top_k,) * n_layers,
-            d_expert=hf.integer("intermediate_size", at_least=1),
             swiglu_alpha=hf.number("swiglu_alpha", 1.702),
             swiglu_limit=hf.number("swiglu_limit", 7.0, above=0),
             mxfp4_experts=quant_method(raw) == "mxfp4",
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
-            fields_ignored=tuple(f for f in ("hidden_act",) if f in raw),  # the experts' activation is fixed
+            fields_ignored=tuple(f for f in ("hidden_act",) if f in raw),
         )
 
 

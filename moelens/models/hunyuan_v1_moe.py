@@ -10,7 +10,7 @@ moe_intermediate_size, num_shared_expert, routed_scaling_factor and norm_topk_pr
 
 from __future__ import annotations
 
-from moelens.config import HFConfig, MoeConfig, RopeConfig
+from moelens.config import HFConfig, MoeConfig, RopeConfig, common_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import Components, Float32SoftmaxTopK, QKNormAfterRotaryAttention, SharedFirstMoe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, gated_mlp, router_references, routed_experts
@@ -31,36 +31,29 @@ class HookedHunyuanMoe(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
         hf = HFConfig(raw)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
-        n_heads = hf.integer("num_attention_heads", at_least=1)
         # Tencent's own config names it attention_head_dim; transformers' needs head_dim
         d_head = hf.head_dim(("head_dim", "attention_head_dim"))
+        fields = common_fields(
+            hf, rms_norm_eps=1e-5, max_position_embeddings=2048, d_head=d_head, rope=_ntk_alpha_rope(hf, d_head)
+        )
+        n_layers = fields["n_layers"]
         experts = set(hf.per_layer("num_experts", n_layers, at_least=1))
         if len(experts) != 1:
             raise ValueError(f"num_experts must be the same on every layer, got {sorted(experts)}")
         n_experts = experts.pop()
         width = hf.integer("intermediate_size", at_least=1)
+        bias = hf.flag("attention_bias", False)
         return MoeConfig(
+            **fields,
             family=cls.model_type,
-            d_model=hf.integer("hidden_size", at_least=1),
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
-            d_head=d_head,
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
-            rope=_ntk_alpha_rope(hf, d_head),
-            max_position_embeddings=hf.integer("max_position_embeddings", 2048, at_least=1),
-            qkv_bias=hf.flag("attention_bias", False),
-            o_bias=hf.flag("attention_bias", False),
-            act_fn=hf.text("hidden_act", "silu"),
+            qkv_bias=bias,
+            o_bias=bias,
             moe_layers=(True,) * n_layers,
             n_experts=n_experts,
             top_k=hf.per_layer("moe_topk", n_layers, at_least=1, at_most=n_experts),
             d_expert=width,
             d_shared=width,
             norm_topk_prob=True,
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
         )

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 
-from moelens.config import HFConfig, MoeConfig
+from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import Components, SparseMoe, TopKRouter
 from moelens.models.components.projection_norm_attention import ClipQKVConfig, ProjectionQKNormAttention
@@ -107,34 +107,28 @@ class HookedMiniMaxM2(HookedTransformer):
     def config_from_hf(cls, raw: dict) -> MiniMaxM2Config:
         hf = HFConfig(raw)
         _check_fixed_fields(hf)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
         full_attention = hf.integers("attn_type_list", None, at_least=0, at_most=1)
         if full_attention is not None and 0 in full_attention:
             raise ValueError(
                 f"attn_type_list has linear-attention layers (0) at {[i for i, t in enumerate(full_attention) if t == 0]}: "
                 "MiniMax-M2 (and transformers' MiniMaxM2) has full attention (1) in every layer"
             )
-        n_experts = hf.integer("num_local_experts", 256, at_least=1)
-        top_k = hf.integer("num_experts_per_tok", 8, at_least=1, at_most=n_experts)
         d_head = hf.integer("head_dim", 128, at_least=1)  # transformers' default, not hidden_size / heads
+        # the Hub's rotary_dim: the rotated share of the head where neither spelling gives partial_rotary_factor
+        rotary_dim = hf.integer("rotary_dim", None, at_least=2, at_most=d_head)
+        fields = common_fields(
+            hf, rms_norm_eps=1e-6, max_position_embeddings=196608, num_key_value_heads=8, d_head=d_head,
+            rope_theta=DEFAULT_ROPE_THETA, partial_rotary_factor=rotary_dim / d_head if rotary_dim else 1.0,
+        )
+        n_layers = fields["n_layers"]
+        n_experts = hf.integer("num_local_experts", 256, at_least=1)
         return MiniMaxM2Config(
+            **fields,
+            **routed_fields(
+                hf, (True,) * n_layers, n_experts, hf.integer("intermediate_size", at_least=1), num_experts_per_tok=8
+            ),
             family=cls.model_type,
-            d_model=hf.integer("hidden_size", at_least=1),
-            n_layers=n_layers,
-            n_heads=hf.integer("num_attention_heads", at_least=1),
-            n_kv_heads=hf.integer("num_key_value_heads", 8, at_least=1),
-            d_head=d_head,
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-6, at_least=0),
-            rope=_rope(hf, d_head),
-            max_position_embeddings=hf.integer("max_position_embeddings", 196608, at_least=1),
-            act_fn=hf.text("hidden_act", "silu"),
-            moe_layers=(True,) * n_layers,
-            n_experts=n_experts,
-            top_k=(top_k,) * n_layers,
-            d_expert=hf.integer("intermediate_size", at_least=1),
             norm_topk_prob=True,  # always, as transformers
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             mtp_layers=hf.integer("num_mtp_modules", 0, at_least=0),
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in IGNORED_FIELDS if raw.get(f) is not None),
@@ -151,17 +145,14 @@ def _check_fixed_fields(hf: HFConfig) -> None:
             )
 
 
-def _rope(hf: HFConfig, d_head: int):
-    """The rotary as transformers' MiniMaxM2Config reads it: rope_parameters' values first, then the top-level
-    rope_theta / partial_rotary_factor, then the Hub's rotary_dim (as rotary_dim / head_dim), then 5e6 and the
-    whole head."""
-    rope, section = hf.rope(), hf.rope_section()
-    if section.opt("rope_theta") is None and hf.raw.get("rope_theta") is None:
-        rope = dataclasses.replace(rope, theta=DEFAULT_ROPE_THETA)
-    rotary_dim = hf.integer("rotary_dim", None, at_least=2, at_most=d_head)
-    if rotary_dim is not None and section.opt("partial_rotary_factor") is None and hf.raw.get("partial_rotary_factor") is None:
-        rope = dataclasses.replace(rope, partial_rotary_factor=rotary_dim / d_head)
-    return rope
+def _check_fixed_fields(hf: HFConfig) -> None:
+    for name, built in FIXED_FIELDS.items():
+        value = hf.opt(name)
+        if value is not None and (value != built or type(value) is not type(built)):
+            raise ValueError(
+                f"{name} = {value!r}: transformers' MiniMaxM2 (and so moelens) builds only the model with "
+                f"{name} = {built!r}"
+            )
 
 
 def _layer_sites(cfg: MiniMaxM2Config, layer: int, src: str, dst: str) -> list[Entry]:

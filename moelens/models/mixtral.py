@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moelens.config import HFConfig, MoeConfig
+import torch
+from jaxtyping import Float
+
+from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Components, SparseMoe
-from moelens.models.components.router_float32_weights import SoftmaxTopKFloat32Weights
+from moelens.models.components import Components, SoftmaxTopK, SparseMoe
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, router_references, routed_experts
 from moelens.sitemap import ExpertStack, PerExpertKeys, Reference, SiteMap, Weight
@@ -31,6 +33,20 @@ class MixtralConfig(MoeConfig):
     sliding_window: int | None = None  # attend to the last this many positions (None: all)
 
 
+class SoftmaxTopKFloat32Weights(SoftmaxTopK):
+    """Mixtral's router: logits in the weight's dtype (the model's), softmax in float32 over all experts, top-k,
+    the k weights renormalised to sum to 1 when norm_topk_prob (always, in Mixtral) and kept float32: in a
+    bfloat16 model the expert outputs are scaled by float32 weights and the slot sum runs in float32."""
+
+    def weights(
+        self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype
+    ) -> Float[torch.Tensor, "... top_k"]:
+        w = scores.gather(-1, indices)
+        if self.norm_topk_prob:  # as the reference: the plain sum, no epsilon
+            w = w / w.sum(-1, keepdim=True)
+        return w
+
+
 class HookedMixtral(HookedTransformer):
     model_type = "mixtral"
     components = Components(attention=SlidingWindowAttention, moe=SparseMoe, router=SoftmaxTopKFloat32Weights)
@@ -42,34 +58,19 @@ class HookedMixtral(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> MixtralConfig:
         hf = HFConfig(raw)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
-        n_heads = hf.integer("num_attention_heads", at_least=1)
+        fields = common_fields(hf, rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, rope_theta=DEFAULT_ROPE_THETA)
+        n_layers = fields["n_layers"]
         n_experts = hf.integer("num_local_experts", 8, at_least=1)
-        top_k = hf.integer("num_experts_per_tok", 2, at_least=1, at_most=n_experts)
         window = hf.integer("sliding_window", None, at_least=1)
-        rope = hf.rope()
-        if hf.rope_section().opt("rope_theta") is None and raw.get("rope_theta") is None:
-            rope = dataclasses.replace(rope, theta=DEFAULT_ROPE_THETA)
         return MixtralConfig(
+            **fields,
+            **routed_fields(
+                hf, (True,) * n_layers, n_experts, hf.integer("intermediate_size", at_least=1), num_experts_per_tok=2
+            ),
             family=cls.model_type,
-            d_model=hf.integer("hidden_size", at_least=1),
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
-            d_head=hf.head_dim(),
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
-            rope=rope,
-            max_position_embeddings=hf.integer("max_position_embeddings", 4096 * 32, at_least=1),
-            act_fn=hf.text("hidden_act", "silu"),
-            moe_layers=(True,) * n_layers,
-            n_experts=n_experts,
-            top_k=(top_k,) * n_layers,
-            d_expert=hf.integer("intermediate_size", at_least=1),
             norm_topk_prob=True,
             sliding_window=window,
             attention_windows=(window,) * n_layers,
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
         )
 

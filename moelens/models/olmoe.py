@@ -11,7 +11,7 @@ transformers sizes the q/k norms by hidden_size, so the head dimension is hidden
 
 from __future__ import annotations
 
-from moelens.config import HFConfig
+from moelens.config import HFConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import Components, SoftmaxTopK, SparseMoe
 from moelens.models.components.projection_norm_attention import ClipQKVConfig, ProjectionQKNormAttention
@@ -30,52 +30,46 @@ class HookedOlmoe(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> ClipQKVConfig:
         hf = HFConfig(raw)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
-        n_experts = hf.integer("num_experts", at_least=1)
-        top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts)
-        d_model = hf.integer("hidden_size", at_least=1)
-        n_heads = hf.integer("num_attention_heads", at_least=1, at_most=d_model)
-        if d_model % n_heads:
-            raise ValueError(
-                f"hidden_size ({d_model}) must be a multiple of num_attention_heads ({n_heads}): transformers' "
-                "OLMoE sizes q_norm by hidden_size and the query projection by heads x (hidden_size // heads)"
-            )
-        d_head = d_model // n_heads
-        if hf.integer("head_dim", d_head, at_least=1) != d_head:
-            raise ValueError(
-                f"head_dim = {raw['head_dim']}: OLMoE's q_norm and k_norm are sized by hidden_size / "
-                f"num_attention_heads = {d_head}, so the head dimension must be that"
-            )
-        rope = hf.rope()
+        fields = common_fields(hf, rms_norm_eps=1e-5, max_position_embeddings=4096, d_head=_head_dim(hf))
+        rope = fields["rope"]
         if rope.kind != "default" or rope.partial_rotary_factor != 1.0:
             # transformers' OLMoE rotary ignores partial_rotary_factor; no released OLMoE scales its rotary
             raise ValueError(
                 f"OLMoE rope settings {hf.rope_section().raw} with partial_rotary_factor {rope.partial_rotary_factor} "
                 "are not supported: only the plain rotary over the whole head"
             )
+        n_layers = fields["n_layers"]
+        n_experts = hf.integer("num_experts", at_least=1)
+        bias = hf.flag("attention_bias", False)
         return ClipQKVConfig(
+            **fields,
+            **routed_fields(hf, (True,) * n_layers, n_experts, hf.integer("intermediate_size", at_least=1)),
             family=cls.model_type,
-            d_model=d_model,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
-            d_head=d_head,
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
-            rope=rope,
-            max_position_embeddings=hf.integer("max_position_embeddings", 4096, at_least=1),
-            qkv_bias=hf.flag("attention_bias", False),
-            o_bias=hf.flag("attention_bias", False),
-            act_fn=hf.text("hidden_act", "silu"),
-            moe_layers=(True,) * n_layers,
-            n_experts=n_experts,
-            top_k=(top_k,) * n_layers,
-            d_expert=hf.integer("intermediate_size", at_least=1),
+            qkv_bias=bias,
+            o_bias=bias,
             norm_topk_prob=hf.flag("norm_topk_prob", False),
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             clip_qkv=hf.number("clip_qkv", None, above=0),
             fields_read=tuple(hf.read),
         )
+
+
+def _head_dim(hf: HFConfig) -> int:
+    """hidden_size / num_attention_heads, which head_dim may only repeat: transformers' OLMoE sizes q_norm and
+    k_norm by hidden_size."""
+    d_model = hf.integer("hidden_size", at_least=1)
+    n_heads = hf.integer("num_attention_heads", at_least=1, at_most=d_model)
+    if d_model % n_heads:
+        raise ValueError(
+            f"hidden_size ({d_model}) must be a multiple of num_attention_heads ({n_heads}): transformers' "
+            "OLMoE sizes q_norm by hidden_size and the query projection by heads x (hidden_size // heads)"
+        )
+    d_head = d_model // n_heads
+    if hf.integer("head_dim", d_head, at_least=1) != d_head:
+        raise ValueError(
+            f"head_dim = {hf.raw['head_dim']}: OLMoE's q_norm and k_norm are sized by hidden_size / "
+            f"num_attention_heads = {d_head}, so the head dimension must be that"
+        )
+    return d_head
 
 
 def _layer_sites(cfg: ClipQKVConfig, layer: int, src: str, dst: str) -> list[Entry]:

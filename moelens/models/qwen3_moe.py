@@ -10,9 +10,9 @@ decoder_sparse_step say so (as Qwen2-MoE).
 
 from __future__ import annotations
 
-from moelens.config import HFConfig, MoeConfig
+from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.qwen2_moe import mixture_layers
+from moelens.models.qwen2_moe import dense_width, mixture_layers
 from moelens.models.components import Components, SoftmaxTopK, SparseMoe
 from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, dense_mlp, router_references, routed_experts
@@ -30,40 +30,21 @@ class HookedQwen3Moe(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
         hf = HFConfig(raw)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
+        fields = common_fields(hf, rms_norm_eps=1e-6, max_position_embeddings=32768)
         n_experts = _n_experts(hf)
         if hf.flag("use_sliding_window", False):
             raise ValueError("use_sliding_window=true is not supported (no released Qwen3-MoE checkpoint sets it)")
-        moe_layers = mixture_layers(hf, n_layers, n_experts)
-        any_moe = any(moe_layers)
-        top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts) if any_moe else 0
-        n_heads = hf.integer("num_attention_heads", at_least=1)
-        if all(moe_layers):  # no dense block: its width is not needed
-            d_mlp = hf.integer("intermediate_size", 0, at_least=0)
-        else:
-            d_mlp = hf.integer("intermediate_size", at_least=1)
+        moe_layers = mixture_layers(hf, fields["n_layers"], n_experts)
+        d_expert = hf.integer("moe_intermediate_size", at_least=1) if any(moe_layers) else 0
         bias = hf.flag("attention_bias", False)
         return MoeConfig(
+            **fields,
+            **routed_fields(hf, moe_layers, n_experts, d_expert),
             family=cls.model_type,
-            d_model=hf.integer("hidden_size", at_least=1),
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=hf.integer("num_key_value_heads", n_heads, at_least=1),
-            d_head=hf.head_dim(),
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-6, at_least=0),
-            rope=hf.rope(),
-            max_position_embeddings=hf.integer("max_position_embeddings", 32768, at_least=1),
             qkv_bias=bias,
             o_bias=bias,
-            act_fn=hf.text("hidden_act", "silu"),
-            d_mlp=d_mlp,
-            moe_layers=moe_layers,
-            n_experts=n_experts,
-            top_k=tuple(top_k if m else 0 for m in moe_layers),
-            d_expert=hf.integer("moe_intermediate_size", at_least=1) if any_moe else 0,
+            d_mlp=dense_width(hf, moe_layers),
             norm_topk_prob=hf.flag("norm_topk_prob", False),
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
             # transformers sets sliding_window to None unless use_sliding_window, and has no max_window_layers
             fields_ignored=tuple(f for f in ("sliding_window", "max_window_layers") if f in raw),

@@ -10,9 +10,10 @@ ignored, as transformers builds it).
 
 from __future__ import annotations
 
-from moelens.config import HFConfig, MoeConfig
+from moelens.config import HFConfig, MoeConfig, common_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import Attention, Components, SharedExpertMoe, SigmoidGroupedTopK
+from moelens.models.deepseek_v3 import deepseek_mixture_fields
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, gated_mlp, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
 
@@ -28,35 +29,18 @@ class HookedSolarOpen(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
         hf = HFConfig(raw)
-        n_layers = hf.integer("num_hidden_layers", at_least=1)
-        d_expert = hf.integer("moe_intermediate_size", at_least=1)
-        n_experts = hf.integer("n_routed_experts", at_least=1)
-        top_k = hf.integer("num_experts_per_tok", at_least=1, at_most=n_experts)
-        n_group, topk_group = hf.integer("n_group", 1, at_least=1), hf.integer("topk_group", 1, at_least=1)
-        SigmoidGroupedTopK.check_groups(n_experts, top_k, n_group, topk_group)
-        return MoeConfig(
-            family=cls.model_type,
-            d_model=hf.integer("hidden_size", at_least=1),
-            n_layers=n_layers,
-            n_heads=hf.integer("num_attention_heads", at_least=1),
-            n_kv_heads=hf.integer("num_key_value_heads", 8, at_least=1),
+        fields = common_fields(
+            hf, rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8,
             d_head=hf.integer("head_dim", 128, at_least=1),  # transformers' SolarOpenConfig default
-            d_vocab=hf.integer("vocab_size", at_least=1),
-            norm_eps=hf.number("rms_norm_eps", 1e-5, at_least=0),
-            rope=hf.rope(),
-            max_position_embeddings=hf.integer("max_position_embeddings", 131072, at_least=1),
+        )
+        return MoeConfig(
+            **fields,
+            # every block a mixture (first_k_dense_replace is not read); no defaults for the experts' sizes
+            **deepseek_mixture_fields(
+                hf, fields["n_layers"], first_dense=0, n_group=1, topk_group=1, routed_scaling_factor=1.0
+            ),
+            family=cls.model_type,
             qkv_bias=hf.flag("attention_bias", False),
-            act_fn=hf.text("hidden_act", "silu"),
-            moe_layers=(True,) * n_layers,
-            n_experts=n_experts,
-            top_k=(top_k,) * n_layers,
-            d_expert=d_expert,
-            d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1),
-            norm_topk_prob=hf.flag("norm_topk_prob", True),
-            routed_scaling_factor=hf.number("routed_scaling_factor", 1.0),
-            n_group=n_group,
-            topk_group=topk_group,
-            tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in ("first_k_dense_replace", "intermediate_size") if f in raw),
         )

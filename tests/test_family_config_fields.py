@@ -1,0 +1,363 @@
+"""Each family's config_from_hf: what it makes of its tiny checkpoint's config.json (as transformers writes
+it, trimmed to the fields moelens looks at), written out by hand, field by field; the exact set of config.json
+fields it reads (fields_read, which support() prints) and the ones it reports present but unused; the same
+config from the Hub's spelling of the rotary (rope_theta / rope_scaling at the top level); and, from a config.json
+with only the fields a family requires, transformers' defaults for the rest."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import NamedTuple
+
+import pytest
+
+from moelens.config import RopeConfig
+from moelens.models import FAMILIES
+
+
+class Case(NamedTuple):
+    raw: dict
+    fields: dict  # the config's fields that differ from its class's defaults (family, bookkeeping aside)
+    read: list[str]  # every config.json field the family looks up, present or not
+    ignored: tuple[str, ...]  # present, and reported unused
+
+
+CASES = {
+    "qwen2_moe": Case(
+        raw={"decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 80,
+            "max_position_embeddings": 256, "mlp_only_layers": [], "moe_intermediate_size": 32, "norm_topk_prob": False,
+            "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 3, "num_hidden_layers": 3,
+            "num_key_value_heads": 2, "qkv_bias": True, "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 1000.0,
+            "rope_type": "default"}, "shared_expert_intermediate_size": 48, "tie_word_embeddings": False,
+            "use_sliding_window": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, qkv_bias=True, d_mlp=80, moe_layers=(True, True,
+            True), n_experts=8, top_k=(3, 3, 3), d_expert=32, d_shared=48),
+        read=["decoder_sparse_step", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "max_position_embeddings", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob",
+            "num_attention_heads", "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "partial_rotary_factor", "qkv_bias", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+            "shared_expert_intermediate_size", "tie_word_embeddings", "use_sliding_window", "vocab_size"],
+        ignored=(),
+    ),
+    "hunyuan_v1_moe": Case(
+        raw={"attention_bias": False, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
+            "max_position_embeddings": 256, "moe_topk": [2, 3, 1], "num_attention_heads": 4, "num_experts": 8,
+            "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_parameters": {"alpha":
+            1000.0, "factor": 1.0, "rope_theta": 10000.0, "rope_type": "dynamic"}, "tie_word_embeddings": True,
+            "vocab_size": 96},
+        # NTK alpha: theta * alpha ** (d_head / (d_head - 2))
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0 * 1000.0 ** (16 / 14)), max_position_embeddings=256,
+            moe_layers=(True, True, True), n_experts=8, top_k=(2, 3, 1), d_expert=32, d_shared=32, norm_topk_prob=True,
+            tie_word_embeddings=True),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+            "moe_topk", "num_attention_heads", "num_experts", "num_hidden_layers", "num_key_value_heads",
+            "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "vocab_size"],
+        ignored=(),
+    ),
+    "solar_open": Case(
+        raw={"attention_bias": True, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "max_position_embeddings":
+            256, "moe_intermediate_size": 24, "n_group": 4, "n_routed_experts": 8, "n_shared_experts": 2,
+            "norm_topk_prob": False, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_parameters": {"factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0, "rope_type": "yarn"},
+            "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "topk_group": 2, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0, kind="yarn", factor=4.0, original_max_position_embeddings=16),
+            max_position_embeddings=256, qkv_bias=True, moe_layers=(True, True, True), n_experts=8, top_k=(3, 3, 3),
+            d_expert=24, d_shared=48, routed_scaling_factor=2.5, n_group=4, topk_group=2),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "max_position_embeddings",
+            "moe_intermediate_size", "n_group", "n_routed_experts", "n_shared_experts", "norm_topk_prob",
+            "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+            "routed_scaling_factor", "tie_word_embeddings", "topk_group", "vocab_size"],
+        ignored=(),
+    ),
+    "qwen3_moe": Case(
+        raw={"attention_bias": False, "decoder_sparse_step": 1, "head_dim": 24, "hidden_act": "silu", "hidden_size": 64,
+            "intermediate_size": 80, "max_position_embeddings": 256, "mlp_only_layers": [], "moe_intermediate_size": 32,
+            "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
+            "num_key_value_heads": 2, "num_local_experts": 8, "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta":
+            1000.0, "rope_type": "default"}, "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window":
+            False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=24, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, d_mlp=80, moe_layers=(True, True, True),
+            n_experts=8, top_k=(3, 3, 3), d_expert=32, norm_topk_prob=True),
+        read=["attention_bias", "decoder_sparse_step", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "max_position_embeddings", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob",
+            "num_attention_heads", "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "num_local_experts", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "tie_word_embeddings", "use_sliding_window", "vocab_size"],
+        ignored=("sliding_window",),
+    ),
+    "mixtral": Case(
+        raw={"head_dim": None, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
+            "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3,
+            "num_key_value_heads": 2, "num_local_experts": 8, "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta":
+            1000.0, "rope_type": "default"}, "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, attention_windows=(None, None, None),
+            moe_layers=(True, True, True), n_experts=8, top_k=(2, 2, 2), d_expert=32, norm_topk_prob=True),
+        read=["head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+            "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "num_local_experts", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "sliding_window", "tie_word_embeddings", "vocab_size"],
+        ignored=(),
+    ),
+    "olmoe": Case(
+        raw={"attention_bias": False, "clip_qkv": None, "hidden_act": "silu", "hidden_size": 64, "intermediate_size":
+            32, "max_position_embeddings": 256, "norm_topk_prob": False, "num_attention_heads": 4, "num_experts": 8,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False,
+            "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=8,
+            top_k=(3, 3, 3), d_expert=32),
+        read=["attention_bias", "clip_qkv", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "max_position_embeddings", "norm_topk_prob", "num_attention_heads", "num_experts", "num_experts_per_tok",
+            "num_hidden_layers", "num_key_value_heads", "partial_rotary_factor", "rms_norm_eps", "rope_parameters",
+            "rope_scaling", "rope_theta", "tie_word_embeddings", "vocab_size"],
+        ignored=(),
+    ),
+    "deepseek_v3": Case(
+        raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size":
+            64, "intermediate_size": 80, "kv_lora_rank": 16, "max_position_embeddings": 256, "moe_intermediate_size":
+            24, "n_group": 4, "n_routed_experts": 8, "n_shared_experts": 2, "norm_topk_prob": True,
+            "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 4,
+            "num_nextn_predict_layers": 1, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8,
+            "rms_norm_eps": 1e-06, "rope_interleave": True, "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0,
+            "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16, "rope_theta":
+            10000.0, "rope_type": "yarn"}, "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "topk_group": 2,
+            "v_head_dim": 10, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=20, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, kind="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+            mscale_all_dim=1.0, interleaved=True), max_position_embeddings=256, d_mlp=80, moe_layers=(False, True,
+            True), n_experts=8, top_k=(0, 3, 3), d_expert=24, d_shared=48, norm_topk_prob=True,
+            routed_scaling_factor=2.5, n_group=4, topk_group=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+            qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1, mtp_layers=1),
+        read=["attention_bias", "first_k_dense_replace", "hidden_act", "hidden_size", "intermediate_size",
+            "kv_lora_rank", "max_position_embeddings", "moe_intermediate_size", "n_group", "n_routed_experts",
+            "n_shared_experts", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_nextn_predict_layers", "partial_rotary_factor", "q_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps", "rope_interleave", "rope_parameters",
+            "rope_scaling", "rope_theta", "routed_scaling_factor", "tie_word_embeddings", "topk_group", "v_head_dim",
+            "vocab_size"],
+        ignored=("head_dim",),
+    ),
+    "gpt_oss": Case(
+        raw={"attention_bias": True, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "max_position_embeddings": 256,
+            "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2,
+            "num_local_experts": 8, "rms_norm_eps": 1e-05, "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0,
+            "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 150000.0, "rope_type": "yarn",
+            "truncate": False}, "sliding_window": 5, "swiglu_alpha": 1.702, "swiglu_limit": 1.5, "tie_word_embeddings":
+            False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=150000.0, kind="yarn", factor=4.0, original_max_position_embeddings=64,
+            truncate=False), max_position_embeddings=256, qkv_bias=True, o_bias=True, attention_windows=(5, None, 5),
+            moe_layers=(True, True, True), n_experts=8, top_k=(3, 3, 3), d_expert=32, swiglu_limit=1.5),
+        read=["attention_bias", "head_dim", "hidden_size", "intermediate_size", "layer_types",
+            "max_position_embeddings", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_local_experts", "partial_rotary_factor", "rms_norm_eps", "rope_parameters",
+            "rope_scaling", "rope_theta", "sliding_window", "swiglu_alpha", "swiglu_limit", "tie_word_embeddings",
+            "vocab_size"],
+        ignored=("hidden_act",),
+    ),
+    "glm4_moe": Case(
+        raw={"attention_bias": True, "first_k_dense_replace": 1, "head_dim": 24, "hidden_act": "silu", "hidden_size":
+            64, "intermediate_size": 80, "max_position_embeddings": 256, "moe_intermediate_size": 24, "n_group": 1,
+            "n_routed_experts": 8, "n_shared_experts": 2, "norm_topk_prob": True, "num_attention_heads": 4,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_nextn_predict_layers": 1,
+            "rms_norm_eps": 1e-05, "rope_parameters": {"partial_rotary_factor": 0.5, "rope_theta": 1000.0, "rope_type":
+            "default"}, "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm":
+            True, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=24, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000.0, partial_rotary_factor=0.5), max_position_embeddings=256, qkv_bias=True,
+            d_mlp=80, moe_layers=(False, True, True), n_experts=8, top_k=(0, 3, 3), d_expert=24, d_shared=48,
+            norm_topk_prob=True, routed_scaling_factor=2.5, qk_norm=True, mtp_layers=1),
+        read=["attention_bias", "first_k_dense_replace", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "max_position_embeddings", "moe_intermediate_size", "n_group", "n_routed_experts", "n_shared_experts",
+            "norm_topk_prob", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "num_nextn_predict_layers", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "routed_scaling_factor", "tie_word_embeddings", "topk_group", "use_qk_norm", "vocab_size"],
+        ignored=(),
+    ),
+    "minimax_m2": Case(
+        raw={"attention_dropout": 0.0, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
+            "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
+            "num_key_value_heads": 2, "num_local_experts": 8, "rms_norm_eps": 1e-06, "rope_parameters":
+            {"partial_rotary_factor": 0.5, "rope_theta": 1000.0, "rope_type": "default"}, "rotary_dim": 16,
+            "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=32, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0, partial_rotary_factor=0.5), max_position_embeddings=256, moe_layers=(True,
+            True, True), n_experts=8, top_k=(3, 3, 3), d_expert=32, norm_topk_prob=True),
+        read=["attention_bias", "attn_type_list", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "max_position_embeddings", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_local_experts", "num_mtp_modules", "partial_rotary_factor", "qk_norm_type",
+            "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "scoring_func",
+            "shared_intermediate_size", "tie_word_embeddings", "use_qk_norm", "use_routing_bias", "vocab_size"],
+        ignored=("router_aux_loss_coef", "router_jitter_noise", "attention_dropout"),
+    ),
+}
+
+# config.json with only what the family requires (and what its defaults would contradict): transformers' defaults
+MINIMAL = {
+    "qwen2_moe": (
+        {"hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_experts": 8,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "shared_expert_intermediate_size": 48, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=32768, qkv_bias=True, moe_layers=(True, True, True),
+            n_experts=8, top_k=(3, 3, 3), d_expert=32, d_shared=48),
+    ),
+    "hunyuan_v1_moe": (
+        {"hidden_size": 64, "intermediate_size": 32, "moe_topk": [2, 3, 1], "num_attention_heads": 4, "num_experts":
+            8, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True, True), n_experts=8,
+            top_k=(2, 3, 1), d_expert=32, d_shared=32, norm_topk_prob=True),
+    ),
+    "solar_open": (
+        {"hidden_size": 64, "moe_intermediate_size": 24, "n_routed_experts": 8, "num_attention_heads": 4,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "vocab_size": 96, "n_group": 4, "num_key_value_heads": 2,
+            "topk_group": 2},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=128, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=131072, moe_layers=(True, True, True), n_experts=8,
+            top_k=(3, 3, 3), d_expert=24, d_shared=24, norm_topk_prob=True, n_group=4, topk_group=2),
+    ),
+    "qwen3_moe": (
+        {"hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_experts_per_tok": 3,
+            "num_hidden_layers": 3, "num_local_experts": 8, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=32768, moe_layers=(True, True, True), n_experts=8,
+            top_k=(3, 3, 3), d_expert=32),
+    ),
+    "mixtral": (
+        {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size":
+            96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000000.0), max_position_embeddings=131072, attention_windows=(None, None, None),
+            moe_layers=(True, True, True), n_experts=8, top_k=(2, 2, 2), d_expert=32, norm_topk_prob=True),
+    ),
+    "olmoe": (
+        {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_experts": 8,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=4096, moe_layers=(True, True, True), n_experts=8,
+            top_k=(3, 3, 3), d_expert=32),
+    ),
+    "deepseek_v3": (
+        # four blocks, so that the last (after the first_k_dense_replace = 3 dense ones) is a mixture
+        {"num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 96},
+        dict(d_model=7168, n_layers=4, n_heads=4, n_kv_heads=4, d_head=128 + 64, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, interleaved=True), max_position_embeddings=4096, d_mlp=18432,
+            moe_layers=(False, False, False, True), n_experts=256, top_k=(0, 0, 0, 8), d_expert=2048, d_shared=2048,
+            norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=3),
+    ),
+    "gpt_oss": (
+        {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3,
+            "num_local_experts": 8, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=150000.0), max_position_embeddings=131072, qkv_bias=True, o_bias=True,
+            attention_windows=(128, None, 128), moe_layers=(True, True, True), n_experts=8, top_k=(4, 4, 4),
+            d_expert=32),
+    ),
+    "glm4_moe": (
+        {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96,
+            "num_key_value_heads": 2},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0, partial_rotary_factor=0.5), max_position_embeddings=131072, d_mlp=10944,
+            moe_layers=(False, True, True), n_experts=128, top_k=(0, 8, 8), d_expert=1408, d_shared=1408,
+            norm_topk_prob=True),
+    ),
+    "minimax_m2": (
+        {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size":
+            96, "num_key_value_heads": 2},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=128, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=5000000.0), max_position_embeddings=196608, moe_layers=(True, True, True),
+            n_experts=256, top_k=(8, 8, 8), d_expert=32, norm_topk_prob=True),
+    ),
+}
+
+CONFIG_CLASSES = {
+    "qwen2_moe": "MoeConfig",
+    "hunyuan_v1_moe": "MoeConfig",
+    "solar_open": "MoeConfig",
+    "qwen3_moe": "MoeConfig",
+    "mixtral": "MixtralConfig",
+    "olmoe": "ClipQKVConfig",
+    "deepseek_v3": "DeepseekV3Config",
+    "gpt_oss": "GptOssConfig",
+    "glm4_moe": "Glm4MoeConfig",
+    "minimax_m2": "MiniMaxM2Config",
+}
+
+
+def identity(cfg) -> dict:
+    """The fields that make the model (compare=True), without family."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.compare and f.name != "family"}
+
+
+def expected(cfg_class_name: str, cfg, fields: dict) -> dict:
+    assert type(cfg).__name__ == cfg_class_name
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(cfg)
+        if f.compare and f.name != "family" and f.default is not dataclasses.MISSING
+    }
+    return defaults | fields
+
+
+def hub_spelling(raw: dict) -> dict:
+    """rope_parameters as the Hub's config.json spells it: rope_theta and partial_rotary_factor at the top level,
+    the scaling (where not the default rotary) in rope_scaling."""
+    raw = copy.deepcopy(raw)
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        raw["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    if rope.get("rope_type", "default") != "default":
+        raw["rope_scaling"] = rope
+    return raw
+
+
+def test_every_family_has_a_case():
+    assert set(CASES) == set(MINIMAL) == set(CONFIG_CLASSES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_config_from_the_tiny_config(family):
+    case = CASES[family]
+    cfg = FAMILIES[family].config_from_hf(copy.deepcopy(case.raw))
+    assert cfg.family == family
+    assert identity(cfg) == expected(CONFIG_CLASSES[family], cfg, case.fields)
+    assert sorted(cfg.fields_read) == case.read and len(set(cfg.fields_read)) == len(cfg.fields_read)
+    assert cfg.fields_ignored == case.ignored
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_the_hubs_rotary_spelling_reads_the_same(family):
+    case = CASES[family]
+    cfg = FAMILIES[family].config_from_hf(hub_spelling(case.raw))
+    assert identity(cfg) == expected(CONFIG_CLASSES[family], cfg, case.fields)
+    assert sorted(cfg.fields_read) == case.read
+    assert cfg.fields_ignored == case.ignored
+
+
+@pytest.mark.parametrize("family", MINIMAL)
+def test_absent_fields_take_the_familys_defaults(family):
+    raw, fields = MINIMAL[family]
+    cfg = FAMILIES[family].config_from_hf(copy.deepcopy(raw))
+    assert identity(cfg) == expected(CONFIG_CLASSES[family], cfg, fields)
+    assert cfg.fields_ignored == ()
+
+
+@pytest.mark.parametrize("family", MINIMAL)
+def test_a_required_field_missing_is_named(family):
+    raw, _ = MINIMAL[family]
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if name in raw:
+            with pytest.raises(KeyError, match=name):
+                FAMILIES[family].config_from_hf({k: v for k, v in raw.items() if k != name})
