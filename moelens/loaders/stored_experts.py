@@ -78,6 +78,12 @@ class ExpertLayers:
             return StoredExperts.stack(self.spec, self.reader.stored_parts(layer), experts)
         return ExpertTensors.stack(experts)
 
+    def wrap(self, layer: int, tensors: tuple[torch.Tensor, ...]) -> ExpertTensors | StoredExperts:
+        """Tensors stacked over experts (an expert axis first, in read's order) as the stack type they are."""
+        if self.stored:
+            return StoredExperts(self.spec, self.reader.stored_parts(layer), tensors)
+        return ExpertTensors(*tensors)
+
     def layer(self, layer: int, experts: Iterable[int]) -> ExpertTensors | StoredExperts:
         """The experts `experts` of `layer`, stacked (none: empty stacks of the right shapes and dtypes)."""
         ids = list(experts)
