@@ -262,7 +262,8 @@ def offload_experts(model, files, keys, mode, cache: ExpertCache, device_for, pr
         # what a cache slot holds: one expert as the host stacks, or (stored, on disk) as the files, store it
         template = host.expert(0) if host is not None else layers.read(layer, 0)
         wrap = lambda tensors, layer=layer: layers.wrap(layer, tensors)  # noqa: E731
-        stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode, template, wrap)
+        read_into = None if mode == "cpu" else lambda e, out, layer=layer: layers.read_into(layer, e, out)
+        stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode, template, wrap, read_into)
         block.mlp.experts.attach_store(stores[layer], None if mode == "disk" else host)
     if prefetch:
         cache.enable_prefetch()

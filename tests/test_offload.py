@@ -345,8 +345,10 @@ def test_an_exception_in_the_prefetch_thread_is_counted_and_changes_nothing(chec
         if where == "predictor":
             store.predict = broken
         else:  # the expert reads fail in the prefetch thread only; the layers' own reads work
-            real = store.source
-            store.source = lambda e, real=real: broken() if threading.current_thread().name == "moelens-expert-prefetch" else real(e)
+            real = store.load_into
+            store.load_into = lambda e, slot, real=real: (
+                broken() if threading.current_thread().name == "moelens-expert-prefetch" else real(e, slot)
+            )
     with pytest.warns(RuntimeWarning, match="expert prefetch failed.*prefetch broke"):
         assert torch.equal(model(tokens), ref(tokens))
     jobs = len(stores(model)) - 1  # one per mixture layer that has a next one

@@ -474,29 +474,36 @@ class GroupRun:
         self.groups = [used[i : i + size] for i in range(0, len(used), size)]
         self.grad = torch.is_grad_enabled()  # autograd saves the weights: compute with copies of the slots
         self.held: int | None = None
-        self.weights: dict[int, ExpertWeights] = {}
+        self.slots: dict[int, int] = {}  # the held group's experts -> their slots
+        self._last: tuple[int, ExpertWeights] | None = None  # the expert last computed with, and its weights
         self.last_pass = len(self.groups) == 1  # the next group held is the last load of the layer
         self.bias_rows_of: dict[int, torch.Tensor] = {}
         if len(self.groups) > 1:
             with store.cache._lock:
                 store.cache.stats.grouped_layers += 1
 
-    def hold(self, g: int) -> dict[int, ExpertWeights]:
+    def hold(self, g: int) -> None:
         if self.held == g:
-            return self.weights
+            return
         self.release()  # first: another group may need every slot
-        slots = self.store.cache.hold(self.store, self.groups[g])
+        self.slots = self.store.cache.hold(self.store, self.groups[g])
         self.held = g
-        pool = self.store.cache.slots(self.store)
-        self.weights = {e: self.store.expert_weights(pool.views(s), self.x.dtype) for e, s in slots.items()}
         if self.last_pass and g == 0:
             self.store.submit_prefetch(self.x)
-        return self.weights
 
     def release(self) -> None:
         if self.held is not None:
             self.store.cache.release(self.store.layer, self.groups[self.held])
-            self.held, self.weights = None, {}
+            self.held, self.slots, self._last = None, {}, None
+
+    def expert(self, e: int) -> ExpertWeights:
+        """Expert e's dense tensors (of the held group): its slot's views, or, kept stored, dequantized when
+        first computed with (one expert's dense copy at a time)."""
+        if self._last is None or self._last[0] != e:
+            self._last = None  # dropped before the next is made
+            pool = self.store.cache.slots(self.store)
+            self._last = e, self.store.expert_weights(pool.views(self.slots[e]), self.x.dtype)
+        return self._last[1]
 
     def linear(self, rows: Float[torch.Tensor, "S n_in"], param: int, counts: list[int]) -> Float[torch.Tensor, "S n_out"]:
         """kernels.experts.grouped_linear with the weight `param` (its position in the spec's parameters) of
@@ -512,15 +519,16 @@ class GroupRun:
             self.last_pass = True
         order = range(len(self.groups)) if param == 0 else reversed(range(len(self.groups)))
         for g in order:
-            weights = self.hold(g)
-            for e in self.groups[g]:
+            self.hold(g)
+            for e in self.groups[g] if param == 0 else reversed(self.groups[g]):
                 start, n = starts[e], counts[e]
                 if not n:
                     continue
-                w = weights[e][param]
+                weights = self.expert(e)
+                w = weights[param]
                 out[start : start + n] = F.linear(rows[start : start + n], w.clone() if self.grad else w)
                 if bias is not None:
-                    b = weights[e][bias]
+                    b = weights[bias]
                     if bias not in self.bias_rows_of:
                         self.bias_rows_of[bias] = rows.new_empty(rows.shape[0], b.shape[0], dtype=b.dtype)
                     self.bias_rows_of[bias][start : start + n] = b
@@ -571,7 +579,7 @@ def _triton_from_slots(run: GroupRun, x, indices, weights, spec, hooks, batch_po
         )
     used = run.groups[0] if run.groups else []
     slots = store.cache.hold(store, used) if used else {}
-    run.held, run.weights = (0, {}) if used else (None, {})
+    run.held, run.slots = (0, slots) if used else (None, {})
     if used:
         store.submit_prefetch(x)
     pool = store.cache.slots(store)

@@ -72,6 +72,10 @@ class ExpertLayers:
     def read(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         return self.reader.read_stored(layer, expert) if self.stored else self.reader.read(layer, expert)
 
+    def read_into(self, layer: int, expert: int, out: tuple[torch.Tensor, ...]) -> None:
+        """read(layer, expert), written into `out` (CPU tensors of read's shapes and dtypes)."""
+        self.reader.read_into(layer, expert, out, stored=self.stored)
+
     def stack(self, layer: int, experts: list[tuple[torch.Tensor, ...]]) -> ExpertTensors | StoredExperts:
         """Experts read by `read`, stacked in the given order."""
         if self.stored:
