@@ -10,7 +10,8 @@ first read. read / read_stored go through safetensors' own reader, opening the f
 
 The files are read long after the model was loaded, so every read first checks that they are still the files
 the load checked: each file's identity (size, modification time, inode) is recorded when the reader is made
-and compared before and after each read (read_into: of the path and of the open descriptor), and each
+and compared before and after each read (read_into: the path's before, the open descriptor's after, which
+is the path's file when it was opened), and each
 tensor's dtype and shape in the header it is read through against those the load checked (read_into: the
 header's bytes of each tensor it reads, and the header's length, against those it parsed; any difference
 sends the read through safetensors' reader, whose checks name the change). A file that changed is a
@@ -21,6 +22,7 @@ restores the time) goes unseen.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -94,70 +96,101 @@ class ExpertReader:
         paths = {files.location[k] for k in self.expert_keys}
         self.identity: dict[Path, FileIdentity] = {path: FileIdentity.of(path) for path in sorted(paths)}
         self._open: dict[Path, OpenFile] = {}  # read_into's files, opened and parsed at their first read
-        self._open_lock = threading.Lock()
+        self._plans: dict[tuple[int, int, bool], list] = {}  # read_into's byte ranges per (layer, expert, stored)
+        self._open_lock = threading.RLock()
 
-    def __del__(self) -> None:
-        for f in getattr(self, "_open", {}).values():
-            os.close(f.fd)
 
     def read_into(self, layer: int, expert: int, out: tuple[torch.Tensor, ...], stored: bool = False) -> None:
-        """Write one expert into `out` (CPU tensors): read's tensors (stored=False) or read_stored's (True),
-        the same values, checked the same way, without safetensors' per-read open and header parse."""
-        wanted = self._wanted(layer, expert)
-        pieces = [  # (key, target, its stored key, where its bytes go when they go straight there)
-            (key, target, k, None) for key, _, target in wanted for k in (target.stored.keys if target.stored else (key,))
-        ]
-        if stored:
-            pieces = [(key, target, k, into) for (key, target, k, _), into in zip(pieces, out)]
-        else:
-            params = dict(zip(self.params, out))
-            pieces = [
-                (key, target, k, params[self.params_of[key]][target.index[1:]] if target.stored is None else None)
-                for key, target, k, _ in pieces
-            ]
-        by_file: dict[Path, list] = defaultdict(list)
-        for piece in pieces:
-            by_file[self.files.location[piece[2]]].append(piece)
-        read: dict[str, torch.Tensor] = {}
-        for path, file_pieces in by_file.items():
-            f = self._file(path)
-            self.check_unchanged(path)
-            self.check_unchanged(path, f.fd)
-            if not f.header_unchanged([k for _, _, k, _ in file_pieces]):
-                # the header changed in place (safetensors' reader and _check_header then name how), or spells
-                # a key other than parsed: read through safetensors' reader, and parse the header again next time
+        """Write one expert into `out` (contiguous CPU tensors): read's tensors (stored=False) or
+        read_stored's (True), the same values, checked as the module says, without safetensors' per-read open
+        and header parse: the expert's byte ranges read in file order, contiguous ones in one preadv."""
+        plan = self._plans.get((layer, expert, stored))
+        if plan is None:
+            plan = self._plans[layer, expert, stored] = self._plan(layer, expert, stored)
+        if not plan:  # a tensor whose header entry is not spelt as parsed: safetensors' reader
+            self._read_into_slowly(layer, expert, out, stored)
+            return
+        read: dict[str, torch.Tensor] = {}  # tensors read into buffers, mapped or dequantized below
+        for f, span, pieces in plan:
+            self.check_unchanged(f.path)  # the path: in place or renamed over (the descriptor was checked at open)
+            if not f.header_unchanged(span):
+                # changed in place: safetensors' reader and _check_header name how; parsed again next time
                 with self._open_lock:
-                    os.close(self._open.pop(path).fd)
+                    if self._open.get(f.path) is f:
+                        del self._open[f.path]
+                    self._plans.clear()
                 self._read_into_slowly(layer, expert, out, stored)
                 return
-            for key, target, k, into in sorted(file_pieces, key=lambda p: f.entries[p[2]].start):
-                shape, offset, length = f.row(k, expert if target.index == () else None)  # a fused stack: its row
-                direct = into is not None and into.is_contiguous() and into.dtype == f.entries[k].dtype and (
-                    target.layout is AS_STORED and tuple(into.shape) == shape)
-                if direct:
-                    f.pread_into(into, offset, length)
+            runs: list[tuple[int, list[memoryview]]] = []
+            end = -1
+            for piece in pieces:
+                into = out[piece.position][piece.index]
+                if not (piece.direct and into.is_contiguous() and into.dtype == piece.dtype and tuple(into.shape) == piece.shape):
+                    into = read[piece.stored_key] = torch.empty(piece.shape, dtype=piece.dtype)
+                if piece.offset == end:
+                    runs[-1][1].append(bytes_of(into))
                 else:
-                    buffer = torch.empty(shape, dtype=f.entries[k].dtype)
-                    f.pread_into(buffer, offset, length)
-                    read[k] = buffer
-            self.check_unchanged(path)  # not rewritten while it was being read
-            self.check_unchanged(path, f.fd)
+                    runs.append((piece.offset, [bytes_of(into)]))
+                end = piece.offset + piece.length
+            for offset, buffers in runs:
+                f.preadv_all(buffers, offset)
+            self.check_unchanged(f.path, f.fd)  # not rewritten while it was being read (what it read is the descriptor's)
+        if read:
+            self._map_into(layer, expert, out, stored, read)
+
+    def _map_into(self, layer: int, expert: int, out, stored: bool, read: dict[str, torch.Tensor]) -> None:
+        """The tensors read into buffers (not straight into out) into out: copied, or (dense) dequantized and
+        mapped from the stored layout, as read() does."""
         if stored:
-            for key, target, k, into in pieces:
+            keys = [k for key, _, target in self._wanted(layer, expert) for k in (target.stored.keys if target.stored else (key,))]
+            for into, k in zip(out, keys, strict=True):
                 if k in read:
                     if tuple(into.shape) != tuple(read[k].shape) or into.dtype != read[k].dtype:
-                        raise CheckpointError(f"{self.files.location[k]}: tensor {k!r} row is {read[k].dtype} {list(read[k].shape)}, the slot {into.dtype} {list(into.shape)}")
+                        raise CheckpointError(
+                            f"{self.files.location[k]}: tensor {k!r} is {read[k].dtype} {list(read[k].shape)} per expert, "
+                            f"its slot {into.dtype} {list(into.shape)}"
+                        )
                     into.copy_(read[k])
             return
-        for key, _, target in wanted:
-            into = params[self.params_of[key]][target.index[1:]]
+        params = dict(zip(self.params, out))
+        for key, param, target in self._wanted(layer, expert):
+            into = params[param][target.index[1:]]
             if target.stored is not None:
                 into.copy_(target.stored.dequantize(tuple(read[k] for k in target.stored.keys), self.dtype))
             elif key in read:
                 tensor = target.layout.load(read[key])
                 if tuple(tensor.shape) != tuple(into.shape):
-                    raise CheckpointError(f"{self.files.location[key]}: tensor {key!r} maps to {list(tensor.shape)}, its place holds {list(into.shape)}")
+                    raise CheckpointError(
+                        f"{self.files.location[key]}: tensor {key!r} maps to {list(tensor.shape)}, its place holds {list(into.shape)}"
+                    )
                 into.copy_(tensor)
+
+    def _plan(self, layer: int, expert: int, stored: bool) -> list[tuple[OpenFile, tuple[int, int], list[Piece]]]:
+        """Per file: (the open file, the span of the header holding the expert's tensors' entries, its pieces
+        in file order); [] where an entry is not as parsed."""
+        pieces: dict[Path, list[Piece]] = defaultdict(list)
+        position = 0
+        for key, param, target in self._wanted(layer, expert):
+            for k in target.stored.keys if target.stored else (key,):
+                path = self.files.location[k]
+                f = self._file(path)
+                entry = f.entries.get(k)
+                if entry is None:
+                    return []
+                shape, offset, length = f.row(k, expert if target.index == () else None)  # a fused stack: its row
+                if stored:
+                    where, index, direct = position, (), True
+                else:
+                    where, index = self.params.index(param), target.index[1:]
+                    direct = target.stored is None and target.layout is AS_STORED
+                pieces[path].append(Piece(k, where, index, direct, entry.dtype, shape, offset, length, entry))
+                position += 1
+        plan = []
+        for path, ps in pieces.items():
+            f = self._file(path)
+            span = min(p.entry.entry_at for p in ps), max(p.entry.entry_at + len(p.entry.entry) for p in ps)
+            plan.append((f, span, sorted(ps, key=lambda p: p.offset)))
+        return plan
 
     def _read_into_slowly(self, layer: int, expert: int, out: tuple[torch.Tensor, ...], stored: bool) -> None:
         tensors = self.read_stored(layer, expert) if stored else self.read(layer, expert)
@@ -169,7 +202,9 @@ class ExpertReader:
     def _file(self, path: Path) -> OpenFile:
         with self._open_lock:
             if path not in self._open:
-                self._open[path] = OpenFile.open(path, self)
+                f = OpenFile.open(path, self)
+                self.check_unchanged(path, f.fd)  # the file the load checked, opened after it
+                self._open[path] = f
             return self._open[path]
 
     def check_unchanged(self, path: Path, fd: int | None = None) -> None:
@@ -278,15 +313,43 @@ class HeaderEntry:
     entry_at: int  # its offset in the file
 
 
-class OpenFile:
-    """A checkpoint file open for preads, its header parsed once and checked against the load's."""
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (any dtype)."""
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())) if t.nbytes else memoryview(bytearray())
 
-    def __init__(self, path: Path, fd: int, prefix: bytes, entries: dict[str, HeaderEntry]) -> None:
-        self.path, self.fd, self.prefix, self.entries = path, fd, prefix, entries
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored tensor (or a fused stack's row) of an expert: where it goes in read_into's out (out[position]
+    [index]; straight there when direct and the tensor there matches), and where its bytes lie."""
+
+    stored_key: str
+    position: int
+    index: tuple
+    direct: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    entry: HeaderEntry
+
+
+class OpenFile:
+    """A checkpoint file open for preads (closed when dropped), its header parsed once and checked against
+    the load's."""
+
+    def __init__(self, path: Path, fd: int, prefix: bytes, raw: bytes, entries: dict[str, HeaderEntry]) -> None:
+        self.path, self.fd, self.prefix, self.raw, self.entries = path, fd, prefix, raw, entries
+
+    def __del__(self) -> None:
+        os.close(self.fd)
 
     @classmethod
     def open(cls, path: Path, reader: ExpertReader) -> OpenFile:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as err:
+            raise CheckpointError(f"{path}: the offloaded experts are read from this file, which is gone ({err})") from err
         try:
             prefix = os.pread(fd, 8, 0)
             (n,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (0,)
@@ -307,23 +370,17 @@ class OpenFile:
                     continue  # not found as expected: this key is read through safetensors' reader
                 start, stop = info["data_offsets"]
                 entries[key] = HeaderEntry(TORCH_DTYPES[dtype], shape, 8 + n + start, 8 + n + stop, raw[at:end], 8 + at)
-        except CheckpointError:
+        except BaseException as err:
             os.close(fd)
-            raise
-        except Exception as err:
-            os.close(fd)
+            if isinstance(err, CheckpointError) or not isinstance(err, Exception):
+                raise
             raise CheckpointError(f"{path}: unreadable safetensors header ({err})") from err
-        return cls(path, fd, prefix, entries)
+        return cls(path, fd, prefix, raw, entries)
 
-    def header_unchanged(self, keys: list[str]) -> bool:
-        """Whether the header's length and each key's entry still read as parsed (a key not parsed: False)."""
-        if os.pread(self.fd, 8, 0) != self.prefix:
-            return False
-        for key in keys:
-            entry = self.entries.get(key)
-            if entry is None or os.pread(self.fd, len(entry.entry), entry.entry_at) != entry.entry:
-                return False
-        return True
+    def header_unchanged(self, span: tuple[int, int]) -> bool:
+        """Whether the header's length and its bytes in span (file offsets) still read as parsed."""
+        start, end = span
+        return os.pread(self.fd, 8, 0) == self.prefix and os.pread(self.fd, end - start, start) == self.raw[start - 8 : end - 8]
 
     def row(self, key: str, row: int | None) -> tuple[tuple[int, ...], int, int]:
         """(shape, file offset, bytes) of the tensor, or of its row `row` (a fused stack's expert)."""
@@ -333,14 +390,19 @@ class OpenFile:
         each = (entry.end - entry.start) // entry.shape[0]
         return entry.shape[1:], entry.start + row * each, each
 
-    def pread_into(self, tensor: torch.Tensor, offset: int, length: int) -> None:
-        """Read `length` bytes at `offset` into the contiguous CPU tensor (of exactly that many bytes)."""
-        if tensor.nbytes != length:
-            raise CheckpointError(f"{self.path}: {length} bytes at offset {offset} do not fill a {tensor.dtype} {list(tensor.shape)}")
-        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < length:
-            got = os.preadv(self.fd, [view[done:]], offset + done)
+    def preadv_all(self, buffers: list[memoryview], offset: int) -> None:
+        """Fill the buffers from the file's consecutive bytes at offset."""
+        total = sum(len(b) for b in buffers)
+        done = os.preadv(self.fd, buffers, offset)
+        while done < total:  # a short read (rare): go on from where it stopped
+            skip, rest = done, []
+            for b in buffers:
+                if skip >= len(b):
+                    skip -= len(b)
+                    continue
+                rest.append(b[skip:])
+                skip = 0
+            got = os.preadv(self.fd, rest, offset + done)
             if got <= 0:
-                raise CheckpointError(f"{self.path}: ends before the expert's bytes (read {done} of {length} at offset {offset})")
+                raise CheckpointError(f"{self.path}: ends before the expert's bytes (read {done} of {total} at offset {offset})")
             done += got
