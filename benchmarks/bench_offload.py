@@ -283,47 +283,54 @@ def hwm():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 
 base = hwm()
-model = HookedTransformer.from_pretrained({path!r}, progress=False, expert_offload="disk", expert_cache_bytes={cache},
-                                          expert_prefetch={prefetch})
+kwargs = json.loads({kwargs!r})
+model = HookedTransformer.from_pretrained({path!r}, progress=False, **kwargs)
 prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     model(prompt)
     model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False, do_sample=False)
-print(json.dumps(dict(peak=hwm() - base, slots=model.expert_cache_stats().slot_bytes,
-                      grouped=model.expert_cache_stats().grouped_layers)))
+stats = model.expert_cache_stats() if kwargs else None
+print(json.dumps(dict(peak=hwm() - base, slots=stats.slot_bytes if stats else 0, grouped=stats.grouped_layers if stats else 0)))
 """
 
 
-def planned_offload(folder: Path, cache_bytes: int) -> dict:
-    """moelens plan's expert_offload option (CPU only: experts on disk) for a prefill of PREFILL tokens, with the
-    CPU's memory set so that the cache it leaves is cache_bytes."""
+def planned(folder: Path, cache_bytes: int) -> tuple[dict, dict]:
+    """moelens plan's one_device and expert_offload options (CPU only: experts on disk) for PREFILL + DECODE
+    tokens, the CPU's memory set so that the cache the offload leaves is cache_bytes (and ample for one_device)."""
     from moelens.plan import HEADROOM, plan
 
-    def option(memory: int) -> dict:
+    def option(memory: int, kind: str) -> dict:
         p = plan(folder, dtype="float32", cpu_memory=memory, batch=1, seq=PREFILL + DECODE)
-        return next(o for o in p.placement["options"] if o["kind"] == "expert_offload")
+        return next(o for o in p.placement["options"] if o["kind"] == kind)
 
-    resident = option(10**12)["device_bytes"]
-    return option(int((resident + cache_bytes) / (1 - HEADROOM)) + 1)
+    resident = option(10**12, "expert_offload")["device_bytes"]
+    return option(10**12, "one_device"), option(int((resident + cache_bytes) / (1 - HEADROOM)) + 1, "expert_offload")
 
 
 def peak_table(folder: Path, sizes: dict) -> None:
     print(f"\nPeak memory of expert_offload='disk' against moelens plan's report (cache ~{CACHE_MB} MB; prefill "
           f"{PREFILL} + {DECODE} decode steps, batch 1)")
-    print("| prefetch | plan: cache | plan: peak | measured peak RSS growth | measured / plan | slot buffers | grouped layer runs |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    o = planned_offload(folder, CACHE_MB * 10**6)
+    print("| load | plan: cache | plan: peak | measured peak RSS growth | measured - plan | vs resident | slot buffers | grouped layer runs |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    one, o = planned(folder, CACHE_MB * 10**6)
     cache = o["expert_cache"]["bytes"]
-    for prefetch in (False, True):
-        code = PEAK_RUN.format(root=str(ROOT), path=str(folder), cache=cache, prefetch=prefetch, vocab=CONFIG["vocab_size"],
+    rows = [("resident", {}, one["bytes"])] + [
+        (f"disk, prefetch {'on' if on else 'off'}", dict(expert_offload="disk", expert_cache_bytes=cache, expert_prefetch=on), o["peak_bytes"])
+        for on in (False, True)
+    ]
+    resident_peak = None
+    for label, kwargs, planned_peak in rows:
+        code = PEAK_RUN.format(root=str(ROOT), path=str(folder), kwargs=json.dumps(kwargs), vocab=CONFIG["vocab_size"],
                                prefill=PREFILL, decode=DECODE)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"the peak run failed:\n{out.stderr[-3000:]}")
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"| {'on' if prefetch else 'off'} | {cache / 1e6:.1f} MB | {o['peak_bytes'] / 1e6:.1f} MB | {r['peak'] / 1e6:.1f} MB | "
-              f"{r['peak'] / o['peak_bytes']:.2f}x | {r['slots'] / 1e6:.1f} MB | {r['grouped']} |")
-    print(f"(the resident model's weights: {sizes['total'] / 1e6:.0f} MB)")
+        resident_peak = resident_peak or r["peak"]
+        print(f"| {label} | {cache / 1e6 if kwargs else 0:.1f} MB | {planned_peak / 1e6:.1f} MB | {r['peak'] / 1e6:.1f} MB | "
+              f"{(r['peak'] - planned_peak) / 1e6:+.1f} MB | {r['peak'] / resident_peak:.2f}x | {r['slots'] / 1e6:.1f} MB | {r['grouped']} |")
+    print("(measured - plan: what the process holds beyond the plan's weights, activations, KV cache and expert cache: "
+          "the interpreter's and allocator's own, the same with and without offload)")
 
 
 def sizes_of(folder: Path) -> dict:
@@ -345,13 +352,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the prefetch table")
     parser.add_argument("--decode", type=int, default=DECODE, help="decode steps for the prefetch table")
     parser.add_argument("--reuse", action="store_true", help="use the checkpoint already in --out")
-    parser.add_argument("--only", default="", help="comma-separated: read (4.), peak (5.)")
+    parser.add_argument("--only", default="", help="comma-separated: forward (1.), read (4.), peak (5.)")
     args = parser.parse_args()
     folder = args.out or Path(tempfile.mkdtemp()) / "ckpt"
     sizes = sizes_of(folder) if args.reuse and (folder / "model.safetensors").exists() else build(folder)
     layer = sizes["layer_experts"]
     if args.only:
         print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}; checkpoint {sizes['total'] / 1e6:.0f} MB")
+        if "forward" in args.only:
+            forward_table(folder, layer)
         if "read" in args.only:
             read_table(folder)
         if "peak" in args.only:
@@ -364,6 +373,15 @@ def main() -> None:
     print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}; checkpoint {sizes['total'] / 1e6:.0f} MB "
           f"float32, routed experts {sizes['experts'] / 1e6:.0f} MB ({CONFIG['num_hidden_layers']} layers x {CONFIG['num_experts']} "
           f"experts, top-{CONFIG['num_experts_per_tok']}); batch 1: prefill {PREFILL} tokens, then {DECODE} decode steps\n")
+    forward_table(folder, layer)
+    prefetch_table(folder, layer, args.threads, args.decode)
+    trace_table(folder)
+    read_table(folder)
+    peak_table(folder, sizes)
+
+
+def forward_table(folder: Path, layer: int) -> None:
+    """1.: peak RSS and forward time, resident against offloaded with a cache of one layer."""
     resident = run(folder)
     print("| load | peak RSS | vs resident | prefill | vs resident | generate | vs resident | hit rate | MB moved |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -379,7 +397,10 @@ def main() -> None:
         print(f"| {name}{'' if same else ' (TOKENS DIFFER)'} | {r['peak'] / 1e6:.0f} MB | {r['peak'] / resident['peak']:.2f}x | "
               f"{r['prefill'] * 1e3:.0f} ms | {r['prefill'] / resident['prefill']:.2f}x | {r['generate']:.2f} s | "
               f"{r['generate'] / resident['generate']:.2f}x | {rate} | {moved} |")
-    prefetch_table(folder, layer, args.threads, args.decode)
+
+
+def trace_table(folder: Path) -> None:
+    """2.: LRU against LFU on the model's own decode trace."""
     trace = decode_trace(folder)
     n_pairs = CONFIG["num_hidden_layers"] * CONFIG["num_experts"]
     print(f"\nDecode trace: {len(trace)} tokens, {sum(map(len, trace))} expert uses over {n_pairs} (layer, expert) pairs")
@@ -388,8 +409,6 @@ def main() -> None:
     for share in (0.125, 0.25, 0.5, 0.75):
         capacity = int(n_pairs * share)
         print(f"| {capacity} | {share:.0%} | {hit_rate(trace, capacity, 'lru'):.3f} | {hit_rate(trace, capacity, 'lfu'):.3f} |")
-    read_table(folder)
-    peak_table(folder, sizes)
 
 
 if __name__ == "__main__":

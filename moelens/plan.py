@@ -337,8 +337,8 @@ class Needs:
     kv_per_layer: int
     batch: int
     seq: int
-    # held on every device that runs blocks, besides layer_peak: with the experts offloaded, their cache and
-    # one layer's working set (see with_experts_offloaded)
+    # held on every device that runs blocks, besides layer_peak: with the experts offloaded, their cache's
+    # slots (see with_experts_offloaded)
     per_device: int = 0
     # the routed experts kept as stored (see with_stored_experts): the dense bytes of one expert, which a layer
     # dequantizes for each of its active experts while it runs; 0 where the experts are dense

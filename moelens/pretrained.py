@@ -177,8 +177,8 @@ def _place(model, family, device_map, max_memory: dict[str, int] | None, n_devic
 
 
 def _default_cache_bytes(model, files, keys) -> int:
-    """One layer's experts (as stored, where they are kept so): enough for a layer's working set to stay while
-    it runs."""
+    """One layer's experts (as stored, where they are kept so): enough for a layer to run in one group and its
+    experts to stay for the next forward."""
     if not model.cfg.moe_layer_indices:
         return 0
     spec = model.cfg.expert_spec()

@@ -175,13 +175,23 @@ class ExpertCache:
             if len(experts) > pool.n_slots:
                 raise ValueError(f"layer {store.layer}: {len(experts)} experts asked for at once, the cache holds {pool.n_slots}")
             keys = [(store.layer, e) for e in experts]
+
+            def room() -> bool:  # slots for the missing experts, without taking one of the others asked for
+                missing = sum(1 for k in keys if k not in self.entries)
+                evictable = sum(
+                    1 for k in self.entries if self._where[k][0] is pool and k not in self._pinned and k not in wanted
+                )
+                return len(pool.free) + evictable >= missing
+
+            wanted = set(keys)
+            # nothing is held while waiting (another thread's layer holds slots until its group is done), so
+            # two threads never wait on each other
+            self._lock.wait_for(room)
             held: list[Key] = []  # pinned so far: released again if a load fails
             for key in keys:
                 if key in self.entries:  # pinned before any eviction below can take it
                     self._pinned[key] += 1
                     held.append(key)
-            missing = [k for k in keys if k not in self.entries]
-            self._lock.wait_for(lambda: len(pool.free) + self._evictable(pool) >= len(missing))
             for key in keys:
                 if key in self.entries:
                     self.stats.hits += 1
@@ -189,9 +199,6 @@ class ExpertCache:
                         self._prefetched.discard(key)
                         self.stats.prefetch_hits += 1
                     self.entries.move_to_end(key)
-                    if key not in held:  # loaded by another thread while this one waited
-                        self._pinned[key] += 1
-                        held.append(key)
                     continue
                 self.stats.misses += 1
                 slot = self._take_slot(pool, lambda k: True)
@@ -218,9 +225,6 @@ class ExpertCache:
             if self._pinned[key] <= 0:
                 del self._pinned[key]
         self._lock.notify_all()
-
-    def _evictable(self, pool: SlotPool) -> int:
-        return sum(1 for k in self.entries if self._where[k][0] is pool and k not in self._pinned)
 
     def _take_slot(self, pool: SlotPool, may_evict: Callable[[Key], bool]) -> int | None:
         """A free slot of pool, else the least recently used unheld entry's that may_evict allows; None if none."""
