@@ -256,6 +256,55 @@ print(json.dumps(dict(bytes=sum(l for r in ranges.values() for _, l in r), exper
 """
 
 
+ALTERNATING_RUN = """
+import json, statistics, sys, time, torch
+sys.path.insert(0, {root!r})
+from moelens import HookedTransformer
+torch.set_num_threads({threads})
+loads = json.loads({loads!r})
+models = {{name: HookedTransformer.from_pretrained({path!r}, progress=False, **kwargs) for name, kwargs in loads.items()}}
+prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
+times = {{name: {{"prefill": [], "generate": []}} for name in models}}
+tokens = {{}}
+with torch.no_grad():
+    for model in models.values():
+        model(torch.randint(0, {vocab}, (1, 64), generator=torch.Generator().manual_seed(1)))
+    for _ in range({rounds}):
+        for name, model in models.items():
+            start = time.perf_counter()
+            model(prompt)
+            times[name]["prefill"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            tokens[name] = model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False, do_sample=False)[0].tolist()
+            times[name]["generate"].append(time.perf_counter() - start)
+first = next(iter(tokens.values()))
+print(json.dumps({{name: dict(prefill=statistics.median(t["prefill"]), generate=statistics.median(t["generate"]),
+                             same=tokens[name] == first) for name, t in times.items()}}))
+"""
+
+
+def alternating_table(folder: Path, layer: int, threads: int = 1, decode: int = 8) -> None:
+    """Resident against disk offload in one process, timed in alternation (medians): on a shared machine the
+    ratio of separate processes' times is mostly the load of the moment."""
+    loads = {"resident": {}, "disk, cache = 1 layer, prefetch": dict(expert_offload="disk", expert_cache_bytes=layer),
+             "disk, cache = 1/2 layer, prefetch": dict(expert_offload="disk", expert_cache_bytes=layer // 2)}
+    code = ALTERNATING_RUN.format(root=str(ROOT), path=str(folder), loads=json.dumps(loads), vocab=CONFIG["vocab_size"],
+                                  prefill=PREFILL, decode=decode, rounds=ROUNDS, threads=threads)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the alternating run failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\nResident against disk offload in one process, {threads} thread(s), medians of {ROUNDS} alternating rounds of "
+          f"prefill {PREFILL} + {decode} decode steps")
+    print("| load | prefill | vs resident | generate | vs resident |")
+    print("|---|---:|---:|---:|---:|")
+    base = r["resident"]
+    for name, t in r.items():
+        same = "" if t["same"] else " (TOKENS DIFFER)"
+        print(f"| {name}{same} | {t['prefill'] * 1e3:.0f} ms | {t['prefill'] / base['prefill']:.2f}x | {t['generate']:.2f} s | "
+              f"{t['generate'] / base['generate']:.2f}x |")
+
+
 def read_table(folder: Path) -> None:
     """The disk read path against a memcpy from the page cache of the same bytes."""
     code = READ_RUN.format(root=str(ROOT), path=str(folder), file=str(folder / "model.safetensors"), rounds=5)
@@ -352,7 +401,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the prefetch table")
     parser.add_argument("--decode", type=int, default=DECODE, help="decode steps for the prefetch table")
     parser.add_argument("--reuse", action="store_true", help="use the checkpoint already in --out")
-    parser.add_argument("--only", default="", help="comma-separated: forward (1.), read (4.), peak (5.)")
+    parser.add_argument("--only", default="", help="comma-separated: forward (1.), read (4.), peak (5.), alternating")
     args = parser.parse_args()
     folder = args.out or Path(tempfile.mkdtemp()) / "ckpt"
     sizes = sizes_of(folder) if args.reuse and (folder / "model.safetensors").exists() else build(folder)
@@ -361,6 +410,8 @@ def main() -> None:
         print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}; checkpoint {sizes['total'] / 1e6:.0f} MB")
         if "forward" in args.only:
             forward_table(folder, layer)
+        if "alternating" in args.only:
+            alternating_table(folder, layer)
         if "read" in args.only:
             read_table(folder)
         if "peak" in args.only:
@@ -374,6 +425,7 @@ def main() -> None:
           f"float32, routed experts {sizes['experts'] / 1e6:.0f} MB ({CONFIG['num_hidden_layers']} layers x {CONFIG['num_experts']} "
           f"experts, top-{CONFIG['num_experts_per_tok']}); batch 1: prefill {PREFILL} tokens, then {DECODE} decode steps\n")
     forward_table(folder, layer)
+    alternating_table(folder, layer)
     prefetch_table(folder, layer, args.threads, args.decode)
     trace_table(folder)
     read_table(folder)
