@@ -452,6 +452,7 @@ def peak_growth(folder, **kwargs) -> int:
     return int(out.stdout.split()[-1])
 
 
+@pytest.mark.slow  # a checkpoint built and two fresh processes: ~20 s, a minute on a loaded machine
 def test_disk_offload_peak_memory_is_what_plan_reports(tmp_path):
     """The process's peak against moelens plan's: the resident model's and the offloaded model's (non-expert
     weights + activations + expert cache) exceed their plans by the same (the interpreter's and allocator's
