@@ -10,11 +10,19 @@ Builds (with transformers) a float32 Qwen2-MoE checkpoint with many experts, whe
    of decoding (which (layer, expert) pairs each token needed, in order);
 3. expert_prefetch off against on for expert_offload="disk" (cache of nothing, and of one layer): prefill and
    generate time, and how many prefetched experts their layer used; both models in one process, timed in
-   alternation (ROUNDS rounds, medians), as the machine is shared.
+   alternation (ROUNDS rounds, medians), as the machine is shared;
+4. the disk read path against the machine's limit: every expert of every layer loaded into cache slots
+   (OffloadedExperts.load_into, what the cache does on a miss) against preads of the same byte ranges from the
+   same, already cached, file into one preallocated buffer (a memcpy from the page cache), and against the
+   per-read safetensors path (source(): open, parse the header, make tensors); medians of alternating rounds;
+5. the peak memory of disk offload against what moelens plan reports for it: plan with the CPU's memory set so
+   that its offload placement leaves a cache of CACHE_MB, then a load with that cache, prefill and decode; the
+   peak RSS growth (VmHWM after the forwards minus after imports) against the plan's non-expert weights +
+   activations + KV cache + cache.
 
 The weights are random (perturbed like the tests' checkpoints), so the trace is what a random-weights model
 routes; a trained model's routing is more skewed, which favours both caches.
-Usage: python benchmarks/bench_offload.py [--out DIR]
+Usage: python benchmarks/bench_offload.py [--out DIR] [--reuse] [--only read,peak]
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ CONFIG = dict(
 )
 PREFILL, DECODE = 256, 32
 ROUNDS = 3
+CACHE_MB = 24
 
 RUN = """
 import json, sys, time, torch
@@ -191,16 +200,223 @@ def prefetch_table(folder: Path, layer: int, threads: int = 2, decode: int = DEC
                   f"{st['prefetch_errors']} | {st['seconds_moving']:.2f} |")
 
 
+READ_RUN = """
+import json, os, statistics, struct, sys, time, torch
+sys.path.insert(0, {root!r})
+from moelens import HookedTransformer
+torch.set_num_threads(1)
+model = HookedTransformer.from_pretrained({path!r}, progress=False, expert_offload="disk", expert_cache_bytes=0,
+                                          expert_prefetch=False)
+stores = [b.mlp.experts.store for b in model.blocks if b.is_moe]
+path = {file!r}
+with open(path, "rb") as f:  # every expert's byte ranges, from the header
+    n = struct.unpack("<Q", f.read(8))[0]
+    header = json.loads(f.read(n))
+ranges = {{}}
+for key, info in header.items():
+    if ".mlp.experts." in key:  # model.layers.L.mlp.experts.E.*
+        parts = key.split(".")
+        start, end = info["data_offsets"]
+        ranges.setdefault((int(parts[2]), int(parts[5])), []).append((8 + n + start, end - start))
+ranges = dict(sorted(ranges.items()))
+each = max(sum(length for _, length in r) for r in ranges.values())
+buffer = memoryview(bytearray(each))
+fd = os.open(path, os.O_RDONLY)
+slot = tuple(torch.empty(t.shape, dtype=t.dtype) for t in stores[0].template)  # a cache slot, preallocated
+
+def limit():
+    for r in ranges.values():
+        done = 0
+        for offset, length in sorted(r):
+            os.preadv(fd, [buffer[done : done + length]], offset)
+            done += length
+
+def read_path():
+    for store in stores:
+        for e in range(store.n_experts):
+            store.load_into(e, slot)
+
+def per_read_safetensors():
+    for store in stores:
+        for e in range(store.n_experts):
+            for into, t in zip(slot, store.source(e)):
+                into.copy_(t)
+
+runs = dict(limit=limit, read_path=read_path, safetensors=per_read_safetensors)
+times = {{name: [] for name in runs}}
+for fn in runs.values():  # warm: the file in the page cache, the headers parsed
+    fn()
+for _ in range({rounds}):
+    for name, fn in runs.items():
+        start = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - start)
+print(json.dumps(dict(bytes=sum(l for r in ranges.values() for _, l in r), experts=len(ranges),
+                      **{{name: statistics.median(t) for name, t in times.items()}})))
+"""
+
+
+ALTERNATING_RUN = """
+import json, statistics, sys, time, torch
+sys.path.insert(0, {root!r})
+from moelens import HookedTransformer
+torch.set_num_threads({threads})
+loads = json.loads({loads!r})
+models = {{name: HookedTransformer.from_pretrained({path!r}, progress=False, **kwargs) for name, kwargs in loads.items()}}
+prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
+times = {{name: {{"prefill": [], "generate": []}} for name in models}}
+tokens = {{}}
+with torch.no_grad():
+    for model in models.values():
+        model(torch.randint(0, {vocab}, (1, 64), generator=torch.Generator().manual_seed(1)))
+    for _ in range({rounds}):
+        for name, model in models.items():
+            start = time.perf_counter()
+            model(prompt)
+            times[name]["prefill"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            tokens[name] = model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False, do_sample=False)[0].tolist()
+            times[name]["generate"].append(time.perf_counter() - start)
+first = next(iter(tokens.values()))
+print(json.dumps({{name: dict(prefill=statistics.median(t["prefill"]), generate=statistics.median(t["generate"]),
+                             same=tokens[name] == first) for name, t in times.items()}}))
+"""
+
+
+def alternating_table(folder: Path, layer: int, threads: int = 1, decode: int = 8) -> None:
+    """Resident against disk offload in one process, timed in alternation (medians): on a shared machine the
+    ratio of separate processes' times is mostly the load of the moment."""
+    loads = {"resident": {}, "disk, cache = 1 layer, prefetch": dict(expert_offload="disk", expert_cache_bytes=layer),
+             "disk, cache = 1/2 layer, prefetch": dict(expert_offload="disk", expert_cache_bytes=layer // 2)}
+    code = ALTERNATING_RUN.format(root=str(ROOT), path=str(folder), loads=json.dumps(loads), vocab=CONFIG["vocab_size"],
+                                  prefill=PREFILL, decode=decode, rounds=ROUNDS, threads=threads)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the alternating run failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\nResident against disk offload in one process, {threads} thread(s), medians of {ROUNDS} alternating rounds of "
+          f"prefill {PREFILL} + {decode} decode steps")
+    print("| load | prefill | vs resident | generate | vs resident |")
+    print("|---|---:|---:|---:|---:|")
+    base = r["resident"]
+    for name, t in r.items():
+        same = "" if t["same"] else " (TOKENS DIFFER)"
+        print(f"| {name}{same} | {t['prefill'] * 1e3:.0f} ms | {t['prefill'] / base['prefill']:.2f}x | {t['generate']:.2f} s | "
+              f"{t['generate'] / base['generate']:.2f}x |")
+
+
+def read_table(folder: Path) -> None:
+    """The disk read path against a memcpy from the page cache of the same bytes."""
+    code = READ_RUN.format(root=str(ROOT), path=str(folder), file=str(folder / "model.safetensors"), rounds=5)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the read run failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\nDisk read path: {r['experts']} experts, {r['bytes'] / 1e6:.0f} MB, from the page cache, 1 thread; medians of 5 "
+          "alternating rounds")
+    print("| path | time | GB/s | vs the limit |")
+    print("|---|---:|---:|---:|")
+    for name, label in (("limit", "pread of the same byte ranges into one buffer (the limit)"),
+                        ("read_path", "OffloadedExperts.load_into (the cache's miss path)"),
+                        ("safetensors", "source(): safe_open and a header parse per read, then copied (the path before)")):
+        print(f"| {label} | {r[name] * 1e3:.0f} ms | {r['bytes'] / r[name] / 1e9:.2f} | {r[name] / r['limit']:.2f}x |")
+
+
+PEAK_RUN = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from moelens import HookedTransformer
+torch.set_num_threads(2)
+
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+
+base = hwm()
+kwargs = json.loads({kwargs!r})
+model = HookedTransformer.from_pretrained({path!r}, progress=False, **kwargs)
+prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    model(prompt)
+    model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False, do_sample=False)
+stats = model.expert_cache_stats() if kwargs else None
+print(json.dumps(dict(peak=hwm() - base, slots=stats.slot_bytes if stats else 0, grouped=stats.grouped_layers if stats else 0)))
+"""
+
+
+def planned(folder: Path, cache_bytes: int) -> tuple[dict, dict]:
+    """moelens plan's one_device and expert_offload options (CPU only: experts on disk) for PREFILL + DECODE
+    tokens, the CPU's memory set so that the cache the offload leaves is cache_bytes (and ample for one_device)."""
+    from moelens.plan import HEADROOM, plan
+
+    def option(memory: int, kind: str) -> dict:
+        p = plan(folder, dtype="float32", cpu_memory=memory, batch=1, seq=PREFILL + DECODE)
+        return next(o for o in p.placement["options"] if o["kind"] == kind)
+
+    resident = option(10**12, "expert_offload")["device_bytes"]
+    return option(10**12, "one_device"), option(int((resident + cache_bytes) / (1 - HEADROOM)) + 1, "expert_offload")
+
+
+def peak_table(folder: Path, sizes: dict) -> None:
+    print(f"\nPeak memory of expert_offload='disk' against moelens plan's report (cache ~{CACHE_MB} MB; prefill "
+          f"{PREFILL} + {DECODE} decode steps, batch 1)")
+    print("| load | plan: cache | plan: peak | measured peak RSS growth | measured - plan | vs resident | slot buffers | grouped layer runs |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    one, o = planned(folder, CACHE_MB * 10**6)
+    cache = o["expert_cache"]["bytes"]
+    rows = [("resident", {}, one["bytes"])] + [
+        (f"disk, prefetch {'on' if on else 'off'}", dict(expert_offload="disk", expert_cache_bytes=cache, expert_prefetch=on), o["peak_bytes"])
+        for on in (False, True)
+    ]
+    resident_peak = None
+    for label, kwargs, planned_peak in rows:
+        code = PEAK_RUN.format(root=str(ROOT), path=str(folder), kwargs=json.dumps(kwargs), vocab=CONFIG["vocab_size"],
+                               prefill=PREFILL, decode=DECODE)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"the peak run failed:\n{out.stderr[-3000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        resident_peak = resident_peak or r["peak"]
+        print(f"| {label} | {cache / 1e6 if kwargs else 0:.1f} MB | {planned_peak / 1e6:.1f} MB | {r['peak'] / 1e6:.1f} MB | "
+              f"{(r['peak'] - planned_peak) / 1e6:+.1f} MB | {r['peak'] / resident_peak:.2f}x | {r['slots'] / 1e6:.1f} MB | {r['grouped']} |")
+    print("(measured - plan: what the process holds beyond the plan's weights, activations, KV cache and expert cache: "
+          "the interpreter's and allocator's own, the same with and without offload)")
+
+
+def sizes_of(folder: Path) -> dict:
+    """build()'s sizes, from a checkpoint built before (--reuse)."""
+    import struct
+
+    path = folder / "model.safetensors"
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    nbytes = {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    experts = sum(n for k, n in nbytes.items() if ".experts." in k)
+    return dict(total=sum(nbytes.values()), experts=experts, layer_experts=experts // CONFIG["num_hidden_layers"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--prefetch-only", action="store_true", help="only the prefetch table (3.)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the prefetch table")
     parser.add_argument("--decode", type=int, default=DECODE, help="decode steps for the prefetch table")
+    parser.add_argument("--reuse", action="store_true", help="use the checkpoint already in --out")
+    parser.add_argument("--only", default="", help="comma-separated: forward (1.), read (4.), peak (5.), alternating")
     args = parser.parse_args()
     folder = args.out or Path(tempfile.mkdtemp()) / "ckpt"
-    sizes = build(folder)
+    sizes = sizes_of(folder) if args.reuse and (folder / "model.safetensors").exists() else build(folder)
     layer = sizes["layer_experts"]
+    if args.only:
+        print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}; checkpoint {sizes['total'] / 1e6:.0f} MB")
+        if "forward" in args.only:
+            forward_table(folder, layer)
+        if "alternating" in args.only:
+            alternating_table(folder, layer)
+        if "read" in args.only:
+            read_table(folder)
+        if "peak" in args.only:
+            peak_table(folder, sizes)
+        return
     if args.prefetch_only:
         print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}")
         prefetch_table(folder, layer, args.threads, args.decode)
@@ -208,6 +424,16 @@ def main() -> None:
     print(f"{datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}; checkpoint {sizes['total'] / 1e6:.0f} MB "
           f"float32, routed experts {sizes['experts'] / 1e6:.0f} MB ({CONFIG['num_hidden_layers']} layers x {CONFIG['num_experts']} "
           f"experts, top-{CONFIG['num_experts_per_tok']}); batch 1: prefill {PREFILL} tokens, then {DECODE} decode steps\n")
+    forward_table(folder, layer)
+    alternating_table(folder, layer)
+    prefetch_table(folder, layer, args.threads, args.decode)
+    trace_table(folder)
+    read_table(folder)
+    peak_table(folder, sizes)
+
+
+def forward_table(folder: Path, layer: int) -> None:
+    """1.: peak RSS and forward time, resident against offloaded with a cache of one layer."""
     resident = run(folder)
     print("| load | peak RSS | vs resident | prefill | vs resident | generate | vs resident | hit rate | MB moved |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -223,7 +449,10 @@ def main() -> None:
         print(f"| {name}{'' if same else ' (TOKENS DIFFER)'} | {r['peak'] / 1e6:.0f} MB | {r['peak'] / resident['peak']:.2f}x | "
               f"{r['prefill'] * 1e3:.0f} ms | {r['prefill'] / resident['prefill']:.2f}x | {r['generate']:.2f} s | "
               f"{r['generate'] / resident['generate']:.2f}x | {rate} | {moved} |")
-    prefetch_table(folder, layer, args.threads, args.decode)
+
+
+def trace_table(folder: Path) -> None:
+    """2.: LRU against LFU on the model's own decode trace."""
     trace = decode_trace(folder)
     n_pairs = CONFIG["num_hidden_layers"] * CONFIG["num_experts"]
     print(f"\nDecode trace: {len(trace)} tokens, {sum(map(len, trace))} expert uses over {n_pairs} (layer, expert) pairs")

@@ -337,8 +337,8 @@ class Needs:
     kv_per_layer: int
     batch: int
     seq: int
-    # held on every device that runs blocks, besides layer_peak: with the experts offloaded, their cache and
-    # one layer's working set (see with_experts_offloaded)
+    # held on every device that runs blocks, besides layer_peak: with the experts offloaded, their cache's
+    # slots (see with_experts_offloaded)
     per_device: int = 0
     # the routed experts kept as stored (see with_stored_experts): the dense bytes of one expert, which a layer
     # dequantizes for each of its active experts while it runs; 0 where the experts are dense
@@ -467,14 +467,22 @@ def map_of(parts: list[dict]) -> dict[str, str]:
 
 def with_experts_offloaded(needs: Needs, cache_bytes: int) -> Needs:
     """The needs of the mapped part of a model whose routed experts are offloaded: blocks without their
-    experts (bytes only; parameters still count them), and on every device the expert cache and twice one
-    layer's largest working set (min(n_experts, batch*seq*top_k) experts). The cache is shared by all
-    layers, so between layers it may all sit on one device; while a layer runs, its working set joins the
-    cache before the cache is trimmed, and is stacked once more for the kernels."""
-    tokens = needs.batch * needs.seq
-    working = max((min(b.n_experts, tokens * b.top_k) * expert_bytes_each(b) for b in needs.blocks if b.n_experts), default=0)
+    experts (bytes only; parameters still count them), and on every device that runs blocks the expert
+    cache's slots (offload_cache_bytes): all the routed experts take there, since the kernels read them
+    from the slots and a layer routing to more runs in groups that fit (moelens.kernels.offload)."""
     blocks = [dataclasses.replace(b, bytes=b.bytes - b.routed_experts_bytes, routed_experts_bytes=0) for b in needs.blocks]
-    return dataclasses.replace(needs, blocks=blocks, per_device=needs.per_device + cache_bytes + 2 * working)
+    return dataclasses.replace(needs, blocks=blocks, per_device=needs.per_device + offload_cache_bytes(needs, cache_bytes))
+
+
+def offload_cache_bytes(needs: Needs, cache_bytes: int) -> int:
+    """Bytes of the expert cache's slots for expert_cache_bytes=cache_bytes: whole experts, at least one, at
+    most every routed expert (kernels.offload.ExpertCache.n_slots)."""
+    moe = [b for b in needs.blocks if b.n_experts]
+    if not moe:
+        return 0
+    each = max(expert_bytes_each(b) for b in moe)
+    total = sum(b.n_experts for b in moe)
+    return max(1, min(cache_bytes // max(1, each), total)) * each
 
 
 def expert_bytes_each(block: LayerCount) -> int:
@@ -485,18 +493,20 @@ def expert_offload(needs: Needs, device: Device, cpu: Device, cpu_only: bool) ->
     """(c) everything but the routed experts on `device`; the experts in CPU memory, or on disk where they do
     not fit there (or where the device is the CPU itself). What is left on the device caches experts.
 
-    The device must at least hold one layer's experts for this batch: min(n_experts, batch*seq*top_k)."""
+    The device must at least hold one expert besides the rest (a layer routing to more experts than the
+    cache holds runs in groups of what it holds). peak_bytes: what the device then holds at most, the rest
+    (non-expert weights, activations, KV cache) and the cache's slots: the routed experts take nothing else."""
     moe = [b for b in needs.blocks if b.kind == "moe" and b.n_experts]
     if not moe:
         return None, "no routed experts to offload"
     experts = needs.routed_experts
     resident = needs.weights - experts + needs.run_peak + needs.kv
     tokens = needs.batch * needs.seq
-    staging = max(min(b.n_experts, tokens * b.top_k) * expert_bytes_each(b) for b in moe)
-    if resident + staging > device.budget:
+    one = max(expert_bytes_each(b) for b in moe)
+    if resident + one > device.budget:
         return None, (
             f"{device.name} cannot hold the rest of the model, activations and KV cache ({human(resident)}) plus "
-            f"one layer's active experts ({human(staging)}) within its budget {human(device.budget)}"
+            f"one routed expert ({human(one)}) within its budget {human(device.budget)}"
         )
     to = "disk" if cpu_only or experts > cpu.budget else "cpu"
     each = max(expert_bytes_each(b) for b in moe)
@@ -519,6 +529,7 @@ def expert_offload(needs: Needs, device: Device, cpu: Device, cpu_only: bool) ->
         "budget": device.budget,
         "expert_cache": {"experts": int(cached), "of": total_experts, "bytes": int(cached * each),
                          "fraction": round(fraction, 4)},
+        "peak_bytes": resident + int(cached * each),
         "moved_per_forward": {
             "prefill_max": prefill,
             "decode_step_max": decode_max,
@@ -1087,7 +1098,7 @@ def _describe(o: dict) -> str:
         f"expert offload: {human(o['device_bytes'])} on {o['device']} (all but the routed experts, with activations "
         f"and KV cache), routed experts ({human(o['offloaded_bytes'])}) on {o['experts_on']}\n"
         f"{'':16}expert cache on {o['device']}: {cache['experts']} of {cache['of']} experts ({human(cache['bytes'])}, "
-        f"{cache['fraction']:.0%})\n"
+        f"{cache['fraction']:.0%}); peak on {o['device']} {human(o['peak_bytes'])}\n"
         f"{'':16}moved per forward: prefill <= {human(moved['prefill_max'])}; decode step <= "
         f"{human(moved['decode_step_max'])}, ~{human(moved['decode_step_expected'])} expected\n"
         f"{'':16}({o['assumptions']})"

@@ -177,8 +177,8 @@ def _place(model, family, device_map, max_memory: dict[str, int] | None, n_devic
 
 
 def _default_cache_bytes(model, files, keys) -> int:
-    """One layer's experts (as stored, where they are kept so): enough for a layer's working set to stay while
-    it runs."""
+    """One layer's experts (as stored, where they are kept so): enough for a layer to run in one group and its
+    experts to stay for the next forward."""
     if not model.cfg.moe_layer_indices:
         return 0
     spec = model.cfg.expert_spec()
@@ -259,8 +259,11 @@ def offload_experts(model, files, keys, mode, cache: ExpertCache, device_for, pr
             source = host.expert
         else:
             source = lambda e, layer=layer: layers.read(layer, e)  # noqa: E731
-        stack = lambda experts, layer=layer: layers.stack(layer, experts)  # noqa: E731
-        stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode, stack)
+        # what a cache slot holds: one expert as the host stacks, or (stored, on disk) as the files, store it
+        template = host.expert(0) if host is not None else layers.read(layer, 0)
+        wrap = lambda tensors, layer=layer: layers.wrap(layer, tensors)  # noqa: E731
+        read_into = None if mode == "cpu" else lambda e, out, layer=layer: layers.read_into(layer, e, out)
+        stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode, template, wrap, read_into)
         block.mlp.experts.attach_store(stores[layer], None if mode == "disk" else host)
     if prefetch:
         cache.enable_prefetch()

@@ -187,18 +187,22 @@ def test_auto_with_offload_counts_the_mapped_weights_and_the_expert_cache(checkp
     path = checkpoints["qwen2_moe", "base"]
     ref = load(path)
     layer = (weight_bytes(ref) - weight_bytes(ref, experts=False)) // ref.cfg.n_layers  # one layer's experts
-    # by hand: the non-expert weights, twice a layer's experts (a layer's working set, cached then stacked)
-    # and half a layer more for activations and KV cache of 1 x 16 tokens; less than the whole model
-    memory = weight_bytes(ref, experts=False) + 2 * layer + layer // 2
+    # by hand: the non-expert weights, a cache of up to one layer's experts (all the routed experts take: the
+    # kernels read its slots) and half a layer more for activations and KV cache of 1 x 16 tokens; less than
+    # the whole model
+    memory = weight_bytes(ref, experts=False) + layer + layer // 2
     assert memory < weight_bytes(ref)
     with pytest.raises(ValueError, match=r"on cpu, the last, .* bytes short"):
         load(path, device_map="auto", max_memory={"cpu": memory}, plan_seq=16)
-    model = load(path, device_map="auto", max_memory={"cpu": memory}, plan_seq=16, expert_offload="disk", expert_cache_bytes=0)
-    assert torch.equal(model(tokens), ref(tokens))
-    with pytest.raises(ValueError, match="bytes short"):  # a cache of half a layer's experts no longer fits
-        load(path, device_map="auto", max_memory={"cpu": memory}, plan_seq=16, expert_offload="disk", expert_cache_bytes=layer // 2)
+    for cache in (0, layer):  # 0: one expert's slot
+        model = load(path, device_map="auto", max_memory={"cpu": memory}, plan_seq=16, expert_offload="disk", expert_cache_bytes=cache)
+        assert torch.equal(model(tokens), ref(tokens))
+    with pytest.raises(ValueError, match="bytes short"):  # a cache of two layers' experts does not fit
+        load(path, device_map="auto", max_memory={"cpu": memory}, plan_seq=16, expert_offload="disk", expert_cache_bytes=2 * layer)
     # over two devices: the dense parts mapped, the experts offloaded, each layer's cache on its block's device
-    two = load(path, device_map="auto", max_memory={"cpu": memory, "cpu:1": memory}, plan_seq=16, expert_offload="cpu",
+    # on one device, the cache and the activations would not fit beside every non-expert weight
+    each = weight_bytes(ref, experts=False) + layer // 2
+    two = load(path, device_map="auto", max_memory={"cpu": each, "cpu:1": each}, plan_seq=16, expert_offload="cpu",
                expert_cache_bytes=layer // 2)
     assert set(two.device_map.values()) == {"cpu", "cpu:1"}
     ref_logits, ref_cache = ref.run_with_cache(tokens)

@@ -209,6 +209,7 @@ def test_offload_when_only_the_experts_do_not_fit():
     cache = option["expert_cache"]
     assert 0 < cache["experts"] < 48 * 128
     assert option["device_bytes"] + cache["bytes"] <= 80e9 * 0.9 < option["device_bytes"] + cache["bytes"] + SOLAR_EXPERT_BYTES
+    assert option["peak_bytes"] == option["device_bytes"] + cache["bytes"]  # the routed experts take only the cache
     moved = option["moved_per_forward"]
     assert moved["prefill_max"] == experts  # 1024 tokens x top-8 reach every expert of every layer
     assert moved["decode_step_max"] == 48 * 8 * SOLAR_EXPERT_BYTES  # batch 1: top_k experts per layer

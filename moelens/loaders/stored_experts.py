@@ -72,11 +72,21 @@ class ExpertLayers:
     def read(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         return self.reader.read_stored(layer, expert) if self.stored else self.reader.read(layer, expert)
 
+    def read_into(self, layer: int, expert: int, out: tuple[torch.Tensor, ...]) -> None:
+        """read(layer, expert), written into `out` (CPU tensors of read's shapes and dtypes)."""
+        self.reader.read_into(layer, expert, out, stored=self.stored)
+
     def stack(self, layer: int, experts: list[tuple[torch.Tensor, ...]]) -> ExpertTensors | StoredExperts:
         """Experts read by `read`, stacked in the given order."""
         if self.stored:
             return StoredExperts.stack(self.spec, self.reader.stored_parts(layer), experts)
         return ExpertTensors.stack(experts)
+
+    def wrap(self, layer: int, tensors: tuple[torch.Tensor, ...]) -> ExpertTensors | StoredExperts:
+        """Tensors stacked over experts (an expert axis first, in read's order) as the stack type they are."""
+        if self.stored:
+            return StoredExperts(self.spec, self.reader.stored_parts(layer), tensors)
+        return ExpertTensors(*tensors)
 
     def layer(self, layer: int, experts: Iterable[int]) -> ExpertTensors | StoredExperts:
         """The experts `experts` of `layer`, stacked (none: empty stacks of the right shapes and dtypes)."""

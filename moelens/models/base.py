@@ -225,7 +225,9 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         expert_offload: keep the routed experts off `device` ("cpu": in host memory, pinned for CUDA;
         "disk": read from the checkpoint's files when routed to) and fetch those a batch routes to through
         a cache of at most expert_cache_bytes on `device` (bytes, or a size like "20GB"; default: one layer's
-        experts), least recently used out first. Logits and every hook are bit for bit those of the resident model;
+        experts; at least one expert), least recently used out first: all the routed experts take there, as the
+        kernels read them from the cache and a layer routing to more runs in groups that fit (moelens.kernels.
+        offload). Logits and every hook are bit for bit those of the resident model, at every cache size;
         model.expert_cache_stats() counts hits, misses and bytes moved. Not with fold_ln.
         device_map: whole blocks per device, in place of `device` (see moelens.placement): a mapping of
         "embed", "blocks.A-B", "ln_final", "unembed" to devices, or "auto" to fill max_memory ({device:

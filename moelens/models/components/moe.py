@@ -15,7 +15,7 @@ from moelens.hooks import HookPoint
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.expert_parallel import ExpertShard
 from moelens.kernels.experts import VIEW_SITES, ExpertViewPoint, ViewGroup, check_indices, routed_subset
-from moelens.kernels.offload import OffloadedExperts
+from moelens.kernels.offload import OffloadedExperts, offloaded_routed_experts
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.parts import GatedMlpPart, MlpPart, PartGate, RoutedPart
 from moelens.models.components.router import TopKRouter
@@ -137,9 +137,9 @@ class Experts(nn.Module):
         """sum over each token's slots of weight * expert(x), wherever the experts live."""
         if self.placement == "sharded":  # this rank's experts, the others' gathered
             return self.shard(x, indices, weights, self.spec, hooks, batch_pos, self.backend)
-        if self.placement == "offloaded":  # the routed experts only, with the ids renumbered into their stack
-            tensors, indices = self.store.fetch(indices, x)
-        elif self.stored is not None:  # likewise: only the routed experts are dequantized
+        if self.placement == "offloaded":  # read from the expert cache's slots, loaded as routed to
+            return offloaded_routed_experts(self.store, x, indices, weights, self.spec, hooks, batch_pos, self.backend)
+        if self.stored is not None:  # only the routed experts are dequantized
             used, indices = routed_subset(indices, self.n_experts)
             tensors = self.stored.select(used)
         else:
