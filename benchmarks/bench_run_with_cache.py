@@ -1,0 +1,72 @@
+"""run_with_cache (no names_filter: every hook point, the per-expert views included) against a plain forward,
+on the benchmark model of bench_qwen2_moe.py (a 68M-parameter Qwen2-MoE, hidden 512, 8 layers, 16 experts
+top-4, batch 4 x 256 tokens, float32), CPU.
+
+The model is built once; the forward and run_with_cache alternate, under torch.no_grad, for many rounds,
+and the ratio of their medians is printed (target <= 1.3x). Each run's outputs are dropped before the next.
+Timings are wall clock: the script says how much CPU other processes used while it timed.
+
+Usage: python benchmarks/bench_run_with_cache.py [--runs N] [--warmup N] [--threads N] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_qwen2_moe import BATCH, CONFIG, POS, SEED, build_checkpoint, cpu_seconds, load_moelens  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=15, help="timed rounds (one forward + one run_with_cache each)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "qwen2_moe_bench"
+        build_checkpoint(folder)
+        model = load_moelens(folder, dtype)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, POS), generator=torch.Generator().manual_seed(SEED))
+    fns = {"forward": lambda: model(tokens), "run_with_cache": lambda: model.run_with_cache(tokens)}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    with torch.no_grad():
+        n_cached = len(model.run_with_cache(tokens)[1])
+        for _ in range(args.warmup):
+            for fn in fns.values():
+                fn()
+        (busy0, own0), start = cpu_seconds(), time.perf_counter()
+        for _ in range(args.runs):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        (busy1, own1), elapsed = cpu_seconds(), time.perf_counter() - start
+    cpus = len(os.sched_getaffinity(0))
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (elapsed * cpus)
+    plain, cached = (statistics.median(times[name]) for name in fns)
+    print(
+        f"Qwen2-MoE benchmark model, batch {BATCH} x {POS}, {args.dtype}, torch threads {torch.get_num_threads()}, "
+        f"{n_cached} cached tensors, median of {args.runs} interleaved rounds after {args.warmup} warmup"
+    )
+    print(f"forward        {plain * 1000:7.1f} ms  (min {min(times['forward']) * 1000:.1f})")
+    print(f"run_with_cache {cached * 1000:7.1f} ms  (min {min(times['run_with_cache']) * 1000:.1f})")
+    print(f"ratio run_with_cache / forward: {cached / plain:.2f}x (target <= 1.3x)")
+    print(f"other processes used {others:.0%} of the CPUs while timing")
+
+
+if __name__ == "__main__":
+    main()
