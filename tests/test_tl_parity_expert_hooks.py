@@ -95,6 +95,24 @@ def test_views_are_the_per_slot_rows_in_tl_order(models, family, backend, toks):
 
 
 @pytest.mark.parametrize("family, backend", CASES[:2])
+def test_views_are_the_rows_tl_selects_with_torch_where(models, family, backend, toks):
+    """TL's own selection, written as its MoE writes it: expert E's rows are x[top_x] for
+    idx, top_x = torch.where(one_hot(indices, E).permute(2, 1, 0)[E]); the view's row r is then slot idx[r] of
+    token top_x[r] of the per-slot tensor."""
+    model = models[family, backend]
+    _, cache = model.run_with_cache(toks)
+    for layer in moe_layers(model):
+        indices = cache["expert_indices", layer].reshape(-1, model.cfg.top_k[layer])
+        mask = torch.nn.functional.one_hot(indices, model.cfg.n_experts).permute(2, 1, 0)
+        for expert in range(model.cfg.n_experts):
+            idx, top_x = torch.where(mask[expert])
+            for view, slot_site in SLOT_SITE.items():
+                per_slot = cache[f"blocks.{layer}.mlp.experts.{slot_site}"]
+                want = per_slot.reshape(indices.shape[0], indices.shape[1], -1)[top_x, idx]
+                assert torch.equal(cache[f"blocks.{layer}.mlp.experts.{expert}.{view}"], want)
+
+
+@pytest.mark.parametrize("family, backend", CASES[:2])
 def test_names_exist_only_on_mixture_blocks(models, family, backend, toks):
     model = models[family, backend]
     dense = [i for i, block in enumerate(model.blocks) if not block.is_moe]

@@ -209,7 +209,8 @@ class RoutedViews:
         for expert, point in enumerate(self.points[site]):
             if not point.has_hooks:
                 continue
-            view = flat[self.rows[expert]]
+            # index_select, not flat[rows]: the same rows, and on CPU several times faster than advanced indexing
+            view = flat.index_select(0, self.rows[expert])
             token = _ROUTING.set((self.rows[expert], self.batch_pos, self.top_k))
             try:
                 out, changed = point.run(view)
@@ -380,8 +381,8 @@ def routed_experts_torch(
         """Show a sorted [S, n] tensor to its hooks in slot order; re-sort only what a hook changed."""
         if not hooks.hooked(site):
             return t
-        seen, changed = hooked_site(hooks, site, t[unsort].view(T, k, -1), batch_pos)
-        return seen.reshape(T * k, -1)[order] if changed else t
+        seen, changed = hooked_site(hooks, site, t.index_select(0, unsort).view(T, k, -1), batch_pos)
+        return seen.reshape(T * k, -1).index_select(0, order) if changed else t
 
     gate_up = linear(x[order // k], tensors.gate_up, counts)
     if tensors.gate_up_bias is not None:
