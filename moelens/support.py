@@ -1,4 +1,5 @@
-"""support(): the table of a model's hook points, with shapes for this model and the sites it lacks."""
+"""support(): the table of a model's hook points, with shapes for this model and the sites it lacks; the sites'
+standard names and switches are moelens.hook_sites'."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from moelens.names import SITES, layer_of, site_for, site_pattern
+from moelens.hook_sites import SITE_BY_NAME, SITES, table_name
+from moelens.names import layer_of, site_pattern
 from moelens.sitemap import SiteMap
 
 
@@ -108,7 +110,7 @@ def support_table(model) -> SupportTable:
             present[site_pattern(name)].append(layer)
     rows = []
     for pattern, layers in present.items():
-        site = site_for(pattern)
+        site = SITE_BY_NAME.get(table_name(pattern))  # None for a hook point not of the table (an SAE's)
         hp = model.hook_dict[pattern.replace("blocks.L.", f"blocks.{layers[0]}.")] if layers else model.hook_dict[pattern]
         layout = hp.layout
         top_k = {cfg.top_k[layer] for layer in layers} if "top_k" in layout else set()
@@ -123,15 +125,21 @@ def support_table(model) -> SupportTable:
                 reference=references.get(pattern, "-"),
             )
         )
+    # the table's sites this model lacks, or has on some blocks only (a per-expert site on any expert counts)
+    on_blocks: dict[str, set[int]] = {}
+    for pattern, layers in present.items():
+        on_blocks.setdefault(table_name(pattern), set()).update(layers)
     absent = []
     dense = cfg.dense_layer_indices
     for site in SITES:
-        if site.name not in present:
+        if site.name not in on_blocks:
             why = "this family has no such site"
-            if site.name.startswith("blocks.L.mlp.hook_pre") or site.name == "blocks.L.mlp.hook_post":
+            if site.switch is not None:
+                why = f"optional, off: model.{site.switch}(True) creates it (or says why this model cannot)"
+            elif site.name.startswith("blocks.L.mlp.hook_pre") or site.name == "blocks.L.mlp.hook_post":
                 why = "no dense MLP block"
             absent.append(f"{site.name}: {why}")
-        elif dense and site.name.startswith("blocks.L.mlp.") and len(present[site.name]) < cfg.n_layers:
-            missing = [i for i in range(cfg.n_layers) if i not in present[site.name]]
+        elif dense and site.name.startswith("blocks.L.mlp.") and len(on_blocks[site.name]) < cfg.n_layers:
+            missing = [i for i in range(cfg.n_layers) if i not in on_blocks[site.name]]
             absent.append(f"{site.name}: not on blocks {_span(missing, cfg.n_layers)} (dense MLP)")
     return SupportTable(type(model).__name__, tuple(rows), tuple(absent), cfg.fields_read, cfg.fields_ignored)
