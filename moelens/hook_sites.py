@@ -173,7 +173,7 @@ SITES: tuple[Site, ...] = (
           "up projection of the slots routed to this expert (per-slot experts.hook_pre_linear's rows)",
           rows_of="blocks.L.mlp.experts.hook_pre_linear"),
     _site("blocks.L.mlp.experts.E.hook_post", "routed d_expert",
-          "neurons act(gate) * up of the slots routed to this expert (per-slot experts.hook_post's rows)",
+          "expert neurons of the slots routed to this expert (per-slot experts.hook_post's rows)",
           rows_of="blocks.L.mlp.experts.hook_post"),
     _site("blocks.L.mlp.hook_expert_outputs", "batch pos top_k d_model", "weighted output of each slot",
           standard="expert_outputs", short="expert_outputs"),

@@ -8,13 +8,13 @@ import re
 from dataclasses import dataclass
 
 from moelens.hook_sites import SITE_BY_NAME, SITES, table_name
-from moelens.names import layer_of, site_pattern
+from moelens.names import layer_of
 from moelens.sitemap import SiteMap
 
 
 @dataclass(frozen=True)
 class SupportRow:
-    name: str  # with L for per-block sites
+    name: str  # the table's: L for a block, E for an expert
     layout: str
     shape: str
     meaning: str
@@ -94,7 +94,7 @@ def _references(site_map: SiteMap) -> dict[str, str]:
     for ref in site_map.references:
         module = re.sub(r"\.layers\.\d+(?=\.|$)", ".layers.L", ref.module)
         read = "" if ref.read == "out" else f" ({ref.read})"
-        out.setdefault(site_pattern(ref.hook), module + read)
+        out.setdefault(table_name(ref.hook), module + read)
     return out
 
 
@@ -102,16 +102,20 @@ def support_table(model) -> SupportTable:
     cfg = model.cfg
     dims = _dims(model)
     references = _references(type(model).site_map(cfg))
+    # one row per site of the table: blocks.L... for every block, blocks.L.mlp.experts.E... for every expert
     present: dict[str, list[int]] = {}
+    first: dict[str, str] = {}  # site -> its first hook point's name
     for name in model.hook_dict:
+        pattern = table_name(name)
+        first.setdefault(pattern, name)
+        layers = present.setdefault(pattern, [])
         layer = layer_of(name)
-        present.setdefault(site_pattern(name), [])
-        if layer is not None:
-            present[site_pattern(name)].append(layer)
+        if layer is not None and layer not in layers:
+            layers.append(layer)
     rows = []
     for pattern, layers in present.items():
-        site = SITE_BY_NAME.get(table_name(pattern))  # None for a hook point not of the table (an SAE's)
-        hp = model.hook_dict[pattern.replace("blocks.L.", f"blocks.{layers[0]}.")] if layers else model.hook_dict[pattern]
+        site = SITE_BY_NAME.get(pattern)  # None for a hook point not of the table (an SAE's)
+        hp = model.hook_dict[first[pattern]]
         layout = hp.layout
         top_k = {cfg.top_k[layer] for layer in layers} if "top_k" in layout else set()
         rows.append(
@@ -125,21 +129,18 @@ def support_table(model) -> SupportTable:
                 reference=references.get(pattern, "-"),
             )
         )
-    # the table's sites this model lacks, or has on some blocks only (a per-expert site on any expert counts)
-    on_blocks: dict[str, set[int]] = {}
-    for pattern, layers in present.items():
-        on_blocks.setdefault(table_name(pattern), set()).update(layers)
+    # the table's sites this model lacks, or has on some blocks only
     absent = []
     dense = cfg.dense_layer_indices
     for site in SITES:
-        if site.name not in on_blocks:
+        if site.name not in present:
             why = "this family has no such site"
             if site.switch is not None:
                 why = f"optional, off: model.{site.switch}(True) creates it (or says why this model cannot)"
             elif site.name.startswith("blocks.L.mlp.hook_pre") or site.name == "blocks.L.mlp.hook_post":
                 why = "no dense MLP block"
             absent.append(f"{site.name}: {why}")
-        elif dense and site.name.startswith("blocks.L.mlp.") and len(on_blocks[site.name]) < cfg.n_layers:
-            missing = [i for i in range(cfg.n_layers) if i not in on_blocks[site.name]]
+        elif dense and site.name.startswith("blocks.L.mlp.") and len(present[site.name]) < cfg.n_layers:
+            missing = [i for i in range(cfg.n_layers) if i not in present[site.name]]
             absent.append(f"{site.name}: not on blocks {_span(missing, cfg.n_layers)} (dense MLP)")
     return SupportTable(type(model).__name__, tuple(rows), tuple(absent), cfg.fields_read, cfg.fields_ignored)

@@ -95,6 +95,7 @@ def test_support_rows_and_absent_sites_come_from_the_table(models, family):
     model = models[family, "base"]
     table = model.support(print_table=False)
     hook_dict = model.hook_dict
+    assert len(table.names()) == len(set(table.names())), "one row per site"
     shown = set()
     for row in table.rows:
         site = SITE_BY_NAME[table_name(row.name)]
