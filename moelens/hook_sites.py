@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from moelens.hooks import HookPoint
 
@@ -36,7 +38,7 @@ class Site:
     """A hook site: its name and its forms ("default", and any a family or component computes otherwise)."""
 
     name: str  # e.g. "blocks.L.mlp.hook_router_logits"
-    forms: dict[str, Form]
+    forms: Mapping[str, Form]
     standard: str | None = None  # the family notes' (nnterp) name
     short: str | None = None  # TransformerLens-style short name, as in cache["resid_post", 3]
     aliases: tuple[str, ...] = ()  # further names the cache and get_act_name accept
@@ -58,7 +60,7 @@ class Site:
 
 def _site(name: str, layout: str, meaning: str, variants: dict[str, tuple[str, str]] | None = None, **names) -> Site:
     forms = {DEFAULT: Form(layout, meaning)} | {k: Form(*v) for k, v in (variants or {}).items()}
-    return Site(name, forms, **names)
+    return Site(name, MappingProxyType(forms), **names)
 
 
 _RESID = "batch pos d_model"
@@ -70,16 +72,20 @@ _K_NORM = "key after k_norm over all kv heads together{}; before the rotary"
 # Every site some family has, in forward order.
 SITES: tuple[Site, ...] = (
     _site("hook_embed", _RESID, "token embeddings", standard="token_embeddings", short="embed"),
-    _site("blocks.L.hook_resid_pre", _RESID, "residual stream entering the block", standard="layer_input", short="resid_pre"),
+    _site("blocks.L.hook_resid_pre", _RESID, "residual stream entering the block", standard="layer_input",
+          short="resid_pre"),
     # TransformerLens's optional inputs: each head's own copy of the residual stream
     _site("blocks.L.hook_attn_in", "batch pos head d_model", "each head's copy of the residual stream, before ln1",
           short="attn_in", switch="set_use_attn_in"),
     _site("blocks.L.hook_q_input", "batch pos head d_model",
-          "each query head's copy of the residual stream, before ln1", short="q_input", switch="set_use_split_qkv_input"),
+          "each query head's copy of the residual stream, before ln1", short="q_input",
+          switch="set_use_split_qkv_input"),
     _site("blocks.L.hook_k_input", "batch pos kv_head d_model",
-          "each key head's copy of the residual stream, before ln1", short="k_input", switch="set_use_split_qkv_input"),
+          "each key head's copy of the residual stream, before ln1", short="k_input",
+          switch="set_use_split_qkv_input"),
     _site("blocks.L.hook_v_input", "batch pos kv_head d_model",
-          "each value head's copy of the residual stream, before ln1", short="v_input", switch="set_use_split_qkv_input"),
+          "each value head's copy of the residual stream, before ln1", short="v_input",
+          switch="set_use_split_qkv_input"),
     _site("blocks.L.ln1.hook_scale", *_SCALE, short="scale"),
     _site("blocks.L.ln1.hook_normalized", _RESID, "normed stream entering attention", standard="attention_norm_output",
           short="normalized", aliases=("ln1_normalized",)),
@@ -96,7 +102,8 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.attn.hook_k_rope", "batch pos qk_rope_head_dim",
           "rotary part of the keys, one for all heads, before the rotary", short="k_rope"),
     _site("blocks.L.attn.hook_k", "batch pos kv_head d_head", "key projection (bias included)", short="k", variants={
-        "latent": ("batch pos head d_head", "decompressed key per head [nope | the shared rope part], before the rotary"),
+        "latent": ("batch pos head d_head",
+                   "decompressed key per head [nope | the shared rope part], before the rotary"),
         "qk_norm": ("batch pos kv_head d_head", _K_NORM.format("")),
         "qk_norm_clamped": ("batch pos kv_head d_head", _K_NORM.format(_CLAMP)),
     }),
@@ -122,8 +129,8 @@ SITES: tuple[Site, ...] = (
           "each head's sink logit, the extra key every query's softmax includes", short="sink_scores"),
     _site("blocks.L.attn.hook_pattern", "batch head query key", "attention probabilities",
           standard="attention_probabilities", short="pattern", variants={
-              "sink": ("batch head query key", "attention probabilities of the keys; each row sums to 1 minus the "
-                       "sink's share (hook_sink_scores)"),
+              "sink": ("batch head query key", "attention probabilities of the keys; each row sums to 1 minus "
+                       + "the sink's share (hook_sink_scores)"),
           }),
     _site("blocks.L.attn.hook_z", "batch pos head d_head", "per-head outputs before the output projection",
           standard="attention_head_outputs", short="z", variants={
@@ -147,8 +154,8 @@ SITES: tuple[Site, ...] = (
     # a mixture block: the router
     _site("blocks.L.mlp.hook_router_logits", "batch pos n_experts", "router logits, before scoring",
           standard="router_logits", short="router_logits"),
-    _site("blocks.L.mlp.hook_router_scores", "batch pos n_experts", "softmax / sigmoid scores of every expert (float32)",
-          short="router_scores", variants={
+    _site("blocks.L.mlp.hook_router_scores", "batch pos n_experts",
+          "softmax / sigmoid scores of every expert (float32)", short="router_scores", variants={
               "top_k_logits": ("batch pos n_experts",
                                "the logits the top-k is taken on (a softmax over the chosen k gives the weights)"),
           }),
@@ -181,7 +188,8 @@ SITES: tuple[Site, ...] = (
           short="routed_out"),
     # the shared expert
     _site("blocks.L.mlp.shared_expert.hook_pre", "batch pos d_shared", "gate pre-activation", short="shared_pre"),
-    _site("blocks.L.mlp.shared_expert.hook_pre_linear", "batch pos d_shared", "up projection", short="shared_pre_linear"),
+    _site("blocks.L.mlp.shared_expert.hook_pre_linear", "batch pos d_shared", "up projection",
+          short="shared_pre_linear"),
     _site("blocks.L.mlp.shared_expert.hook_post", "batch pos d_shared", "neurons: act(gate) * up", short="shared_post"),
     _site("blocks.L.mlp.shared_expert.hook_out", _RESID, "shared expert output, ungated", short="shared_expert_out"),
     _site("blocks.L.mlp.hook_shared_gate", "batch pos 1", "shared expert gate logit, before the sigmoid",
@@ -219,7 +227,8 @@ _EXPERT_RE = re.compile(r"\.experts\.\d+\.")
 
 
 def table_name(hook_name: str) -> str:
-    """A hook's name as the table writes it: 'blocks.3.mlp.experts.5.hook_post' -> 'blocks.L.mlp.experts.E.hook_post'."""
+    """A hook's name as the table writes it: 'blocks.3.mlp.experts.5.hook_post' ->
+    'blocks.L.mlp.experts.E.hook_post'."""
     return _EXPERT_RE.sub(".experts.E.", _BLOCK_RE.sub("blocks.L.", hook_name))
 
 

@@ -10,7 +10,9 @@ import re
 
 from moelens.hook_sites import OPTIONAL_SITE_SWITCHES, SITE_BY_NAME, SITES, Site
 
-__all__ = ["OPTIONAL_SITE_SWITCHES", "SITES", "Site", "alias_candidates", "aliases", "layer_of", "site_for", "site_pattern"]
+__all__ = [
+    "OPTIONAL_SITE_SWITCHES", "SITES", "Site", "alias_candidates", "aliases", "layer_of", "site_for", "site_pattern",
+]
 
 _ALIASES: dict[str, list[str]] = {}
 for _s in SITES:

@@ -71,7 +71,8 @@ def test_every_site_and_form_of_the_table_is_some_models(models):
             used.setdefault(name, set()).update(forms)
     for site in SITES:
         assert site.name in used, f"no family has {site.name}"
-        assert used[site.name] == set(site.forms), f"{site.name}: forms no family uses: {set(site.forms) - used[site.name]}"
+        unused = set(site.forms) - used[site.name]
+        assert not unused, f"{site.name}: forms no family uses: {unused}"
     assert {f for f, _ in MODEL_KEYS} == set(FAMILIES)
 
 
@@ -84,7 +85,9 @@ def test_each_switch_creates_exactly_its_sites(checkpoints):
     for switch in SWITCHES:
         getattr(model, switch)(True)
         added = set(model.hook_dict) - before
-        expected = {s.name.replace("blocks.L.", f"blocks.{i}.") for s in switched_sites(switch) for i in range(model.cfg.n_layers)}
+        expected = {
+            s.name.replace("blocks.L.", f"blocks.{i}.") for s in switched_sites(switch) for i in range(model.cfg.n_layers)
+        }
         assert expected and added == expected, switch
         getattr(model, switch)(False)
         assert set(model.hook_dict) == before, switch
@@ -148,7 +151,8 @@ def test_site_hook_takes_the_tables_form_and_refuses_what_it_lacks():
     hp = site_hook("blocks.L.attn.hook_v", "latent")
     assert (hp.layout, hp.meaning) == ("batch pos head v_head_dim", "decompressed value per head")
     assert site_hook("blocks.L.attn.hook_v").layout == "batch pos kv_head d_head"
-    assert site_hook("blocks.L.mlp.experts.hook_post", formula="f(gate, up)").meaning == "expert neurons per slot: f(gate, up)"
+    post = site_hook("blocks.L.mlp.experts.hook_post", formula="f(gate, up)")
+    assert post.meaning == "expert neurons per slot: f(gate, up)"
     with pytest.raises(KeyError, match="hook_nothing"):
         site_hook("blocks.L.attn.hook_nothing")
     with pytest.raises(KeyError, match="no form 'sideways'.*latent"):

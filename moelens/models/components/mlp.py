@@ -21,6 +21,8 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_mlp, bias=False)
         self.down_proj = nn.Linear(d_mlp, d_model, bias=False)
         self.act = activation(act_fn)
+        if width_name not in _SITE_OF_WIDTH:
+            raise ValueError(f"GatedMLP width_name must be one of {sorted(_SITE_OF_WIDTH)}, got {width_name!r}")
         site = _SITE_OF_WIDTH[width_name]
         self.hook_pre = site_hook(f"{site}.hook_pre")
         self.hook_pre_linear = site_hook(f"{site}.hook_pre_linear")
