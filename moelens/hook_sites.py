@@ -46,10 +46,6 @@ class Site:
     rows_of: str | None = None  # a per-expert view: the per-slot site whose rows routed to expert E it shows
 
     @property
-    def form(self) -> Form:
-        return self.forms[DEFAULT]
-
-    @property
     def per_expert(self) -> bool:
         return self.rows_of is not None
 
