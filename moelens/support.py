@@ -1,4 +1,5 @@
-"""support(): the table of a model's hook points, with shapes for this model and the sites it lacks."""
+"""support(): the table of a model's hook points, with shapes for this model and the sites it lacks; the sites'
+standard names and switches are moelens.hook_sites'."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from moelens.names import SITES, layer_of, site_for, site_pattern
+from moelens.hook_sites import SITE_BY_NAME, SITES, table_name
+from moelens.names import layer_of
 from moelens.sitemap import SiteMap
 
 
 @dataclass(frozen=True)
 class SupportRow:
-    name: str  # with L for per-block sites
+    name: str  # the table's: L for a block, E for an expert
     layout: str
     shape: str
     meaning: str
@@ -92,7 +94,7 @@ def _references(site_map: SiteMap) -> dict[str, str]:
     for ref in site_map.references:
         module = re.sub(r"\.layers\.\d+(?=\.|$)", ".layers.L", ref.module)
         read = "" if ref.read == "out" else f" ({ref.read})"
-        out.setdefault(site_pattern(ref.hook), module + read)
+        out.setdefault(table_name(ref.hook), module + read)
     return out
 
 
@@ -100,16 +102,20 @@ def support_table(model) -> SupportTable:
     cfg = model.cfg
     dims = _dims(model)
     references = _references(type(model).site_map(cfg))
+    # one row per site of the table: blocks.L... for every block, blocks.L.mlp.experts.E... for every expert
     present: dict[str, list[int]] = {}
+    first: dict[str, str] = {}  # site -> its first hook point's name
     for name in model.hook_dict:
+        pattern = table_name(name)
+        first.setdefault(pattern, name)
+        layers = present.setdefault(pattern, [])
         layer = layer_of(name)
-        present.setdefault(site_pattern(name), [])
-        if layer is not None:
-            present[site_pattern(name)].append(layer)
+        if layer is not None and layer not in layers:
+            layers.append(layer)
     rows = []
     for pattern, layers in present.items():
-        site = site_for(pattern)
-        hp = model.hook_dict[pattern.replace("blocks.L.", f"blocks.{layers[0]}.")] if layers else model.hook_dict[pattern]
+        site = SITE_BY_NAME.get(pattern)  # None for a hook point not of the table (an SAE's)
+        hp = model.hook_dict[first[pattern]]
         layout = hp.layout
         top_k = {cfg.top_k[layer] for layer in layers} if "top_k" in layout else set()
         rows.append(
@@ -123,12 +129,15 @@ def support_table(model) -> SupportTable:
                 reference=references.get(pattern, "-"),
             )
         )
+    # the table's sites this model lacks, or has on some blocks only
     absent = []
     dense = cfg.dense_layer_indices
     for site in SITES:
         if site.name not in present:
             why = "this family has no such site"
-            if site.name.startswith("blocks.L.mlp.hook_pre") or site.name == "blocks.L.mlp.hook_post":
+            if site.switch is not None:
+                why = f"optional, off: model.{site.switch}(True) creates it (or says why this model cannot)"
+            elif site.name.startswith("blocks.L.mlp.hook_pre") or site.name == "blocks.L.mlp.hook_post":
                 why = "no dense MLP block"
             absent.append(f"{site.name}: {why}")
         elif dense and site.name.startswith("blocks.L.mlp.") and len(present[site.name]) < cfg.n_layers:

@@ -16,7 +16,8 @@ from jaxtyping import Bool, Float, Int
 
 from moelens.factored_matrix import FactoredMatrix
 from moelens.hooks import slice_pos
-from moelens.names import SITES, alias_candidates, site_pattern
+from moelens.hook_sites import SITES, TRANSFORMER_LENS_ONLY
+from moelens.names import alias_candidates, site_pattern
 
 # TransformerLens's shorthands, applied before anything else (so TL code gets TL's names).
 _ACT_NAME_ALIAS = {
@@ -35,24 +36,8 @@ _MLP_NAMES = ("pre", "post", "mid", "pre_linear")
 _LN_NAMES = ("scale", "normalized")
 _COMPACT = re.compile(r"([a-z]+)(\d+)([a-z]?.*)")  # "k6", "scale4ln1", "pre5"
 
-# Every site a name may denote: moelens's own and TransformerLens's (which moelens may not emit).
-_KNOWN_SITES = frozenset(s.name for s in SITES) | {
-    "hook_tokens",
-    "hook_pos_embed",
-    "blocks.L.hook_attn_in",
-    "blocks.L.hook_q_input",
-    "blocks.L.hook_k_input",
-    "blocks.L.hook_v_input",
-    "blocks.L.hook_mlp_in",
-    "blocks.L.attn.hook_result",
-    "blocks.L.mlp.hook_mid",
-    "blocks.L.ln1.hook_scale",
-    "blocks.L.ln1.hook_normalized",
-    "blocks.L.ln2.hook_scale",
-    "blocks.L.ln2.hook_normalized",
-    "ln_final.hook_scale",
-    "ln_final.hook_normalized",
-}
+# Every site a name may denote: the table's (per-expert views aside) and TransformerLens's that moelens lacks.
+_KNOWN_SITES = frozenset(s.name for s in SITES if not s.per_expert) | set(TRANSFORMER_LENS_ONLY)
 
 
 def _is_site(full_name: str, layer) -> bool:

@@ -9,6 +9,8 @@ renormalised; ablating an expert changes only the tokens routed to it; and no re
 other hooks are on or on the experts backend.
 """
 
+import re
+
 import pytest
 import torch
 from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert, shared_expert_gated
@@ -266,7 +268,9 @@ def test_shapes_and_support_table(family_models, family, tokens):
             assert cache[f"blocks.{layer}.mlp.shared_expert.hook_post"].shape == (b, p, cfg.d_shared)
     table = model.support(print_table=False)
     names = set(table.names())
-    assert names == {n if not n.startswith("blocks.") else "blocks.L." + n.split(".", 2)[2] for n in model.hook_dict}
+    # one row per site: L for the block, E for the expert of a per-expert view
+    assert names == {re.sub(r"^blocks\.\d+\.", "blocks.L.", re.sub(r"\.experts\.\d+\.", ".experts.E.", n)) for n in model.hook_dict}
+    assert len(table.rows) == len(names)
     mlps = [b.mlp for b in model.blocks if b.is_moe]
     assert ("blocks.L.mlp.hook_shared_gate" in names) == shared_expert_gated(model)
     assert ("blocks.L.mlp.hook_choice_scores" in names) == any(m.router.choice_bias for m in mlps)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 
 from moelens.experts.spec import ExpertSpec, ExpertTensors, GatedActivation, gather_rows
+from moelens.hook_sites import PER_EXPERT_SITES, site_form
 from moelens.hooks import HookPoint, SliceInput, call_hooked_points, slice_pos
 
 Backend = Literal["auto", "torch", "triton"]
@@ -74,13 +75,9 @@ def hooked_site(
 # token (batch * pos flattened, batch-major). Its MoEGatedMLP hooks them as hook_gate (gate projection, before
 # the activation), hook_pre (the linear "up" projection) and hook_post (act(gate) * up, before the routing
 # weight). moelens computes the same numbers per slot; these views show the rows routed to one expert.
-VIEW_SITES: dict[str, str] = {"hook_gate": "pre", "hook_pre": "pre_linear", "hook_post": "post"}
-VIEW_LAYOUT = "routed d_expert"
-VIEW_MEANING = {
-    "hook_gate": "gate pre-activation of the slots routed to this expert (per-slot experts.hook_pre's rows)",
-    "hook_pre": "up projection of the slots routed to this expert (per-slot experts.hook_pre_linear's rows)",
-    "hook_post": "neurons act(gate) * up of the slots routed to this expert (per-slot experts.hook_post's rows)",
-}
+# view -> the per-slot site (an ExpertHooks field) it shows rows of, from the table of hook sites:
+# {"hook_gate": "pre", "hook_pre": "pre_linear", "hook_post": "post"}
+VIEW_SITES: dict[str, str] = {s.tail: s.rows_of.rsplit(".hook_", 1)[1] for s in PER_EXPERT_SITES}
 
 # The routing of the view being hooked in this thread (rows, batch_pos, k): what run_with_cache's pos_slice /
 # remove_batch_dim need to select a view's rows. A context variable, so that threads never see each other's.
@@ -111,7 +108,8 @@ class ExpertViewPoint(HookPoint):
     ragged = True  # no batch or pos axis: run_with_cache and ActivationCache slice it with select_for_cache
 
     def __init__(self, group: ViewGroup, expert: int, site: str) -> None:
-        super().__init__(VIEW_LAYOUT, VIEW_MEANING[site])
+        form = site_form(f"blocks.L.mlp.experts.E.{site}")
+        super().__init__(form.layout, form.meaning)
         self.expert, self.slot_site = expert, VIEW_SITES[site]
         self.group = group  # not a module: a plain reference
         group.add(self)

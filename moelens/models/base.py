@@ -17,7 +17,7 @@ from torch import nn
 from moelens import families, generation, pretrained
 from moelens.config import MoeConfig
 from moelens.hook_points import HookedRootModule
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook
 from moelens.kernels import BACKENDS
 from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
@@ -88,13 +88,13 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.embed = Embed(cfg.d_vocab, cfg.d_model)
-        self.hook_embed = HookPoint("batch pos d_model", "token embeddings")
+        self.hook_embed = site_hook("hook_embed")
         self.rotary = Rotary(cfg)
         components = self.components_for(cfg)
         self.blocks = nn.ModuleList(Block(cfg, layer, components) for layer in range(cfg.n_layers))
         self.ln_final = components.norm(cfg.d_model, cfg.norm_eps)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab)
-        self.hook_logits = HookPoint("batch pos d_vocab", "logits")
+        self.hook_logits = site_hook("hook_logits")
         self.tie_weights()
         self.setup()
         self._warned_too_long = False

@@ -26,7 +26,7 @@ from torch import nn
 
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.experts.spec import ClampedSwiGLU, ExpertSpec
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook
 from moelens.models.base import HookedTransformer
 from moelens.models.components import Components, SparseMoe, TopKRouter
 from moelens.models.components.norm import CastAfterWeightRMSNorm
@@ -63,12 +63,8 @@ class SinkAttention(SlidingWindowAttention):
     def __init__(self, cfg: MoeConfig, layer: int) -> None:
         super().__init__(cfg, layer)
         self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
-        self.hook_sink_scores = HookPoint(
-            "batch head query 1", "each head's sink logit, the extra key every query's softmax includes"
-        )
-        self.hook_pattern.meaning = (
-            "attention probabilities of the keys; each row sums to 1 minus the sink's share (hook_sink_scores)"
-        )
+        self.hook_sink_scores = site_hook("blocks.L.attn.hook_sink_scores")
+        self.hook_pattern = site_hook("blocks.L.attn.hook_pattern", "sink")
 
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         b, _, n_q, _ = scores.shape
@@ -84,7 +80,7 @@ class LogitTopKSoftmax(TopKRouter):
     them as they are), and the k weights are a softmax over the chosen logits, in their dtype."""
 
     scoring = "top-k logits, softmax over the k"
-    scores_meaning = "the logits the top-k is taken on (a softmax over the chosen k gives the weights)"
+    scores_form = "top_k_logits"  # hook_router_scores holds the logits the top-k is taken on
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)

@@ -14,7 +14,7 @@ from jaxtyping import Bool, Float
 from torch import nn
 
 from moelens.config import MoeConfig
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook
 from moelens.kv_cache import LayerKV
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary
@@ -65,7 +65,7 @@ def set_use_attn_result(attn: nn.Module, on: bool) -> None:
     """Switch hook_result on (the HookPoint exists and fires) or off (it is removed)."""
     attn.use_attn_result = on
     if on and not hasattr(attn, "hook_result"):
-        attn.hook_result = HookPoint("batch pos head d_model", "each head's output after W_O (without b_O)")
+        attn.hook_result = site_hook("blocks.L.attn.hook_result")
     elif not on and hasattr(attn, "hook_result"):
         del attn.hook_result
 
@@ -95,18 +95,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.o_bias)
-        self.hook_q = HookPoint("batch pos head d_head", "query projection (bias included)")
-        self.hook_k = HookPoint("batch pos kv_head d_head", "key projection (bias included)")
-        self.hook_v = HookPoint("batch pos kv_head d_head", "value projection (bias included)")
-        self.hook_rot_q = HookPoint(
-            "batch pos head d_head", "queries entering attention (after rotary, and q norm where the family has one)"
-        )
-        self.hook_rot_k = HookPoint(
-            "batch pos kv_head d_head", "keys entering attention (after rotary, and k norm where the family has one)"
-        )
-        self.hook_attn_scores = HookPoint("batch head query key", "scaled, masked scores before the softmax")
-        self.hook_pattern = HookPoint("batch head query key", "attention probabilities")
-        self.hook_z = HookPoint("batch pos head d_head", "per-head outputs before the output projection")
+        self.hook_q = site_hook("blocks.L.attn.hook_q")
+        self.hook_k = site_hook("blocks.L.attn.hook_k")
+        self.hook_v = site_hook("blocks.L.attn.hook_v")
+        self.hook_rot_q = site_hook("blocks.L.attn.hook_rot_q")
+        self.hook_rot_k = site_hook("blocks.L.attn.hook_rot_k")
+        self.hook_attn_scores = site_hook("blocks.L.attn.hook_attn_scores")
+        self.hook_pattern = site_hook("blocks.L.attn.hook_pattern")
+        self.hook_z = site_hook("blocks.L.attn.hook_z")
 
     def forward(
         self,

@@ -9,7 +9,7 @@ from jaxtyping import Float
 from torch import nn
 
 from moelens.config import MoeConfig
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook, switched_sites
 from moelens.kv_cache import LayerKV
 from moelens.models.components.attention import Attention, SplitInputs
 from moelens.models.components.mlp import GatedMLP
@@ -29,16 +29,11 @@ class Components:
     norm: type[RMSNorm] = RMSNorm  # ln1, ln2 and ln_final
 
 
-# TransformerLens's optional per-block hooks: (attribute, layout, meaning); each exists only while its switch
-# (model.set_use_split_qkv_input / set_use_attn_in / set_use_hook_mlp_in) is on
-OPTIONAL_HOOKS = {
-    "split_qkv_input": (
-        ("hook_q_input", "batch pos head d_model", "each query head's copy of the residual stream, before ln1"),
-        ("hook_k_input", "batch pos kv_head d_model", "each key head's copy of the residual stream, before ln1"),
-        ("hook_v_input", "batch pos kv_head d_model", "each value head's copy of the residual stream, before ln1"),
-    ),
-    "attn_in": (("hook_attn_in", "batch pos head d_model", "each head's copy of the residual stream, before ln1"),),
-    "hook_mlp_in": (("hook_mlp_in", "batch pos d_model", "residual stream entering ln2 and the MLP / mixture"),),
+# TransformerLens's optional per-block hooks, by switch: the table's block sites each exists only while its
+# switch (model.set_use_split_qkv_input / set_use_attn_in / set_use_hook_mlp_in) is on
+OPTIONAL_HOOKS: dict[str, tuple[str, ...]] = {
+    switch: tuple(s.name for s in switched_sites(f"set_use_{switch}") if s.name.startswith("blocks.L.hook_"))
+    for switch in ("split_qkv_input", "attn_in", "hook_mlp_in")
 }
 
 
@@ -57,18 +52,18 @@ class Block(nn.Module):
         super().__init__()
         self.is_moe = cfg.moe_layers[layer]
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.ln1 = components.norm(cfg.d_model, cfg.norm_eps, feeds="attention")
+        self.ln1 = components.norm(cfg.d_model, cfg.norm_eps, site="blocks.L.ln1")
         self.attn = components.attention(cfg, layer)
-        self.ln2 = components.norm(cfg.d_model, cfg.norm_eps, feeds="the MLP / mixture")
+        self.ln2 = components.norm(cfg.d_model, cfg.norm_eps, site="blocks.L.ln2")
         self.mlp: nn.Module = (
             components.moe(cfg, layer, components.router) if self.is_moe
             else components.dense_mlp(cfg.d_model, cfg.d_mlp, cfg.act_fn)
         )
-        self.hook_resid_pre = HookPoint("batch pos d_model", "residual stream entering the block")
-        self.hook_attn_out = HookPoint("batch pos d_model", "what attention adds to the residual stream")
-        self.hook_resid_mid = HookPoint("batch pos d_model", "residual stream after the attention add")
-        self.hook_mlp_out = HookPoint("batch pos d_model", "what the MLP / mixture adds to the residual stream")
-        self.hook_resid_post = HookPoint("batch pos d_model", "residual stream leaving the block")
+        self.hook_resid_pre = site_hook("blocks.L.hook_resid_pre")
+        self.hook_attn_out = site_hook("blocks.L.hook_attn_out")
+        self.hook_resid_mid = site_hook("blocks.L.hook_resid_mid")
+        self.hook_mlp_out = site_hook("blocks.L.hook_mlp_out")
+        self.hook_resid_post = site_hook("blocks.L.hook_resid_post")
 
     def forward(
         self,
@@ -105,8 +100,9 @@ class Block(nn.Module):
         """Turn one of OPTIONAL_HOOKS' switches on (its HookPoints are added and fire) or off (removed); the
         model renames its hook points afterwards (setup)."""
         setattr(self, f"use_{switch}", on)
-        for name, layout, meaning in OPTIONAL_HOOKS[switch]:
+        for site in OPTIONAL_HOOKS[switch]:
+            name = site.rsplit(".", 1)[-1]
             if on and not hasattr(self, name):
-                setattr(self, name, HookPoint(layout, meaning))
+                setattr(self, name, site_hook(site))
             elif not on and hasattr(self, name):
                 delattr(self, name)

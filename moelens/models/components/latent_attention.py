@@ -24,7 +24,7 @@ from jaxtyping import Bool, Float
 from torch import nn
 
 from moelens.config import RopeConfig
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook
 from moelens.kv_cache import LayerKV
 from moelens.models.components.attention import project_out
 from moelens.models.components.norm import RMSNorm
@@ -79,29 +79,21 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_a_proj = nn.Linear(d_model, self.q_lora_rank, bias=cfg.qkv_bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, hooked=False)
             self.q_b_proj = nn.Linear(self.q_lora_rank, n_heads * self.d_head, bias=False)
-            self.hook_q_latent = HookPoint(
-                "batch pos q_lora_rank", "compressed query after its RMSNorm (q_a_layernorm)"
-            )
+            self.hook_q_latent = site_hook("blocks.L.attn.hook_q_latent")
         self.kv_a_proj_with_mqa = nn.Linear(d_model, self.kv_lora_rank + self.d_rope, bias=cfg.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, hooked=False)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, n_heads * (self.d_nope + self.d_v), bias=False)
         self.o_proj = nn.Linear(n_heads * self.d_v, d_model, bias=cfg.o_bias)
-        self.hook_q = HookPoint("batch pos head d_head", "decompressed query per head [nope | rope], before the rotary")
-        self.hook_kv_latent = HookPoint(
-            "batch pos kv_lora_rank", "compressed keys and values after their RMSNorm (kv_a_layernorm)"
-        )
-        self.hook_k_rope = HookPoint(
-            "batch pos qk_rope_head_dim", "rotary part of the keys, one for all heads, before the rotary"
-        )
-        self.hook_k = HookPoint(
-            "batch pos head d_head", "decompressed key per head [nope | the shared rope part], before the rotary"
-        )
-        self.hook_v = HookPoint("batch pos head v_head_dim", "decompressed value per head")
-        self.hook_rot_q = HookPoint("batch pos head d_head", "queries entering attention (rotary on the rope dims)")
-        self.hook_rot_k = HookPoint("batch pos head d_head", "keys entering attention (rotary on the rope dims)")
-        self.hook_attn_scores = HookPoint("batch head query key", "scaled, masked scores before the softmax")
-        self.hook_pattern = HookPoint("batch head query key", "attention probabilities")
-        self.hook_z = HookPoint("batch pos head v_head_dim", "per-head outputs before the output projection")
+        self.hook_q = site_hook("blocks.L.attn.hook_q", "latent")
+        self.hook_kv_latent = site_hook("blocks.L.attn.hook_kv_latent")
+        self.hook_k_rope = site_hook("blocks.L.attn.hook_k_rope")
+        self.hook_k = site_hook("blocks.L.attn.hook_k", "latent")
+        self.hook_v = site_hook("blocks.L.attn.hook_v", "latent")
+        self.hook_rot_q = site_hook("blocks.L.attn.hook_rot_q", "latent")
+        self.hook_rot_k = site_hook("blocks.L.attn.hook_rot_k", "latent")
+        self.hook_attn_scores = site_hook("blocks.L.attn.hook_attn_scores")
+        self.hook_pattern = site_hook("blocks.L.attn.hook_pattern")
+        self.hook_z = site_hook("blocks.L.attn.hook_z", "latent")
 
     def forward(
         self,

@@ -6,9 +6,13 @@ import torch
 from jaxtyping import Float
 from torch import nn
 
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook
 from moelens.experts.activations import activation
 from moelens.models.components.parts import GatedMlpPart
+
+
+# the table's sites of a gated MLP, by its width's name: a dense block's MLP or a shared expert
+_SITE_OF_WIDTH = {"d_mlp": "blocks.L.mlp", "d_shared": "blocks.L.mlp.shared_expert"}
 
 
 class GatedMLP(nn.Module):
@@ -18,12 +22,15 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_mlp, bias=False)
         self.down_proj = nn.Linear(d_mlp, d_model, bias=False)
         self.act = activation(act_fn)
-        self.hook_pre = HookPoint(f"batch pos {width_name}", "gate pre-activation")
-        self.hook_pre_linear = HookPoint(f"batch pos {width_name}", "up projection")
-        self.hook_post = HookPoint(f"batch pos {width_name}", "neurons: act(gate) * up")
+        if width_name not in _SITE_OF_WIDTH:
+            raise ValueError(f"GatedMLP width_name must be one of {sorted(_SITE_OF_WIDTH)}, got {width_name!r}")
+        site = _SITE_OF_WIDTH[width_name]
+        self.hook_pre = site_hook(f"{site}.hook_pre")
+        self.hook_pre_linear = site_hook(f"{site}.hook_pre_linear")
+        self.hook_post = site_hook(f"{site}.hook_post")
         self.has_hook_out = hook_out  # a shared expert's output is a site of its own; a dense MLP's is hook_mlp_out
         if hook_out:
-            self.hook_out = HookPoint("batch pos d_model", "shared expert output, ungated")
+            self.hook_out = site_hook(f"{site}.hook_out")
 
     # TransformerLens's names of a gated MLP's weights, as [in, out] views of the checkpoint's [out, in] ones
     @property

@@ -11,7 +11,7 @@ from torch import nn
 from moelens.config import MoeConfig
 from moelens.experts.spec import ExpertTensors
 from moelens.experts.stored import StoredExperts
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.expert_parallel import ExpertShard
 from moelens.kernels.experts import VIEW_SITES, ExpertViewPoint, ViewGroup, check_indices, routed_subset
@@ -72,9 +72,9 @@ class Experts(nn.Module):
         self.store: OffloadedExperts | None = None  # placement "offloaded": attach_store()
         self.host: ExpertTensors | StoredExperts | None = None  # placement "offloaded" to host memory: the full stacks
         self.shard: ExpertShard | None = None  # placement "sharded": attach_shard()
-        self.hook_pre = HookPoint("batch pos top_k d_expert", "gate pre-activation per slot")
-        self.hook_pre_linear = HookPoint("batch pos top_k d_expert", "up projection per slot")
-        self.hook_post = HookPoint("batch pos top_k d_expert", f"expert neurons per slot: {self.spec.activation.formula}")
+        self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre")
+        self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear")
+        self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", formula=self.spec.activation.formula)
         self.views = ViewGroup(cfg.n_experts)  # not a module: the per-expert sites below, for a cheap hooked test
         for e in range(cfg.n_experts):
             self.add_module(str(e), ExpertSites(self.views, e))
@@ -174,16 +174,14 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.router = router(cfg, cfg.top_k[layer])
         self.experts = Experts(cfg)
-        self.hook_router_logits = HookPoint("batch pos n_experts", "router logits, before scoring")
-        self.hook_router_scores = HookPoint("batch pos n_experts", self.router.scores_meaning)
+        self.hook_router_logits = site_hook("blocks.L.mlp.hook_router_logits")
+        self.hook_router_scores = site_hook("blocks.L.mlp.hook_router_scores", self.router.scores_form)
         if self.router.choice_bias:
-            self.hook_choice_scores = HookPoint(
-                "batch pos n_experts", "scores the top-k is taken on (scores + correction bias)"
-            )
-        self.hook_expert_indices = HookPoint("batch pos top_k", "expert each routing slot sends the token to")
-        self.hook_expert_weights = HookPoint("batch pos top_k", "weight of each slot's expert output")
-        self.hook_expert_outputs = HookPoint("batch pos top_k d_model", "weighted output of each slot")
-        self.hook_routed_out = HookPoint("batch pos d_model", "routed experts' combined output")
+            self.hook_choice_scores = site_hook("blocks.L.mlp.hook_choice_scores")
+        self.hook_expert_indices = site_hook("blocks.L.mlp.hook_expert_indices")
+        self.hook_expert_weights = site_hook("blocks.L.mlp.hook_expert_weights")
+        self.hook_expert_outputs = site_hook("blocks.L.mlp.hook_expert_outputs")
+        self.hook_routed_out = site_hook("blocks.L.mlp.hook_routed_out")
         self._expert_hooks = ExpertHooks(
             self.experts.hook_pre, self.experts.hook_pre_linear, self.experts.hook_post, self.hook_expert_outputs
         )
@@ -251,7 +249,7 @@ class SharedExpertMoe(SparseMoe):
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__(cfg, layer, router)
         self.shared_expert = GatedMLP(cfg.d_model, cfg.d_shared, cfg.act_fn, "d_shared", hook_out=True)
-        self.hook_shared_out = HookPoint("batch pos d_model", "shared expert output as added to the routed sum")
+        self.hook_shared_out = site_hook("blocks.L.mlp.hook_shared_out")
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         routed = self._routed(x)
@@ -276,7 +274,7 @@ class GatedSharedExpertMoe(SharedExpertMoe):
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__(cfg, layer, router)
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False)
-        self.hook_shared_gate = HookPoint("batch pos 1", "shared expert gate logit, before the sigmoid")
+        self.hook_shared_gate = site_hook("blocks.L.mlp.hook_shared_gate")
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         ungated = self.shared_expert(x)

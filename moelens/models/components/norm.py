@@ -8,7 +8,7 @@ import torch
 from jaxtyping import Float
 from torch import nn
 
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook
 
 
 class RMSNorm(nn.Module):
@@ -21,14 +21,15 @@ class RMSNorm(nn.Module):
 
     float32_weight: ClassVar[bool] = False  # kept float32 whatever the model's dtype (HookedTransformer.build)
 
-    def __init__(self, d: int, eps: float, hooked: bool = True, feeds: str = "the unembedding") -> None:
+    def __init__(self, d: int, eps: float, hooked: bool = True, site: str = "ln_final") -> None:
+        """site: the norm's name in the table of hook sites (blocks.L.ln1, blocks.L.ln2, ln_final), for its hooks."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
         self.eps = eps
         self.hooked = hooked
         if hooked:
-            self.hook_scale = HookPoint("batch pos 1", "RMS of the input (+ eps): the norm divides by it")
-            self.hook_normalized = HookPoint("batch pos d_model", f"normed stream entering {feeds}")
+            self.hook_scale = site_hook(f"{site}.hook_scale")
+            self.hook_normalized = site_hook(f"{site}.hook_normalized")
 
     def forward(self, x: Float[torch.Tensor, "... d"]) -> Float[torch.Tensor, "... d"]:
         dtype = x.dtype

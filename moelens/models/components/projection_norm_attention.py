@@ -14,7 +14,7 @@ import torch
 from jaxtyping import Float
 
 from moelens.config import MoeConfig
-from moelens.hooks import HookPoint
+from moelens.hook_sites import site_hook
 from moelens.models.components.attention import Attention, SplitInputs, linear_per_head, split_inputs
 from moelens.models.components.norm import RMSNorm
 
@@ -46,14 +46,10 @@ class ProjectionQKNormAttention(Attention):
         self.clip_qkv = cfg.clip_qkv
         self.q_norm = RMSNorm(cfg.n_heads * cfg.d_head, cfg.norm_eps, hooked=False)
         self.k_norm = RMSNorm(cfg.n_kv_heads * cfg.d_head, cfg.norm_eps, hooked=False)
-        clamp = ", clamped to +-clip_qkv" if cfg.clip_qkv is not None else ""
-        self.hook_q = HookPoint(
-            "batch pos head d_head", f"query after q_norm over all heads together{clamp}; before the rotary"
-        )
-        self.hook_k = HookPoint(
-            "batch pos kv_head d_head", f"key after k_norm over all kv heads together{clamp}; before the rotary"
-        )
-        self.hook_v = HookPoint("batch pos kv_head d_head", f"value projection (bias included){clamp}")
+        clamped = cfg.clip_qkv is not None
+        self.hook_q = site_hook("blocks.L.attn.hook_q", "qk_norm_clamped" if clamped else "qk_norm")
+        self.hook_k = site_hook("blocks.L.attn.hook_k", "qk_norm_clamped" if clamped else "qk_norm")
+        self.hook_v = site_hook("blocks.L.attn.hook_v", "clamped" if clamped else "default")
 
     def project(
         self, x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs

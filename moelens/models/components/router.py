@@ -23,7 +23,7 @@ class TopKRouter(nn.Module):
     float32_weight: ClassVar[bool] = False  # kept float32 whatever the model's dtype (set at load)
     choice_bias: ClassVar[bool] = False  # a bias added to the scores for the choice only (hook_choice_scores)
     scoring: ClassVar[str] = ""
-    scores_meaning: ClassVar[str] = "softmax / sigmoid scores of every expert (float32)"  # hook_router_scores
+    scores_form: ClassVar[str] = "default"  # hook_router_scores' form in the table of hook sites
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__()

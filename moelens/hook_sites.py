@@ -1,0 +1,247 @@
+"""The table of hook sites: for every site some family has, its name, layout and meaning, the family notes'
+(nnterp) standard name, the TransformerLens-style short alias, and the model switch that creates it.
+
+Components build their HookPoints from it (site_hook), so a site's layout and meaning are written here once;
+support(), the cache's and get_act_name's aliases and the optional sites' switches are read from it.
+
+Names are relative to the model root; ``L`` stands for a block index and ``E`` for an expert's.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from moelens.hooks import HookPoint
+
+DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class Form:
+    """One way of computing a site: the layout of its tensor and what it holds. A meaning may name fields in
+    braces ("{formula}"), which the component fills in (site_hook's keyword arguments)."""
+
+    layout: str
+    meaning: str
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(f for _, f, _, _ in string.Formatter().parse(self.meaning) if f is not None)
+
+
+@dataclass(frozen=True)
+class Site:
+    """A hook site: its name and its forms ("default", and any a family or component computes otherwise)."""
+
+    name: str  # e.g. "blocks.L.mlp.hook_router_logits"
+    forms: Mapping[str, Form]
+    standard: str | None = None  # the family notes' (nnterp) name
+    short: str | None = None  # TransformerLens-style short name, as in cache["resid_post", 3]
+    aliases: tuple[str, ...] = ()  # further names the cache and get_act_name accept
+    switch: str | None = None  # the model method that creates the site (TransformerLens's set_use_*); None: built in
+    rows_of: str | None = None  # a per-expert view: the per-slot site whose rows routed to expert E it shows
+
+    @property
+    def per_expert(self) -> bool:
+        return self.rows_of is not None
+
+    @property
+    def tail(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+
+def _site(name: str, layout: str, meaning: str, variants: dict[str, tuple[str, str]] | None = None, **names) -> Site:
+    forms = {DEFAULT: Form(layout, meaning)} | {k: Form(*v) for k, v in (variants or {}).items()}
+    return Site(name, MappingProxyType(forms), **names)
+
+
+_RESID = "batch pos d_model"
+_SCALE = ("batch pos 1", "RMS of the input (+ eps): the norm divides by it")
+_CLAMP = ", clamped to +-clip_qkv"
+_QK_NORM = "query after q_norm over all heads together{}; before the rotary"
+_K_NORM = "key after k_norm over all kv heads together{}; before the rotary"
+
+# Every site some family has, in forward order.
+SITES: tuple[Site, ...] = (
+    _site("hook_embed", _RESID, "token embeddings", standard="token_embeddings", short="embed"),
+    _site("blocks.L.hook_resid_pre", _RESID, "residual stream entering the block", standard="layer_input",
+          short="resid_pre"),
+    # TransformerLens's optional inputs: each head's own copy of the residual stream
+    _site("blocks.L.hook_attn_in", "batch pos head d_model", "each head's copy of the residual stream, before ln1",
+          short="attn_in", switch="set_use_attn_in"),
+    _site("blocks.L.hook_q_input", "batch pos head d_model",
+          "each query head's copy of the residual stream, before ln1", short="q_input",
+          switch="set_use_split_qkv_input"),
+    _site("blocks.L.hook_k_input", "batch pos kv_head d_model",
+          "each key head's copy of the residual stream, before ln1", short="k_input",
+          switch="set_use_split_qkv_input"),
+    _site("blocks.L.hook_v_input", "batch pos kv_head d_model",
+          "each value head's copy of the residual stream, before ln1", short="v_input",
+          switch="set_use_split_qkv_input"),
+    _site("blocks.L.ln1.hook_scale", *_SCALE, short="scale"),
+    _site("blocks.L.ln1.hook_normalized", _RESID, "normed stream entering attention", standard="attention_norm_output",
+          short="normalized", aliases=("ln1_normalized",)),
+    # latent attention (DeepSeek-V3): the compressed query and key-value, decompressed per head
+    _site("blocks.L.attn.hook_q_latent", "batch pos q_lora_rank", "compressed query after its RMSNorm (q_a_layernorm)",
+          short="q_latent"),
+    _site("blocks.L.attn.hook_q", "batch pos head d_head", "query projection (bias included)", short="q", variants={
+        "latent": ("batch pos head d_head", "decompressed query per head [nope | rope], before the rotary"),
+        "qk_norm": ("batch pos head d_head", _QK_NORM.format("")),
+        "qk_norm_clamped": ("batch pos head d_head", _QK_NORM.format(_CLAMP)),
+    }),
+    _site("blocks.L.attn.hook_kv_latent", "batch pos kv_lora_rank",
+          "compressed keys and values after their RMSNorm (kv_a_layernorm)", short="kv_latent"),
+    _site("blocks.L.attn.hook_k_rope", "batch pos qk_rope_head_dim",
+          "rotary part of the keys, one for all heads, before the rotary", short="k_rope"),
+    _site("blocks.L.attn.hook_k", "batch pos kv_head d_head", "key projection (bias included)", short="k", variants={
+        "latent": ("batch pos head d_head",
+                   "decompressed key per head [nope | the shared rope part], before the rotary"),
+        "qk_norm": ("batch pos kv_head d_head", _K_NORM.format("")),
+        "qk_norm_clamped": ("batch pos kv_head d_head", _K_NORM.format(_CLAMP)),
+    }),
+    _site("blocks.L.attn.hook_v", "batch pos kv_head d_head", "value projection (bias included)",
+          standard="attention_values", short="v", variants={
+              "latent": ("batch pos head v_head_dim", "decompressed value per head"),
+              "clamped": ("batch pos kv_head d_head", f"value projection (bias included){_CLAMP}"),
+          }),
+    _site("blocks.L.attn.hook_rot_q", "batch pos head d_head",
+          "queries entering attention (after rotary, and q norm where the family has one)",
+          standard="attention_queries", short="rot_q", variants={
+              "latent": ("batch pos head d_head", "queries entering attention (rotary on the rope dims)"),
+          }),
+    _site("blocks.L.attn.hook_rot_k", "batch pos kv_head d_head",
+          "keys entering attention (after rotary, and k norm where the family has one)",
+          standard="attention_keys", short="rot_k", variants={
+              "latent": ("batch pos head d_head", "keys entering attention (rotary on the rope dims)"),
+          }),
+    _site("blocks.L.attn.hook_attn_scores", "batch head query key", "scaled, masked scores before the softmax",
+          standard="attention_scores", short="attn_scores"),
+    # gpt-oss: a learned extra logit per head in every query's softmax
+    _site("blocks.L.attn.hook_sink_scores", "batch head query 1",
+          "each head's sink logit, the extra key every query's softmax includes", short="sink_scores"),
+    _site("blocks.L.attn.hook_pattern", "batch head query key", "attention probabilities",
+          standard="attention_probabilities", short="pattern", variants={
+              "sink": ("batch head query key", "attention probabilities of the keys; each row sums to 1 minus "
+                       + "the sink's share (hook_sink_scores)"),
+          }),
+    _site("blocks.L.attn.hook_z", "batch pos head d_head", "per-head outputs before the output projection",
+          standard="attention_head_outputs", short="z", variants={
+              "latent": ("batch pos head v_head_dim", "per-head outputs before the output projection"),
+          }),
+    _site("blocks.L.attn.hook_result", "batch pos head d_model", "each head's output after W_O (without b_O)",
+          short="result", switch="set_use_attn_result"),
+    _site("blocks.L.hook_attn_out", _RESID, "what attention adds to the residual stream", standard="attention_output",
+          short="attn_out"),
+    _site("blocks.L.hook_resid_mid", _RESID, "residual stream after the attention add", standard="layer_mid",
+          short="resid_mid"),
+    _site("blocks.L.hook_mlp_in", _RESID, "residual stream entering ln2 and the MLP / mixture", short="mlp_in",
+          switch="set_use_hook_mlp_in"),
+    _site("blocks.L.ln2.hook_scale", *_SCALE),
+    _site("blocks.L.ln2.hook_normalized", _RESID, "normed stream entering the MLP / mixture",
+          standard="mlp_norm_output", aliases=("mlp_input", "ln2_normalized")),
+    # a dense block's MLP
+    _site("blocks.L.mlp.hook_pre", "batch pos d_mlp", "gate pre-activation", short="pre"),
+    _site("blocks.L.mlp.hook_pre_linear", "batch pos d_mlp", "up projection", short="pre_linear"),
+    _site("blocks.L.mlp.hook_post", "batch pos d_mlp", "neurons: act(gate) * up", standard="mlp_neurons", short="post"),
+    # a mixture block: the router
+    _site("blocks.L.mlp.hook_router_logits", "batch pos n_experts", "router logits, before scoring",
+          standard="router_logits", short="router_logits"),
+    _site("blocks.L.mlp.hook_router_scores", "batch pos n_experts",
+          "softmax / sigmoid scores of every expert (float32)", short="router_scores", variants={
+              "top_k_logits": ("batch pos n_experts",
+                               "the logits the top-k is taken on (a softmax over the chosen k gives the weights)"),
+          }),
+    _site("blocks.L.mlp.hook_choice_scores", "batch pos n_experts",
+          "scores the top-k is taken on (scores + correction bias)", short="choice_scores"),
+    _site("blocks.L.mlp.hook_expert_indices", "batch pos top_k", "expert each routing slot sends the token to",
+          standard="expert_indices", short="expert_indices"),
+    _site("blocks.L.mlp.hook_expert_weights", "batch pos top_k", "weight of each slot's expert output",
+          standard="expert_weights", short="expert_weights"),
+    # the routed experts, per routing slot
+    _site("blocks.L.mlp.experts.hook_pre", "batch pos top_k d_expert", "gate pre-activation per slot",
+          short="expert_pre"),
+    _site("blocks.L.mlp.experts.hook_pre_linear", "batch pos top_k d_expert", "up projection per slot",
+          short="expert_pre_linear"),
+    _site("blocks.L.mlp.experts.hook_post", "batch pos top_k d_expert", "expert neurons per slot: {formula}",
+          standard="mlp_neurons", short="expert_post"),
+    # TransformerLens's per-expert sites: the rows of a per-slot site routed to expert E, in TL's order
+    _site("blocks.L.mlp.experts.E.hook_gate", "routed d_expert",
+          "gate pre-activation of the slots routed to this expert (per-slot experts.hook_pre's rows)",
+          rows_of="blocks.L.mlp.experts.hook_pre"),
+    _site("blocks.L.mlp.experts.E.hook_pre", "routed d_expert",
+          "up projection of the slots routed to this expert (per-slot experts.hook_pre_linear's rows)",
+          rows_of="blocks.L.mlp.experts.hook_pre_linear"),
+    _site("blocks.L.mlp.experts.E.hook_post", "routed d_expert",
+          "expert neurons of the slots routed to this expert (per-slot experts.hook_post's rows)",
+          rows_of="blocks.L.mlp.experts.hook_post"),
+    _site("blocks.L.mlp.hook_expert_outputs", "batch pos top_k d_model", "weighted output of each slot",
+          standard="expert_outputs", short="expert_outputs"),
+    _site("blocks.L.mlp.hook_routed_out", _RESID, "routed experts' combined output", standard="routed_output",
+          short="routed_out"),
+    # the shared expert
+    _site("blocks.L.mlp.shared_expert.hook_pre", "batch pos d_shared", "gate pre-activation", short="shared_pre"),
+    _site("blocks.L.mlp.shared_expert.hook_pre_linear", "batch pos d_shared", "up projection",
+          short="shared_pre_linear"),
+    _site("blocks.L.mlp.shared_expert.hook_post", "batch pos d_shared", "neurons: act(gate) * up", short="shared_post"),
+    _site("blocks.L.mlp.shared_expert.hook_out", _RESID, "shared expert output, ungated", short="shared_expert_out"),
+    _site("blocks.L.mlp.hook_shared_gate", "batch pos 1", "shared expert gate logit, before the sigmoid",
+          short="shared_gate"),
+    _site("blocks.L.mlp.hook_shared_out", _RESID, "shared expert output as added to the routed sum",
+          standard="shared_expert_output", short="shared_out"),
+    _site("blocks.L.hook_mlp_out", _RESID, "what the MLP / mixture adds to the residual stream", standard="mlp_output",
+          short="mlp_out"),
+    _site("blocks.L.hook_resid_post", _RESID, "residual stream leaving the block", standard="layer_output",
+          short="resid_post"),
+    _site("ln_final.hook_scale", *_SCALE),
+    _site("ln_final.hook_normalized", _RESID, "normed stream entering the unembedding", standard="final_norm_output",
+          aliases=("ln_final_normalized",)),
+    _site("hook_logits", "batch pos d_vocab", "logits", standard="logits", short="logits"),
+)
+
+# Sites of TransformerLens's vocabulary that no moelens model has (get_act_name still names them, as TL does).
+TRANSFORMER_LENS_ONLY: tuple[str, ...] = ("hook_tokens", "hook_pos_embed", "blocks.L.mlp.hook_mid")
+
+SITE_BY_NAME: dict[str, Site] = {s.name: s for s in SITES}
+
+# the switch that creates each optional site, by its last name part (for errors that name a site the model lacks)
+OPTIONAL_SITE_SWITCHES: dict[str, str] = {s.tail: s.switch for s in SITES if s.switch is not None}
+
+PER_EXPERT_SITES: tuple[Site, ...] = tuple(s for s in SITES if s.per_expert)
+
+
+def switched_sites(switch: str) -> tuple[Site, ...]:
+    """The sites a set_use_* switch creates."""
+    return tuple(s for s in SITES if s.switch == switch)
+
+
+_BLOCK_RE = re.compile(r"^blocks\.\d+\.")
+_EXPERT_RE = re.compile(r"\.experts\.\d+\.")
+
+
+def table_name(hook_name: str) -> str:
+    """A hook's name as the table writes it: 'blocks.3.mlp.experts.5.hook_post' ->
+    'blocks.L.mlp.experts.E.hook_post'."""
+    return _EXPERT_RE.sub(".experts.E.", _BLOCK_RE.sub("blocks.L.", hook_name))
+
+
+def site_form(name: str, form: str = DEFAULT) -> Form:
+    """The table's form of a site, by its table name; a KeyError names what the table has."""
+    site = SITE_BY_NAME.get(name)
+    if site is None:
+        raise KeyError(f"{name!r} is not in the table of hook sites (moelens.hook_sites.SITES)")
+    if form not in site.forms:
+        raise KeyError(f"hook site {name!r} has no form {form!r}; its forms: {sorted(site.forms)}")
+    return site.forms[form]
+
+
+def site_hook(name: str, form: str = DEFAULT, **fields: str) -> HookPoint:
+    """A HookPoint for the table's site `name` (e.g. "blocks.L.attn.hook_q"), with the layout and meaning of
+    its form `form`; `fields` fill the meaning's braces and must be exactly those it names."""
+    chosen = site_form(name, form)
+    if set(fields) != set(chosen.fields):
+        raise TypeError(f"hook site {name!r} ({form}) takes the fields {sorted(chosen.fields)}, got {sorted(fields)}")
+    return HookPoint(chosen.layout, chosen.meaning.format(**fields))
