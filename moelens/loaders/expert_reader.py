@@ -27,6 +27,7 @@ import json
 import os
 import struct
 import threading
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +157,7 @@ class ExpertReader:
         for key, param, target in self._wanted(layer, expert):
             into = params[param][target.index[1:]]
             if target.stored is not None:
-                into.copy_(target.stored.dequantize(tuple(read[k] for k in target.stored.keys), self.dtype))
+                into.copy_(target.layout.load(target.stored.dequantize(tuple(read[k] for k in target.stored.keys), self.dtype)))
             elif key in read:
                 tensor = target.layout.load(read[key])
                 if tuple(tensor.shape) != tuple(into.shape):
@@ -340,9 +341,8 @@ class OpenFile:
 
     def __init__(self, path: Path, fd: int, prefix: bytes, raw: bytes, entries: dict[str, HeaderEntry]) -> None:
         self.path, self.fd, self.prefix, self.raw, self.entries = path, fd, prefix, raw, entries
-
-    def __del__(self) -> None:
-        os.close(self.fd)
+        # closed when dropped, and at interpreter exit while module globals still exist (a __del__ can run after)
+        weakref.finalize(self, os.close, fd)
 
     @classmethod
     def open(cls, path: Path, reader: ExpertReader) -> OpenFile:
