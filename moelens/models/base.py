@@ -487,12 +487,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     def set_experts_backend(self, backend: str) -> None:
         """Routed experts: "torch" (reference path), "triton" (kernels; CUDA, or CPU under TRITON_INTERPRET=1)
         or "auto" (triton on CUDA architectures where the kernels were verified on hardware, torch otherwise).
-        Both give the same hook tensors."""
+        Both give the same hook tensors. Resolved here, for the device each layer's experts are on, and again
+        when the model moves (experts.executor is the path a forward takes); a backend that cannot run there
+        is refused here, for every layer, before any layer changes."""
         if backend not in BACKENDS:
             raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
         experts = [block.mlp.experts for block in self.blocks if block.is_moe]
-        if backend == "triton" and experts and not experts[0].spec.fused_by_triton:
-            raise ValueError(experts[0].spec.triton_refusal())
+        for module in experts:
+            module.resolve(backend)
         for module in experts:
             module.backend = backend
 
@@ -609,7 +611,12 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             self.cfg = dataclasses.replace(self.cfg, device=device, dtype=dtype)
 
     def _apply(self, fn, recurse: bool = True):
-        # .to(), .cuda(), .cpu(), .half(), .bfloat16(), .float(), .double() all come through here
+        # .to(), .cuda(), .cpu(), .half(), .bfloat16(), .float(), .double() all come through here. An experts
+        # backend that cannot run where the experts go is refused before anything moves (each layer's experts
+        # resolve it again once moved)
+        for block in getattr(self, "blocks", ()):
+            if block.is_moe:
+                block.mlp.experts.resolve(block.mlp.experts.backend, block.mlp.experts.home_after(fn))
         out = super()._apply(fn, recurse)
         self._sync_cfg()
         return out
