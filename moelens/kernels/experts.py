@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 
 from moelens.experts.spec import ExpertSpec, ExpertTensors, GatedActivation, gather_rows
+from moelens.experts.stored import StoredExperts
 from moelens.hooks import HookPoint, SliceInput, call_hooked_points, slice_pos
 
 Backend = Literal["auto", "torch", "triton"]
@@ -346,15 +347,17 @@ def routed_experts(
     x: Float[torch.Tensor, "T H"],
     indices: Int[torch.Tensor, "T k"],
     weights: Float[torch.Tensor, "T k"],
-    tensors: ExpertTensors,
+    tensors: ExpertTensors | StoredExperts,
     spec: ExpertSpec,
     hooks: ExpertHooks,
     batch_pos: tuple[int, int],
     executor: Executor = "torch",
 ) -> Float[torch.Tensor, "T H"]:
     """sum over slots of weight * expert(x), each expert as the spec says (moelens.experts.spec), with hooks
-    on every per-slot tensor. tensors: the stacked experts the indices point into. executor: "torch" or
-    "triton", as resolve_backend chose it when the backend was set ("auto" is not taken here).
+    on every per-slot tensor. tensors: the stacked experts the indices point into, dense or kept stored
+    (dequantized into x's dtype: by StoredExperts.dequantize for the torch path, in the kernels' tiles to the
+    same bits for fp8 on the triton path). executor: "torch" or "triton", as resolve_backend chose it when the
+    backend was set ("auto" is not taken here).
 
     The slot sum runs in the promoted dtype of outputs and weights, in slot order, and is cast once,
     as the reference does, so low-precision results agree with it.
@@ -371,6 +374,8 @@ def routed_experts(
         from moelens.kernels.triton_experts import routed_experts_triton
 
         return routed_experts_triton(x, indices, weights, tensors, hooks, batch_pos)
+    if isinstance(tensors, StoredExperts):
+        tensors = tensors.dequantize(x.dtype)
     return routed_experts_torch(x, indices, weights, tensors, spec.activation, hooks, batch_pos)
 
 

@@ -212,8 +212,7 @@ class Experts(nn.Module):
             tensors = self.stored.select(used)
         else:
             tensors = self.tensors()
-        if isinstance(tensors, StoredExperts):
-            tensors = tensors.dequantize(x.dtype)
+        # stored experts are dequantized by routed_experts, in the kernels' tiles on the triton path
         return routed_experts(x, indices, weights, tensors, self.spec, hooks, batch_pos, self.executor)
 
     def _apply(self, fn, recurse: bool = True):
