@@ -336,7 +336,7 @@ def test_fp8_stored_triton_path_equals_dequantize_then_torch(block, scale_dtype,
     StoredExperts.dequantize's stacks, every hook and the sum. Float32: within 1e-5, the tolerance of the dense
     triton-vs-torch tests; bfloat16: as close to an fp64 oracle as the torch path (1.5x its mean error), as
     test_bfloat16_as_close_to_fp64_as_the_torch_path."""
-    T, E, k = 37, 8, 2
+    T, E, k = 70, 8, 2  # 70 tokens: the 32-row bucket, whose fp8 tile halves block_k (Tile.for_storage)
     spec, stored = stored_fp8_experts(E, block, scale_dtype, fused, down_transposed, seed=3)
     x, idx, w, _, _ = make_case(T, E, k, dtype, seed=5)
     dense = stored.dequantize(dtype)

@@ -40,6 +40,16 @@ class Tile:
         return replace(self, block_n=max(MIN_TILE, self.block_n // 2), block_k=max(MIN_TILE, self.block_k // 2))
 
 
+    def for_storage(self, storage: str | None) -> Tile:
+        """This tile for experts kept stored as `storage`. fp8 weight tiles are decoded in registers: compiled
+        for sm_90 (python -m moelens.kernels.aot --storage fp8), the 4-warp 32x128x64 gate_up tile spilled
+        (255 registers, 16 bytes) where 32x128x32 used 158 and none, so 4-warp tiles of 32 rows or more halve
+        block_k (still a divisor of any power-of-two scale block it divided)."""
+        if storage == "fp8" and self.num_warps == 4 and self.block_m >= 32:
+            return replace(self, block_k=max(MIN_TILE, self.block_k // 2))
+        return self
+
+
 # (largest token count of the bucket, tile); None closes the table
 DEFAULT_TABLE: tuple[tuple[int | None, Tile], ...] = (
     (16, Tile(16, 64, 64, num_warps=4, num_stages=3)),

@@ -12,6 +12,12 @@ Gradients: each kernel is wrapped in an autograd Function whose backward recompu
 torch path (`slot_linear`) and differentiates it.
 Under TRITON_INTERPRET=1 (CPU tests) tiles are upcast to float32 after loading: the interpreter's bf16
 arithmetic and tl.dot are not faithful.
+
+Experts kept stored as fp8 (moelens.kernels.stored_operands): both GEMM kernels load the float8_e4m3fn codes
+and their block scales and dequantize in the weight tile (decode, float32 product, one rounding to the model
+dtype), the bits StoredExperts.dequantize gives, so results match dequantize-then-matmul up to accumulation
+order. A weight tile whose columns lie in one scale block (BLOCK_K divides the block's columns) loads one
+scale per row; any other block shape looks scales up per element.
 """
 
 from __future__ import annotations
@@ -390,7 +396,7 @@ def routed_experts_triton(
             raise ValueError("the Triton expert kernels compute experts without biases; use the torch path")
         W_gate_up, W_down = tensors.gate_up, tensors.down
     T, k = indices.shape
-    tile = tile or tile_for(T).for_dtype(x.dtype)
+    tile = tile or tile_for(T).for_dtype(x.dtype).for_storage("fp8" if isinstance(W_gate_up, Fp8Experts) else None)
     layout = align_slots(indices, tensors.n_experts, tile.block_m)
     experts = indices.reshape(-1)
     x = x.contiguous()
