@@ -302,11 +302,13 @@ def stored_fp8_experts(E, block, scale_dtype, fused, down_transposed, seed=0):
     return spec, StoredExperts(spec, parts, [t.to(DEVICE) for t in tensors])
 
 
-# (block, scale dtype, fused gate_up, down stored transposed): blocks that cut the tiles (16 x 16 is smaller
-# than every tile, 32 x 32 leaves partial blocks in H = 40 and I = 24, 128 x 128 is larger than every tile and
-# than the weights), float32 / bfloat16 / E8M0 scales, both stored layouts the tiles read
+# (block, scale dtype, fused gate_up, down stored transposed): blocks smaller than the tiles (16 x 16, 32 x 16:
+# block_k is cut to their columns), 32 x 32 with partial blocks in H = 40 and I = 24, 128 x 128 larger than
+# every tile and than the weights, 16 x 24 which no block_k divides (a scale per element, tiles cutting
+# blocks anywhere); float32 / bfloat16 / E8M0 scales, both stored layouts the tiles read
 FP8_CASES = [((32, 32), torch.bfloat16, False, False), ((128, 128), torch.float32, False, True),
-             ((16, 16), torch.uint8, True, False), ((32, 16), torch.float32, True, True)]
+             ((16, 16), torch.uint8, True, False), ((32, 16), torch.float32, True, True),
+             ((16, 24), torch.bfloat16, True, False)]  # 24 columns: no block_k divides, scales per element
 
 
 @pytest.mark.parametrize("block,scale_dtype,fused,down_transposed", FP8_CASES)

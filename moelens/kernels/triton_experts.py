@@ -396,7 +396,10 @@ def routed_experts_triton(
             raise ValueError("the Triton expert kernels compute experts without biases; use the torch path")
         W_gate_up, W_down = tensors.gate_up, tensors.down
     T, k = indices.shape
-    tile = tile or tile_for(T).for_dtype(x.dtype).for_storage("fp8" if isinstance(W_gate_up, Fp8Experts) else None)
+    if tile is None:
+        tile = tile_for(T).for_dtype(x.dtype)
+        if isinstance(W_gate_up, Fp8Experts):
+            tile = tile.for_storage("fp8", (W_gate_up.gate.block[1], W_gate_up.down.block[1]))
     layout = align_slots(indices, tensors.n_experts, tile.block_m)
     experts = indices.reshape(-1)
     x = x.contiguous()
