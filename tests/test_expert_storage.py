@@ -230,15 +230,17 @@ def test_arguments_are_checked(ckpts):
     assert (experts.backend, experts.executor) == ("auto", "torch")
 
 
-@pytest.mark.parametrize("name", ["qwen3_fp8_partial", "deepseek_v3_fp8", "qwen3_fp8_fused_e8m0"])
-def test_triton_backend_dequantizes_fp8_in_its_tiles(ckpts, name):
+@pytest.mark.parametrize("name,offload", [("qwen3_fp8_partial", None), ("deepseek_v3_fp8", None),
+                                          ("qwen3_fp8_fused_e8m0", None), ("qwen3_fp8_partial", "cpu")])
+def test_triton_backend_dequantizes_fp8_in_its_tiles(ckpts, name, offload):
     """experts_backend='triton' on experts kept fp8 (the kernels read codes and scales and dequantize in their
     tiles) against the same checkpoint dequantized at load on the torch path: logits and every cached hook
     within 1e-5 in float32, the tolerance of the dense triton-vs-torch end-to-end test (only the GEMMs'
-    accumulation order differs: the tiles hold the dequantized weights' bits, tests/test_triton_kernels.py)."""
+    accumulation order differs: the tiles hold the dequantized weights' bits, tests/test_triton_kernels.py);
+    resident, and offloaded to host memory (the store hands the routed experts over as stored)."""
     pytest.importorskip("triton")
     dense = load(ckpts[name], experts_backend="torch")
-    stored = load(ckpts[name], expert_storage="fp8", experts_backend="triton")
+    stored = load(ckpts[name], expert_storage="fp8", experts_backend="triton", expert_offload=offload)
     assert {b.mlp.experts.executor for b in stored.blocks if b.is_moe} == {"triton"}
     logits, cache = dense.run_with_cache(TOKENS)
     got_logits, got = stored.run_with_cache(TOKENS)

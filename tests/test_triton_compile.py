@@ -28,11 +28,12 @@ RUNS = {
     # widths that are not multiples of 16 (no divisibility hints) and a token count in no bucket's top
     "unaligned": ["--gpu", "sm_90", "--dtype", "bfloat16", "--tokens", "7", "--shape", "8,2,40,24"],
     # experts kept stored as fp8, dequantized in the tiles: every bucket with 128 x 128 blocks; 32 x 32 blocks
-    # with partial last blocks (block_k cut to 32: one scale per row of a tile); 32 x 24 blocks, which no
-    # power-of-two block_k divides (a scale per element)
+    # with partial last blocks (widths multiples of 16, as real models' are, not of 32; block_k cut to 32: one
+    # scale per row of a tile); 32 x 24 blocks on unaligned widths, which no power-of-two block_k divides (a
+    # scale per element)
     "fp8": ["--gpu", "sm_90", "--dtype", "bfloat16", "--storage", "fp8"],
     "fp8_small_blocks": ["--gpu", "sm_90", "--dtype", "bfloat16", "--storage", "fp8", "--fp8-block", "32,32",
-                         "--tokens", "7,300", "--shape", "8,2,72,40"],
+                         "--tokens", "7,300", "--shape", "8,2,272,208"],
     "fp8_odd_blocks": ["--gpu", "sm_90", "--dtype", "bfloat16", "--storage", "fp8", "--fp8-block", "32,24",
                        "--tokens", "7", "--shape", "8,2,72,40"],
 }
