@@ -35,14 +35,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from moelens.experts.spec import ExpertSpec, ExpertTensors
-from moelens.experts.stored import StoredExperts, StoredPart
+from moelens.experts.spec import ExpertTensors
 from moelens.hooks import HookPoint
 from moelens.kernels import triton_experts
 from moelens.kernels.experts import ExpertHooks
+from moelens.kernels.stored_operands import Fp8Experts, Fp8Operand
 from moelens.kernels.tiles import Tile, active_table
-from moelens.loaders.quantized import Fp8Blocks
-from moelens.sitemap import AS_STORED
 
 KERNEL_NAMES = ("_gate_up_kernel", "_down_kernel", "_silu_mul_kernel", "_combine_kernel")
 
@@ -107,19 +105,17 @@ class _Recorder:
         return launch
 
 
-def stored_fp8_meta(n_experts: int, d_model: int, d_expert: int, block: tuple[int, int]) -> StoredExperts:
-    """Meta experts kept stored as fp8 as per-expert checkpoints hold them (gate, up and down weights, each with
-    float32 scales per block, partial last blocks where the block does not divide)."""
-    fmt = Fp8Blocks(block)
+def stored_fp8_meta(n_experts: int, d_model: int, d_expert: int, block: tuple[int, int]) -> Fp8Experts:
+    """Meta fp8 operands as per-expert checkpoints hold them (gate, up and down codes, each with float32 scales
+    per block, partial last blocks where the block does not divide)."""
     E, H, I = n_experts, d_model, d_expert
 
-    def weight(rows: int, cols: int) -> list[torch.Tensor]:
+    def operand(rows: int, cols: int) -> Fp8Operand:
         grid = (E, -(-rows // block[0]), -(-cols // block[1]))
-        return [torch.empty(E, rows, cols, dtype=torch.float8_e4m3fn, device="meta"), torch.empty(grid, device="meta")]
+        codes = torch.empty(E, rows, cols, dtype=torch.uint8, device="meta")
+        return Fp8Operand(codes, torch.empty(grid, device="meta"), block, 0, rows)
 
-    parts = [StoredPart("W_gate_up", (slice(0, I),), fmt, AS_STORED, 2), StoredPart("W_gate_up", (slice(I, 2 * I),), fmt, AS_STORED, 2),
-             StoredPart("W_down", (), fmt, AS_STORED, 2)]
-    return StoredExperts(ExpertSpec(E, H, I, storage="fp8"), parts, weight(I, H) + weight(I, H) + weight(H, I))
+    return Fp8Experts(operand(I, H), operand(I, H), operand(H, I), None)
 
 
 def record_launches(

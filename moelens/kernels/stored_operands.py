@@ -9,7 +9,8 @@ scale[(row0 + r) // block_rows, c // block_cols]: the kernels index the scale pe
 works with any block, partial last blocks included.
 
 Only views are made of the codes (no copy, no dequantization); a stored layout other than as-stored or
-transposed, or a format other than fp8, gives None and the caller dequantizes with the load's function.
+transposed, or a format other than fp8, gives None and the caller dequantizes with the load's function. The
+format itself (its tile_parts: moelens.loaders.quantized.Fp8Blocks) says how its tensors are read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from jaxtyping import Float, UInt8
 
 from moelens.experts.stored import StoredExperts, StoredPart
-from moelens.loaders.quantized import Fp8Blocks, scales_as_float32
 from moelens.sitemap import Layout, Transposed
 
 
@@ -36,21 +36,22 @@ class Fp8Operand:
 @dataclass(frozen=True)
 class Fp8Experts:
     """The three operands of fp8-stored experts (gate rows and up rows of W_gate_up, W_down), and the stack
-    they view (dequantized only where a backward needs the dense weights)."""
+    they view (dequantized only where a backward needs the dense weights; None: no backward)."""
 
     gate: Fp8Operand
     up: Fp8Operand
     down: Fp8Operand
-    stored: StoredExperts
+    stored: StoredExperts | None
 
     @property
     def n_experts(self) -> int:
-        return self.stored.n_experts
+        return self.gate.codes.shape[0]
 
 
-def _oriented(part: StoredPart, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
-    """(codes, scales, block) in the parameter's orientation, or None for a layout the kernels do not read."""
-    block = part.format.block
+def _oriented(part: StoredPart, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+    """(codes as bytes, float32 scales, block) in the parameter's orientation, or None for a layout the
+    kernels do not read."""
+    codes, scales, block = part.format.tile_parts(*tensors)
     if type(part.layout) is Layout:
         return codes, scales, block
     if type(part.layout) is Transposed:  # stored [in, out]: both grids transposed, the block too
@@ -77,14 +78,14 @@ def fp8_experts(stored: StoredExperts) -> Fp8Experts | None:
     for part in stored.parts:
         tensors = stored.tensors[start : start + part.n_tensors]
         start += part.n_tensors
-        if not isinstance(part.format, Fp8Blocks) or part.param not in pieces:
+        if getattr(part.format, "method", None) != "fp8" or part.param not in pieces:
             return None
         first = _first_row(part)
-        oriented = _oriented(part, *tensors)
-        if first is None or oriented is None:
+        oriented = None if first is None else _oriented(part, tensors)
+        if oriented is None:
             return None
         codes, scales, block = oriented
-        pieces[part.param].append((first, first + codes.shape[1], codes.view(torch.uint8), scales_as_float32(scales), block))
+        pieces[part.param].append((first, first + codes.shape[1], codes, scales, block))
 
     def operand(param: str, row: int, n_rows: int) -> Fp8Operand | None:
         for first, end, codes, scales, block in pieces[param]:

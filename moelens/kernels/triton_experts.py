@@ -307,11 +307,15 @@ def _saved_weight(ctx, weight: torch.Tensor | Fp8Experts) -> torch.Tensor:
     """A tensor to save for backward: the weight itself, or an empty placeholder for stored experts (kept on
     ctx, dequantized only if a backward runs)."""
     ctx.stored = weight if isinstance(weight, Fp8Experts) else None
-    return weight.stored.tensors[0].new_empty(0) if isinstance(weight, Fp8Experts) else weight
+    return weight.gate.codes.new_empty(0) if isinstance(weight, Fp8Experts) else weight
 
 
 def _dense_weight(ctx, saved: torch.Tensor, dtype: torch.dtype, index: int) -> torch.Tensor:
-    return saved if ctx.stored is None else ctx.stored.stored.dequantize(dtype)[index]
+    if ctx.stored is None:
+        return saved
+    if ctx.stored.stored is None:
+        raise RuntimeError("fp8 operands given without their StoredExperts cannot be differentiated")
+    return ctx.stored.stored.dequantize(dtype)[index]
 
 
 class _GateUp(torch.autograd.Function):
@@ -380,7 +384,8 @@ class _Combine(torch.autograd.Function):
 
 
 def routed_experts_triton(
-    x, indices, weights, tensors: ExpertTensors | StoredExperts, hooks: ExpertHooks, batch_pos, tile: Tile | None = None
+    x, indices, weights, tensors: ExpertTensors | StoredExperts | Fp8Experts, hooks: ExpertHooks, batch_pos,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """The experts of a spec the kernels fuse (ExpertSpec.fused_by_triton: SiLU(gate) * up, no biases).
     Experts kept stored as fp8 are dequantized in the kernels' tiles (moelens.kernels.stored_operands), to
@@ -388,9 +393,12 @@ def routed_experts_triton(
     first, with that same function."""
     if isinstance(tensors, StoredExperts):
         stored = fp8_experts(tensors)
-        W_gate_up = W_down = stored
         if stored is None:
             tensors = tensors.dequantize(x.dtype)
+        else:
+            tensors = stored
+    if isinstance(tensors, Fp8Experts):
+        W_gate_up = W_down = tensors
     if isinstance(tensors, ExpertTensors):
         if tensors.gate_up_bias is not None or tensors.down_bias is not None:
             raise ValueError("the Triton expert kernels compute experts without biases; use the torch path")
