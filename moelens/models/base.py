@@ -221,7 +221,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         NaN or Inf (one pass over each tensor as it loads). Every problem with the checkpoint is a
         CheckpointError raised here, naming the file and the field or tensor at fault.
         experts_backend: "auto" (the torch path, except on CUDA GPU architectures where the Triton kernels'
-        tests have passed on real hardware: moelens.kernels.experts.VERIFIED_TRITON_ARCHS), "torch" or "triton".
+        tests have passed on real hardware: moelens.kernels.experts.VERIFIED_TRITON_ARCHS), "torch" or "triton";
+        resolved here for the device the experts are on, and again when the model moves.
         expert_offload: keep the routed experts off `device` ("cpu": in host memory, pinned for CUDA;
         "disk": read from the checkpoint's files when routed to) and fetch those a batch routes to through
         a cache of at most expert_cache_bytes on `device` (bytes, or a size like "20GB"; default: one layer's
@@ -253,8 +254,9 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         scales; MXFP4 blocks and scales) and each routed expert is dequantized when a forward uses it, by the
         load's own function, so logits and every hook are bit for bit those of dequantizing at load. With
         expert_offload the cache holds and moves the stored bytes; with expert_parallel each rank holds its
-        experts as stored. experts.tensors() returns dequantized copies; refused with fold_ln, with
-        experts_backend="triton" ("auto" takes the torch path), and for a checkpoint not stored that way.
+        experts as stored. experts.tensors() returns dequantized copies; refused with fold_ln, for a checkpoint not
+        stored that way, and "mxfp4" with experts_backend="triton" (the kernels dequantize fp8 in their tiles,
+        to the same bits).
         """
         options = load_options(  # every argument checked here, before anything is read
             model_name, fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
