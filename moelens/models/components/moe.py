@@ -156,8 +156,9 @@ class Experts(nn.Module):
     def check_device(self, x: torch.Tensor) -> None:
         """A clear error for an input on another device than the executor was resolved for. Raised, not
         re-resolved: the experts' weights are on resolved_for (a move re-resolves), so any path would fail on
-        such an input or move weights per call, and re-resolving would put the lookup back in every forward."""
-        if x.device != self.resolved_for:
+        such an input or move weights per call, and re-resolving would put the lookup back in every forward.
+        Experts with nothing attached yet (resolved_for None) are left to the forward's own error."""
+        if self.resolved_for is not None and x.device != self.resolved_for:
             raise RuntimeError(
                 f"{self.hook_pre.name.removesuffix('.hook_pre') or 'experts'}: experts_backend={self.backend!r} was "
                 f"resolved to {self.executor!r} for experts on {self.resolved_for}, but the input is on {x.device}; "
