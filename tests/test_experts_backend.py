@@ -149,3 +149,20 @@ def test_offloaded_experts_resolve_for_their_store(qwen_folder, counted):
     counted["resolve"] = 0
     assert torch.equal(model(TOKENS), reference(TOKENS))
     assert counted["resolve"] == 0
+
+
+def test_experts_resolved_before_placement_resolve_once_placed(qwen_folder, counted):
+    """Built on meta and given storage in place (as a load materializes parameters, without model.to()): the
+    first forward resolves for where the experts now are, once; later forwards look nothing up."""
+    model = load(qwen_folder)
+    reference = model(TOKENS)
+    experts = moe_experts(model)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    meta = model.to("meta")
+    assert {e.resolved_for for e in experts} == {torch.device("meta")}
+    meta.load_state_dict(state, assign=True)  # storage assigned, no _apply
+    counted["resolve"] = 0
+    assert torch.equal(meta(TOKENS), reference)
+    assert counted["resolve"] == len(experts) and {e.resolved_for for e in experts} == {torch.device("cpu")}
+    meta(TOKENS)
+    assert counted["resolve"] == len(experts)

@@ -157,7 +157,12 @@ class Experts(nn.Module):
         """A clear error for an input on another device than the executor was resolved for. Raised, not
         re-resolved: the experts' weights are on resolved_for (a move re-resolves), so any path would fail on
         such an input or move weights per call, and re-resolving would put the lookup back in every forward.
-        Experts with nothing attached yet (resolved_for None) are left to the forward's own error."""
+        Experts resolved before they were placed (on meta, or with nothing attached: a load materializes the
+        parameters in place) are resolved once, at their first forward off meta; experts still with nothing
+        attached are left to the forward's own error."""
+        unplaced = self.resolved_for is None or self.resolved_for.type == "meta"
+        if unplaced and x.device.type != "meta":
+            self.backend = self._backend
         if self.resolved_for is not None and x.device != self.resolved_for:
             raise RuntimeError(
                 f"{self.hook_pre.name.removesuffix('.hook_pre') or 'experts'}: experts_backend={self.backend!r} was "
