@@ -134,8 +134,8 @@ class Experts(nn.Module):
     def home(self) -> torch.device | None:
         """The device the experts are computed on: their parameters' or stored tensors', the offload store's
         compute device, the shard's; None where nothing is attached yet."""
-        if self.placement == "offloaded":
-            return None if self.store is None else self.store.device
+        if self.placement == "offloaded":  # a device as tensors report it ("cpu:1" is "cpu", "cuda" has its index)
+            return None if self.store is None else torch.empty(0, device=self.store.device).device
         if self.placement == "sharded":
             if self.shard is None:
                 return None
