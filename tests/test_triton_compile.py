@@ -27,12 +27,21 @@ RUNS = {
     "tf32": ["--gpu", "sm_90", "sm_80", "--dtype", "float32", "--tokens", "16,8192", "--tf32"],
     # widths that are not multiples of 16 (no divisibility hints) and a token count in no bucket's top
     "unaligned": ["--gpu", "sm_90", "--dtype", "bfloat16", "--tokens", "7", "--shape", "8,2,40,24"],
+    # experts kept stored as fp8, dequantized in the tiles: every bucket with 128 x 128 blocks; 32 x 32 blocks
+    # with partial last blocks (widths multiples of 16, as real models' are, not of 32; block_k cut to 32: one
+    # scale per row of a tile); 32 x 24 blocks on unaligned widths, which no power-of-two block_k divides (a
+    # scale per element)
+    "fp8": ["--gpu", "sm_90", "--dtype", "bfloat16", "--storage", "fp8"],
+    "fp8_small_blocks": ["--gpu", "sm_90", "--dtype", "bfloat16", "--storage", "fp8", "--fp8-block", "32,32",
+                         "--tokens", "7,300", "--shape", "8,2,272,208"],
+    "fp8_odd_blocks": ["--gpu", "sm_90", "--dtype", "bfloat16", "--storage", "fp8", "--fp8-block", "32,24",
+                       "--tokens", "7", "--shape", "8,2,72,40"],
 }
 
 
 @pytest.fixture(scope="module")
 def surveys():
-    """The three surveys, run side by side (each is one `python -m moelens.kernels.aot --json`)."""
+    """The surveys, run side by side (each is one `python -m moelens.kernels.aot --json`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     running = {
         name: subprocess.Popen([sys.executable, "-m", "moelens.kernels.aot", "--json", *argv], env=env,
@@ -78,6 +87,37 @@ def test_16_bit_tiles_run_on_tensor_cores_without_spills_on_hopper(surveys):
         assert r["dot"] == ("wgmma.bf16" if hopper_wide else "mma.bf16"), r["label"]
         if r["gpu"] == "sm_90":
             assert r["spill_bytes"] == 0, f"{r['label']} spills {r['spill_bytes']} bytes on sm_90"
+
+
+def test_fp8_tiles_compile_for_every_bucket_on_tensor_cores_without_spills_on_hopper(surveys):
+    """The fp8 weight tiles are decoded and scaled in registers before tl.dot: still bf16 tensor-core dots
+    (wgmma where the dense tiles use it) and, with one scale per tile row, no register spills on sm_90, for
+    every bucket's tile (Tile.for_storage). The per-element scale lookup (blocks no power-of-two block_k
+    divides) compiles and fits in shared memory, and spills (see Tile.for_storage)."""
+    labels = {r["label"] for r in surveys["fp8"]}
+    for _, tile in DEFAULT_TABLE:
+        t = tile.for_dtype(torch.bfloat16).for_storage("fp8", (128,))
+        size = f"{t.block_m}x{t.block_n}x{t.block_k}"
+        assert {f"gate_up fp8 {size}", f"gate_up fp8 pre {size}", f"down fp8 {size}"} <= labels, size
+    per_row = gemms(surveys["fp8"] + surveys["fp8_small_blocks"])
+    per_element = gemms(surveys["fp8_odd_blocks"])
+    assert {r["constexprs"]["SCALE_PER_ROW"] for r in per_row} == {True}
+    assert {r["constexprs"]["SCALE_PER_ROW"] for r in per_element} == {False} and per_element
+    for r in per_row + per_element:
+        assert r["constexprs"]["W_FP8"] and " fp8" in r["label"]
+        hopper_wide = r["constexprs"]["BLOCK_M"] >= 64 and r["num_warps"] % 4 == 0
+        assert r["dot"] == ("wgmma.bf16" if hopper_wide else "mma.bf16"), r["label"]
+    for r in per_row:
+        assert r["spill_bytes"] == 0, f"{r['label']} spills {r['spill_bytes']} bytes on sm_90"
+
+
+def test_fp8_tiles_keep_one_scale_per_row_and_halve_k_where_four_warps_spilled():
+    assert Tile(32, 128, 64).for_storage("fp8", (128,)) == Tile(32, 128, 32)
+    assert Tile(16, 128, 64).for_storage("fp8", (128, 128)) == Tile(16, 128, 64)
+    assert Tile(64, 128, 64, num_warps=8).for_storage("fp8", (128,)) == Tile(64, 128, 64, num_warps=8)
+    assert Tile(16, 64, 64).for_storage("fp8", (32, 128)) == Tile(16, 64, 32)  # 32-column blocks
+    assert Tile(16, 64, 64).for_storage("fp8", (24,)) == Tile(16, 64, 16)  # none divides: per element
+    assert Tile(32, 128, 64).for_storage(None) == Tile(32, 128, 64)
 
 
 def test_float32_dots_are_ieee_unless_torch_allows_tf32(surveys):

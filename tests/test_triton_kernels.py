@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from conftest import FAMILIES, KERNEL_FAMILIES  # noqa: E402
 
@@ -16,7 +17,7 @@ from moelens.hooks import HookPoint  # noqa: E402
 from moelens.kernels.experts import ExpertHooks, routed_experts, routed_experts_torch  # noqa: E402
 from moelens.kernels.routing import align_slots, max_padded_rows  # noqa: E402
 from moelens.kernels.tiles import DEFAULT_TABLE, MIN_TILE, Tile, tile_for  # noqa: E402
-from moelens.kernels.triton_experts import routed_experts_triton  # noqa: E402
+from moelens.kernels.triton_experts import _e4m3_to_f32, routed_experts_triton  # noqa: E402
 
 H, I = 40, 24  # not multiples of any block size
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest sets it)
@@ -224,8 +225,8 @@ def test_backend_errors_are_clear(qwen_model):
     gelu = ExpertSpec(8, Wgu.shape[2], Wd.shape[2], GLU("gelu"))
     with pytest.raises(ValueError, match=r"experts are .*neurons gelu\(gate\) \* up"):
         routed_experts(x, idx, w, ExpertTensors(Wgu, Wd), gelu, hooks, (1, 5), "triton")
-    expected = routed_experts_torch(x, idx, w, ExpertTensors(Wgu, Wd), gelu.activation, hooks, (1, 5))
-    assert torch.equal(routed_experts(x, idx, w, ExpertTensors(Wgu, Wd), gelu, hooks, (1, 5), "auto"), expected)
+    with pytest.raises(ValueError, match=r"executor must be one of \('torch', 'triton'\).*resolve_backend.*got 'auto'"):
+        routed_experts(x, idx, w, ExpertTensors(Wgu, Wd), gelu, hooks, (1, 5), "auto")
     biased = ExpertSpec(8, Wgu.shape[2], Wd.shape[2], bias=True)
     with pytest.raises(ValueError, match="with biases"):
         routed_experts(x, idx, w, ExpertTensors(Wgu, Wd, Wgu[:, :, 0], Wd[:, :, 0]), biased, hooks, (1, 5), "triton")
@@ -253,3 +254,135 @@ def test_auto_uses_triton_only_on_verified_gpu_architectures(monkeypatch):
     monkeypatch.setitem(experts.VERIFIED_TRITON_ARCHS, (9, 0), "test entry")
     assert experts.resolve_backend("auto", cuda) == "triton"
     assert experts.resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+# ---- experts kept stored as fp8: dequantized in the kernels' tiles ------------------------------------------------
+
+
+def quantize_fp8(W, block, scale_dtype):
+    """W [E, R, C] as float8_e4m3fn codes and one scale per block (the last block of a dimension partial):
+    amax / 448 per block, as bfloat16 / float32 floats, or as uint8 E8M0 exponents (a power of two above)."""
+    E, R, C = W.shape
+    rb, cb = -(-R // block[0]), -(-C // block[1])
+    padded = F.pad(W.abs(), (0, cb * block[1] - C, 0, rb * block[0] - R))
+    amax = padded.view(E, rb, block[0], cb, block[1]).amax(dim=(2, 4)).clamp_min(1e-12)
+    if scale_dtype == torch.uint8:
+        exponent = torch.ceil(torch.log2(amax / 448))
+        scale, stored = exponent.exp2(), (exponent + 127).to(torch.uint8)
+    else:
+        stored = (amax / 448).to(scale_dtype)
+        scale = stored.float()
+    full = scale.repeat_interleave(block[0], 1)[:, :R].repeat_interleave(block[1], 2)[:, :, :C]
+    return (W / full).to(torch.float8_e4m3fn), stored
+
+
+def stored_fp8_experts(E, block, scale_dtype, fused, down_transposed, seed=0):
+    """Random experts (H x I as above) kept stored as fp8: gate and up as two parts (per-expert checkpoints)
+    or one fused stack, down as stored or transposed ([E, I, H], x @ W)."""
+    from moelens.experts.stored import StoredExperts, StoredPart
+    from moelens.loaders.quantized import Fp8Blocks
+    from moelens.sitemap import AS_STORED, Transposed
+
+    gen = torch.Generator().manual_seed(seed)
+    Wgu, Wd = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    Wgu[0, :3, :5] *= 1e-4  # a few codes subnormal
+    fmt = Fp8Blocks(block, "ue8m0" if scale_dtype == torch.uint8 else "float")
+    spec = ExpertSpec(E, H, I, storage="fp8")
+    if fused:
+        parts, tensors = [StoredPart("W_gate_up", (), fmt, AS_STORED, 2)], [*quantize_fp8(Wgu, block, scale_dtype)]
+    else:
+        parts = [StoredPart("W_gate_up", (slice(0, I),), fmt, AS_STORED, 2), StoredPart("W_gate_up", (slice(I, 2 * I),), fmt, AS_STORED, 2)]
+        tensors = [*quantize_fp8(Wgu[:, :I], block, scale_dtype), *quantize_fp8(Wgu[:, I:], block, scale_dtype)]
+    if down_transposed:
+        parts.append(StoredPart("W_down", (), fmt, Transposed(), 2))
+        tensors += quantize_fp8(Wd.transpose(1, 2).contiguous(), block, scale_dtype)
+    else:
+        parts.append(StoredPart("W_down", (), fmt, AS_STORED, 2))
+        tensors += quantize_fp8(Wd, block, scale_dtype)
+    return spec, StoredExperts(spec, parts, [t.to(DEVICE) for t in tensors])
+
+
+# (block, scale dtype, fused gate_up, down stored transposed): blocks smaller than the tiles (16 x 16, 32 x 16:
+# block_k is cut to their columns), 32 x 32 with partial blocks in H = 40 and I = 24, 128 x 128 larger than
+# every tile and than the weights, 16 x 24 which no block_k divides (a scale per element, tiles cutting
+# blocks anywhere); float32 / bfloat16 / E8M0 scales, both stored layouts the tiles read
+FP8_CASES = [((32, 32), torch.bfloat16, False, False), ((128, 128), torch.float32, False, True),
+             ((16, 16), torch.uint8, True, False), ((32, 16), torch.float32, True, True),
+             ((16, 24), torch.bfloat16, True, False)]  # 24 columns: no block_k divides, scales per element
+
+
+@pytest.mark.parametrize("block,scale_dtype,fused,down_transposed", FP8_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_tiles_hold_the_dequantized_weights_bit_for_bit(block, scale_dtype, fused, down_transposed, dtype):
+    """One-hot inputs make each GEMM output one weight times one (every other product is an exact zero), so the
+    pre-activations are the gate and up weights the tiles dequantized, and the per-slot outputs the down weights:
+    equal, bit for bit, to StoredExperts.dequantize (the load's dequantization)."""
+    E = 2
+    spec, stored = stored_fp8_experts(E, block, scale_dtype, fused, down_transposed)
+    dense = stored.dequantize(dtype)
+    x = torch.eye(H, dtype=dtype, device=DEVICE)  # token h: the unit vector e_h
+    for e in range(E):
+        idx = torch.full((H, 1), e, device=DEVICE)
+        hooks, got = capture_hooks()
+        hooks.post.add_hook(lambda t, hook: torch.eye(I, dtype=t.dtype, device=t.device)[torch.arange(H) % I].view_as(t))
+        routed_experts(x, idx, torch.ones(H, 1, dtype=dtype, device=DEVICE), stored, spec, hooks, (1, H), "triton")
+        assert torch.equal(got["pre"].view(H, I), dense.gate_up[e, :I].T)
+        assert torch.equal(got["pre_linear"].view(H, I), dense.gate_up[e, I:].T)
+        assert torch.equal(got["outputs"].view(H, H), dense.down[e].T[torch.arange(H) % I])
+
+
+@pytest.mark.parametrize("block,scale_dtype,fused,down_transposed", FP8_CASES[:2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_stored_triton_path_equals_dequantize_then_torch(block, scale_dtype, fused, down_transposed, dtype):
+    """Random routing over stored experts: the triton path (dequantized in tiles) against the torch path on
+    StoredExperts.dequantize's stacks, every hook and the sum. Float32: within 1e-5, the tolerance of the dense
+    triton-vs-torch tests; bfloat16: as close to an fp64 oracle as the torch path (1.5x its mean error), as
+    test_bfloat16_as_close_to_fp64_as_the_torch_path."""
+    T, E, k = 70, 8, 2  # 70 tokens: the 32-row bucket, whose fp8 tile halves block_k (Tile.for_storage)
+    spec, stored = stored_fp8_experts(E, block, scale_dtype, fused, down_transposed, seed=3)
+    x, idx, w, _, _ = make_case(T, E, k, dtype, seed=5)
+    dense = stored.dequantize(dtype)
+    hooks_t, got_t = capture_hooks()
+    hooks_k, got_k = capture_hooks()
+    torch_sum = routed_experts(x, idx, w, stored, spec, hooks_t, (1, T), "torch")
+    kernel_sum = routed_experts(x, idx, w, stored, spec, hooks_k, (1, T), "triton")
+    assert kernel_sum.dtype == torch_sum.dtype == dtype
+    if dtype == torch.float32:
+        for name in ("pre", "pre_linear", "post", "outputs"):
+            assert (got_k[name] - got_t[name]).abs().max() <= 1e-5, name
+        assert (kernel_sum - torch_sum).abs().max() <= 1e-5
+        return
+    ref_post, ref_out, ref_sum = reference(x, idx, w, dense.gate_up, dense.down)
+    for name, ref, a, b in (("post", ref_post, got_t["post"], got_k["post"]), ("outputs", ref_out, got_t["outputs"], got_k["outputs"]),
+                            ("sum", ref_sum, torch_sum, kernel_sum)):
+        torch_err = (a.cpu().double() - ref.view_as(a)).abs().mean()
+        kernel_err = (b.cpu().double() - ref.view_as(b)).abs().mean()
+        assert kernel_err <= 1.5 * torch_err + 1e-6, (name, kernel_err, torch_err)
+
+
+def test_fp8_stored_gradients_reach_the_input():
+    """The backward recomputes with the torch path on the dequantized stacks: the input's gradient is the torch
+    path's, within float32 rounding (accumulation order)."""
+    spec, stored = stored_fp8_experts(8, (32, 32), torch.float32, False, False, seed=4)
+    x, idx, w, _, _ = make_case(11, 8, 2, torch.float32, seed=6)
+    grads = []
+    for executor in ("torch", "triton"):
+        leaf = x.detach().clone().requires_grad_()
+        hooks, _ = capture_hooks()
+        routed_experts(leaf, idx, w, stored, spec, hooks, (1, 11), executor).pow(2).sum().backward()
+        grads.append(leaf.grad)
+    assert (grads[0] - grads[1]).abs().max() <= 1e-5
+
+
+@triton.jit
+def decode_e4m3(codes_ptr, out_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, _e4m3_to_f32(tl.load(codes_ptr + offs)))
+
+
+def test_e4m3_decoding_matches_torch_for_every_code():
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(256, device=DEVICE)
+    decode_e4m3[(1,)](codes, out)
+    torch.testing.assert_close(out, codes.view(torch.float8_e4m3fn).float(), rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(out.signbit(), codes.view(torch.float8_e4m3fn).float().signbit())

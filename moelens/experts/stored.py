@@ -29,7 +29,8 @@ from moelens.sitemap import Layout
 
 class StorageFormat(Protocol):
     """A stored format (moelens.loaders.quantized.Fp8Blocks, Mxfp4): its name, and its dequantization of
-    the stored tensors (each with any leading axes) into a dense tensor of `dtype`."""
+    the stored tensors (each with any leading axes) into a dense tensor of `dtype`. A format the Triton kernels
+    dequantize in their tiles (fp8) also has tile_parts (moelens.kernels.stored_operands reads it)."""
 
     method: str
 

@@ -11,7 +11,10 @@ swapped for recorders, so argument types, strides, constexprs and warps are what
 integers and pointers are specialised as Triton's launcher does (1 -> constexpr, multiples of 16 ->
 divisibility hints). Needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 
-    python -m moelens.kernels.aot --gpu sm_90 sm_80 --dtype bfloat16 float32 [--shape E,k,H,I] [--json]
+    python -m moelens.kernels.aot --gpu sm_90 sm_80 --dtype bfloat16 float32 [--shape E,k,H,I] [--storage fp8] [--json]
+
+--storage fp8 records the launches for experts kept stored as fp8 (per-expert gate / up / down codes with
+float32 scales per --fp8-block, default 128 x 128), which the GEMM kernels dequantize in their tiles.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from moelens.experts.spec import ExpertTensors
 from moelens.hooks import HookPoint
 from moelens.kernels import triton_experts
 from moelens.kernels.experts import ExpertHooks
+from moelens.kernels.stored_operands import Fp8Experts, Fp8Operand
 from moelens.kernels.tiles import Tile, active_table
 
 KERNEL_NAMES = ("_gate_up_kernel", "_down_kernel", "_silu_mul_kernel", "_combine_kernel")
@@ -80,7 +84,8 @@ class KernelReport:
     def label(self) -> str:
         tile = "x".join(str(self.constexprs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in self.constexprs)
         pre = " pre" if self.constexprs.get("WRITE_PRE") else ""
-        return f"{self.kernel.strip('_').removesuffix('_kernel')}{pre} {tile}".strip()
+        fp8 = " fp8" if self.constexprs.get("W_FP8") else ""
+        return f"{self.kernel.strip('_').removesuffix('_kernel')}{fp8}{pre} {tile}".strip()
 
 
 class _Recorder:
@@ -92,18 +97,34 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             names = self.kernel.arg_names
-            bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+            defaults = {p.name: p.default for p in self.kernel.params if p.has_default}
+            bound = defaults | dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
             options = {k: v for k, v in kwargs.items() if k not in names}
             self.log.append(Launch(self.kernel, bound, options))
 
         return launch
 
 
+def stored_fp8_meta(n_experts: int, d_model: int, d_expert: int, block: tuple[int, int]) -> Fp8Experts:
+    """Meta fp8 operands as per-expert checkpoints hold them (gate, up and down codes, each with float32 scales
+    per block, partial last blocks where the block does not divide)."""
+    E, H, I = n_experts, d_model, d_expert
+
+    def operand(rows: int, cols: int) -> Fp8Operand:
+        grid = (E, -(-rows // block[0]), -(-cols // block[1]))
+        codes = torch.empty(E, rows, cols, dtype=torch.uint8, device="meta")
+        return Fp8Operand(codes, torch.empty(grid, device="meta"), block, 0, rows)
+
+    return Fp8Experts(operand(I, H), operand(I, H), operand(H, I), None)
+
+
 def record_launches(
     n_tokens: int, n_experts: int, top_k: int, d_model: int, d_expert: int, dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None, tile: Tile | None = None, hook_pre: bool = False,
+    storage: str | None = None, fp8_block: tuple[int, int] = (128, 128),
 ) -> list[Launch]:
-    """The kernel launches of one routed-experts forward at these shapes, without running any of them."""
+    """The kernel launches of one routed-experts forward at these shapes, without running any of them.
+    storage "fp8": the experts kept stored as fp8 (stored_fp8_meta), dequantized in the kernels' tiles."""
     kernels = {name: getattr(triton_experts, name) for name in KERNEL_NAMES}
     if not all(isinstance(k, JITFunction) for k in kernels.values()):
         raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): compile them in a process without it")
@@ -111,18 +132,23 @@ def record_launches(
     x = torch.empty(n_tokens, d_model, **meta)
     indices = torch.zeros(n_tokens, top_k, dtype=torch.int64, device="meta")
     weights = torch.empty(n_tokens, top_k, device="meta", dtype=weight_dtype or dtype)
-    W_gate_up = torch.empty(n_experts, 2 * d_expert, d_model, **meta)
-    W_down = torch.empty(n_experts, d_model, d_expert, **meta)
+    if storage not in (None, "fp8"):
+        raise ValueError(f"storage must be None or 'fp8' (the kernels dequantize fp8 in their tiles), got {storage!r}")
+    experts = (
+        stored_fp8_meta(n_experts, d_model, d_expert, fp8_block) if storage == "fp8"
+        else ExpertTensors(torch.empty(n_experts, 2 * d_expert, d_model, **meta), torch.empty(n_experts, d_model, d_expert, **meta))
+    )
     hooks = ExpertHooks(*(HookPoint() for _ in range(4)))
     if hook_pre:
         hooks.pre.add_hook(lambda t, hook: t)
     log: list[Launch] = []
     with mock.patch.multiple(triton_experts, **{name: _Recorder(k, log) for name, k in kernels.items()}):
-        triton_experts.routed_experts_triton(x, indices, weights, ExpertTensors(W_gate_up, W_down), hooks, (1, n_tokens), tile)
+        triton_experts.routed_experts_triton(x, indices, weights, experts, hooks, (1, n_tokens), tile)
     return log
 
 
-_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+                 torch.uint8: "u8"}
 
 
 def _specialise(value) -> tuple[str, bool]:
@@ -226,7 +252,10 @@ def bucket_token_counts(table=None) -> list[int]:
     return [upper or 8192 for upper, _ in (table or active_table())]
 
 
-def survey(gpus: list[Gpu], dtypes: list[torch.dtype], shape: tuple[int, int, int, int], token_counts: list[int]) -> list[dict]:
+def survey(
+    gpus: list[Gpu], dtypes: list[torch.dtype], shape: tuple[int, int, int, int], token_counts: list[int],
+    storage: str | None = None, fp8_block: tuple[int, int] = (128, 128),
+) -> list[dict]:
     """Every distinct binary of a forward (hooks off, and with experts.hook_pre on) at these token counts."""
     n_experts, top_k, d_model, d_expert = shape
     rows = []
@@ -234,7 +263,7 @@ def survey(gpus: list[Gpu], dtypes: list[torch.dtype], shape: tuple[int, int, in
         launches, first_tokens = [], {}
         for n in token_counts:
             for hook_pre in (False, True):
-                new = record_launches(n, n_experts, top_k, d_model, d_expert, dtype, hook_pre=hook_pre)
+                new = record_launches(n, n_experts, top_k, d_model, d_expert, dtype, hook_pre=hook_pre, storage=storage, fp8_block=fp8_block)
                 first_tokens.update({id(launch): n for launch in new})
                 launches += new
         for launch in unique_launches(launches):
@@ -261,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="64,8,4096,3072", help="experts,top_k,d_model,d_expert (default: Hunyuan-A13B)")
     parser.add_argument("--tokens", help="comma-separated token counts (default: one per bucket of the tile table)")
     parser.add_argument("--tf32", action="store_true", help="compile as if torch allowed tf32 float32 matmuls")
+    parser.add_argument("--storage", choices=["fp8"], help="experts kept stored as fp8, dequantized in the tiles")
+    parser.add_argument("--fp8-block", default="128,128", help="rows,cols of each fp8 scale's block (with --storage fp8)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a markdown table")
     args = parser.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -268,7 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     if len(shape) != 4:
         parser.error(f"--shape takes experts,top_k,d_model,d_expert, got {args.shape!r}")
     tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else bucket_token_counts()
-    rows = survey([GPUS[g] for g in args.gpu], [getattr(torch, d) for d in args.dtype], shape, tokens)
+    fp8_block = tuple(int(v) for v in args.fp8_block.split(","))
+    if len(fp8_block) != 2:
+        parser.error(f"--fp8-block takes rows,cols, got {args.fp8_block!r}")
+    rows = survey([GPUS[g] for g in args.gpu], [getattr(torch, d) for d in args.dtype], shape, tokens, args.storage, fp8_block)
     print(json.dumps(rows, default=str) if args.json else markdown(rows))
 
 

@@ -6,6 +6,8 @@ H = d_model, I = d_expert. Slot s of token t is row t * k + s of the flat slot a
 Two backends give the same hook tensors: "torch" (the reference, any device) and "triton" (CUDA, or CPU
 tensors under TRITON_INTERPRET=1). "auto" picks triton only for CUDA tensors on a GPU architecture where the
 kernel tests have passed on real hardware (VERIFIED_TRITON_ARCHS), and the torch path everywhere else.
+resolve_backend turns the backend asked for into the executor ("torch" or "triton") once, when it is set or
+the experts move (models.components.moe.Experts); routed_experts takes that executor and looks nothing up.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 
 from moelens.experts.spec import ExpertSpec, ExpertTensors, GatedActivation, gather_rows
+from moelens.experts.stored import StoredExperts
 from moelens.hook_sites import PER_EXPERT_SITES, site_form
 from moelens.hooks import HookPoint, SliceInput, call_hooked_points, slice_pos
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
+Executor = Literal["torch", "triton"]  # what "auto" resolves to
+EXECUTORS = ("torch", "triton")
 
 # (major, minor) compute capabilities on which tests/test_triton_kernels.py has passed on a real GPU, with
 # where and when. Empty: the kernels have run only in Triton's interpreter and been compiled for sm_80 /
@@ -299,16 +304,29 @@ def routed_subset(indices: Int[torch.Tensor, "T k"], n_experts: int) -> tuple[li
     return used, renumber[indices]
 
 
-def resolve_backend(backend: Backend, device: torch.device) -> Literal["torch", "triton"]:
+def resolve_backend(
+    backend: Backend, device: torch.device, spec: ExpertSpec | None = None, argument: str = "experts_backend"
+) -> Executor:
+    """The executor for experts computed on `device`: "auto" gives "triton" only for CUDA devices of a verified
+    architecture with triton installed and experts the kernels compute (spec), else "torch"; "triton" is
+    checked (installed, CUDA or TRITON_INTERPRET=1, experts the kernels compute) and errors name `argument`.
+    A "meta" device is not placed yet: "triton" is checked again where the experts are moved to."""
     if backend not in BACKENDS:
-        raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"{argument} must be one of {BACKENDS}, got {backend!r}")
+    refusal = None if spec is None else spec.triton_refusal()
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_verified_on(device) and triton_available() else "torch"
+        fits = refusal is None and device.type == "cuda" and triton_available()
+        return "triton" if fits and triton_verified_on(device) else "torch"
     if backend == "triton":
+        if refusal is not None:
+            raise ValueError(refusal)
         if not triton_available():
-            raise RuntimeError("experts_backend='triton' needs the triton package (it ships with CUDA builds of torch)")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(f"experts_backend='triton' runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1); got {device}")
+            raise RuntimeError(f"{argument}='triton' needs the triton package (it ships with CUDA builds of torch)")
+        if device.type not in ("cuda", "meta") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"{argument}='triton' runs on CUDA devices (or on CPU with TRITON_INTERPRET=1); the experts are on "
+                f"{device}: use {argument}='auto' or 'torch' there"
+            )
     return backend
 
 
@@ -328,28 +346,35 @@ def routed_experts(
     x: Float[torch.Tensor, "T H"],
     indices: Int[torch.Tensor, "T k"],
     weights: Float[torch.Tensor, "T k"],
-    tensors: ExpertTensors,
+    tensors: ExpertTensors | StoredExperts,
     spec: ExpertSpec,
     hooks: ExpertHooks,
     batch_pos: tuple[int, int],
-    backend: Backend = "torch",
+    executor: Executor = "torch",
 ) -> Float[torch.Tensor, "T H"]:
     """sum over slots of weight * expert(x), each expert as the spec says (moelens.experts.spec), with hooks
-    on every per-slot tensor. tensors: the stacked experts the indices point into.
+    on every per-slot tensor. tensors: the stacked experts the indices point into, dense or kept stored
+    (dequantized into x's dtype: by StoredExperts.dequantize for the torch path, in the kernels' tiles to the
+    same bits for fp8 on the triton path). executor: "torch" or "triton", as resolve_backend chose it when the
+    backend was set ("auto" is not taken here).
 
     The slot sum runs in the promoted dtype of outputs and weights, in slot order, and is cast once,
     as the reference does, so low-precision results agree with it.
     """
     check_indices(indices, tensors.n_experts)
-    chosen = resolve_backend(backend, x.device)
-    if chosen == "triton" and not spec.fused_by_triton:  # the kernels fuse SiLU(gate) * up on dense weights
-        if backend == "triton":
-            raise ValueError(spec.triton_refusal())
-        chosen = "torch"
-    if chosen == "triton":
+    if executor not in EXECUTORS:
+        raise ValueError(
+            f"routed_experts: executor must be one of {EXECUTORS} (resolve a backend such as 'auto' once with "
+            f"resolve_backend), got {executor!r}"
+        )
+    if executor == "triton":
+        if (refusal := spec.triton_refusal()) is not None:  # the kernels fuse SiLU(gate) * up without biases
+            raise ValueError(refusal)
         from moelens.kernels.triton_experts import routed_experts_triton
 
         return routed_experts_triton(x, indices, weights, tensors, hooks, batch_pos)
+    if isinstance(tensors, StoredExperts):
+        tensors = tensors.dequantize(x.dtype)
     return routed_experts_torch(x, indices, weights, tensors, spec.activation, hooks, batch_pos)
 
 

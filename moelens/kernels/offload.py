@@ -42,7 +42,7 @@ from jaxtyping import Float, Int
 
 from moelens.experts.spec import ExpertSpec, ExpertTensors
 from moelens.experts.stored import StoredExperts
-from moelens.kernels.experts import ExpertHooks, check_indices, resolve_backend, routed_experts, routed_experts_torch
+from moelens.kernels.experts import ExpertHooks, Executor, check_indices, routed_experts, routed_experts_torch
 
 # one expert's tensors without the expert axis, in its ExpertSpec's parameter order (gate_up [2I, H], down
 # [H, I], then the biases where the spec has them), or as the files store them (experts kept stored)
@@ -545,22 +545,19 @@ class GroupRun:
 
 def offloaded_routed_experts(
     store: OffloadedExperts, x: Float[torch.Tensor, "T H"], indices: Int[torch.Tensor, "T k"],
-    weights: Float[torch.Tensor, "T k"], spec: ExpertSpec, hooks: ExpertHooks, batch_pos: tuple[int, int], backend: str,
+    weights: Float[torch.Tensor, "T k"], spec: ExpertSpec, hooks: ExpertHooks, batch_pos: tuple[int, int],
+    executor: Executor,
 ) -> Float[torch.Tensor, "T H"]:
     """kernels.experts.routed_experts, with the layer's routed experts read from the cache's slots (module
-    docstring): the same slots, groups and GEMMs, the same bits."""
+    docstring): the same slots, groups and GEMMs, the same bits. executor: the backend the layer resolved
+    when it was set or moved ("torch" or "triton")."""
     check_indices(indices, store.n_experts)
     used = torch.unique(indices).tolist()
     store.cache.settle_prefetch(store.layer, used)
-    chosen = resolve_backend(backend, x.device)
-    if chosen == "triton" and not spec.fused_by_triton:
-        if backend == "triton":
-            raise ValueError(spec.triton_refusal())
-        chosen = "torch"
     run = GroupRun(store, spec, used, x)
     try:
-        if chosen == "triton":
-            return _triton_from_slots(run, x, indices, weights, spec, hooks, batch_pos, backend)
+        if executor == "triton":
+            return _triton_from_slots(run, x, indices, weights, spec, hooks, batch_pos)
         positions = ExpertTensors(0, 1, 2 if spec.bias else None, 3 if spec.bias else None)  # the linears' `param`
         return routed_experts_torch(
             x, indices, weights, positions, spec.activation, hooks, batch_pos, n_experts=store.n_experts,
@@ -570,7 +567,7 @@ def offloaded_routed_experts(
         run.release()
 
 
-def _triton_from_slots(run: GroupRun, x, indices, weights, spec, hooks, batch_pos, backend) -> torch.Tensor:
+def _triton_from_slots(run: GroupRun, x, indices, weights, spec, hooks, batch_pos) -> torch.Tensor:
     """The Triton kernels over the slot buffers as the weight stack, each slot's expert id mapped to its slot
     (the kernels' per-expert tiles are the same whatever an expert's position in the stack)."""
     store = run.store
@@ -596,4 +593,4 @@ def _triton_from_slots(run: GroupRun, x, indices, weights, spec, hooks, batch_po
         to = torch.tensor([slots[e] for e in used], dtype=indices.dtype, device=indices.device)
     renumber = torch.full((store.n_experts,), -1, dtype=indices.dtype, device=indices.device)
     renumber[torch.tensor(used, dtype=torch.long, device=indices.device)] = to
-    return routed_experts(x, renumber[indices], weights, tensors, spec, hooks, batch_pos, backend)
+    return routed_experts(x, renumber[indices], weights, tensors, spec, hooks, batch_pos, "triton")

@@ -40,6 +40,25 @@ class Tile:
         return replace(self, block_n=max(MIN_TILE, self.block_n // 2), block_k=max(MIN_TILE, self.block_k // 2))
 
 
+    def for_storage(self, storage: str | None, scale_cols: tuple[int, ...] = ()) -> Tile:
+        """This tile for experts kept stored as `storage`, whose weights' scale blocks span scale_cols columns
+        (the GEMMs' inner dimension). fp8 weight tiles are decoded in registers, and compiled for sm_90
+        (python -m moelens.kernels.aot --storage fp8):
+        - the 4-warp 32x128x64 gate_up tile spilled (255 registers, 16 bytes) where 32x128x32 used 158 and
+          none: 4-warp tiles of 32 rows or more halve block_k;
+        - a tile whose columns cut scale blocks looks a scale up per element, and every such tile spilled
+          (164 to 1040 bytes): block_k is halved (down to MIN_TILE) until it divides every block's columns,
+          so that one scale per row serves the tile. Blocks no power of two >= MIN_TILE divides keep the
+          tile (and the per-element lookup)."""
+        if storage != "fp8":
+            return self
+        block_k = self.block_k // 2 if self.num_warps == 4 and self.block_m >= 32 else self.block_k
+        block_k = max(MIN_TILE, block_k)
+        while block_k > MIN_TILE and any(cols % block_k for cols in scale_cols):
+            block_k //= 2
+        return replace(self, block_k=block_k)
+
+
 # (largest token count of the bucket, tile); None closes the table
 DEFAULT_TABLE: tuple[tuple[int | None, Tile], ...] = (
     (16, Tile(16, 64, 64, num_warps=4, num_stages=3)),

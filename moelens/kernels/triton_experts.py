@@ -12,6 +12,12 @@ Gradients: each kernel is wrapped in an autograd Function whose backward recompu
 torch path (`slot_linear`) and differentiates it.
 Under TRITON_INTERPRET=1 (CPU tests) tiles are upcast to float32 after loading: the interpreter's bf16
 arithmetic and tl.dot are not faithful.
+
+Experts kept stored as fp8 (moelens.kernels.stored_operands): both GEMM kernels load the float8_e4m3fn codes
+and their block scales and dequantize in the weight tile (decode, float32 product, one rounding to the model
+dtype), the bits StoredExperts.dequantize gives, so results match dequantize-then-matmul up to accumulation
+order. A weight tile whose columns lie in one scale block (BLOCK_K divides the block's columns) loads one
+scale per row; any other block shape looks scales up per element.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import triton
 import triton.language as tl
 
 from moelens.experts.spec import ExpertTensors
+from moelens.experts.stored import StoredExperts
 from moelens.kernels.experts import ExpertHooks, hooked, hooked_site, slot_linear
 from moelens.kernels.routing import SlotLayout, align_slots
+from moelens.kernels.stored_operands import Fp8Experts, Fp8Operand, fp8_experts
 from moelens.kernels.tiles import Tile, tile_for
 
 
@@ -52,6 +60,46 @@ def _round(x, ty: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to_f32(code):
+    """float8_e4m3fn bits (uint8) -> float32, exactly as torch converts them: sign, 4 exponent bits (bias 7),
+    3 mantissa bits; exponent 0 is subnormal (mantissa * 2**-9), 0x7F / 0xFF are NaN, there is no inf.
+    Integer ops only, so the interpreter and every GPU architecture decode alike."""
+    c = code.to(tl.uint32)
+    sign = c >> 7
+    exp = (c >> 3) & 0xF
+    man = c & 0x7
+    normal = ((sign << 31) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    subnormal = man.to(tl.float32) * 0.001953125
+    subnormal = tl.where(sign == 1, -subnormal, subnormal)
+    nan = ((sign << 31) | 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(exp == 0, subnormal, tl.where((exp == 15) & (man == 7), nan, normal))
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr, s_ptr, expert, rows, row_ok, k0, ks, k_ok, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    ty: tl.constexpr, W_FP8: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """The [BLOCK_K, BLOCK_N] tile of an expert's weight, transposed: element (k, n) is W[expert, rows[n], ks[k]].
+    W_FP8: w_ptr holds float8_e4m3fn bytes and s_ptr float32 scales, one per QBLOCK_N x QBLOCK_K block; decoded,
+    scaled in float32 and rounded once to ty, as the stored experts' dequantization does, so the tile holds
+    the dequantized weights' bits. SCALE_PER_ROW: BLOCK_K divides QBLOCK_K, so the tile's columns lie in one
+    block column and one scale per row is loaded; otherwise the scale is looked up per element (a tile may
+    then cut blocks anywhere, partial last blocks included)."""
+    mask = k_ok[:, None] & row_ok[None, :]
+    w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + ks[:, None] * stride_wk, mask=mask, other=0)
+    if W_FP8:
+        s_base = s_ptr + expert * stride_se + (rows[None, :] // QBLOCK_N) * stride_sn
+        if SCALE_PER_ROW:
+            scale = tl.load(s_base + (k0 // QBLOCK_K) * stride_sk, mask=row_ok[None, :], other=0.0)
+        else:
+            scale = tl.load(s_base + (ks[:, None] // QBLOCK_K) * stride_sk, mask=mask, other=0.0)
+        w = _round(_e4m3_to_f32(w) * scale.to(tl.float32), ty, EMULATE_RNE)
+    return w
+
+
+@triton.jit
 def _silu_mul(gate, up, ty: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """SiLU(gate) * up from values already in ty, rounding where the torch path rounds. Shared by the fused
     epilogue and the stand-alone kernel, so results do not depend on whether a pre-activation is hooked."""
@@ -71,12 +119,15 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr, UPCAST: 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, post_ptr, pre_ptr, pre_linear_ptr,
-    n_slots, top_k, H, I,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_os, stride_oi,
+    x_ptr, w_ptr, wu_ptr, ws_ptr, wus_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, post_ptr, pre_ptr, pre_linear_ptr,
+    n_slots, top_k, H, I, gate_row0, up_row0,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn, stride_sh, stride_os, stride_oi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_POST: tl.constexpr, WRITE_PRE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_FP8: tl.constexpr = False, QBLOCK_N: tl.constexpr = 1, QBLOCK_K: tl.constexpr = 1, SCALE_PER_ROW: tl.constexpr = False,
 ):
+    """Gate rows gate_row0 + [0, I) of w_ptr's experts, up rows up_row0 + [0, I) of wu_ptr's (dense: one
+    stack, up rows from I; fp8: codes with their scales ws_ptr / wus_ptr, laid out alike)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_padded_ptr):
@@ -88,16 +139,17 @@ def _gate_up_kernel(
     tokens = tl.where(valid, slots // top_k, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
-    w_base = w_ptr + expert * stride_we
+    w_ty = x_ptr.dtype.element_ty
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
         a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xh, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-        w_up = tl.load(w_base + (cols[None, :] + I) * stride_wn + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        w_gate = _weight_tile(w_ptr, ws_ptr, expert, gate_row0 + cols, col_ok, k0, ks, k_ok, stride_we, stride_wn, stride_wh,
+                              stride_se, stride_sn, stride_sh, w_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST)
+        w_up = _weight_tile(wu_ptr, wus_ptr, expert, up_row0 + cols, col_ok, k0, ks, k_ok, stride_we, stride_wn, stride_wh,
+                            stride_se, stride_sn, stride_sh, w_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST)
         if UPCAST:
             a = a.to(tl.float32)
             w_gate = w_gate.to(tl.float32)
@@ -118,11 +170,12 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    post_ptr, w_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, weights_ptr, out_ptr,
-    n_slots, H, I,
-    stride_ps, stride_pi, stride_we, stride_wh, stride_wi, stride_os, stride_oh,
+    post_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, weights_ptr, out_ptr,
+    n_slots, H, I, row0,
+    stride_ps, stride_pi, stride_we, stride_wh, stride_wi, stride_se, stride_sh, stride_si, stride_os, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, W_FP8: tl.constexpr = False, QBLOCK_N: tl.constexpr = 1, QBLOCK_K: tl.constexpr = 1,
+    SCALE_PER_ROW: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -135,13 +188,13 @@ def _down_kernel(
     safe_slots = tl.where(valid, slots, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    w_base = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < I
         a = tl.load(post_ptr + safe_slots[:, None] * stride_ps + ks[None, :] * stride_pi, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wh + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w = _weight_tile(w_ptr, ws_ptr, expert, row0 + cols, col_ok, k0, ks, k_ok, stride_we, stride_wh, stride_wi,
+                         stride_se, stride_sh, stride_si, post_ptr.dtype.element_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -171,35 +224,59 @@ def _grid_m(layout: SlotLayout) -> int:
     return layout.max_blocks
 
 
-def gate_up(x: torch.Tensor, W_gate_up: torch.Tensor, layout: SlotLayout, tile: Tile, top_k: int, write_pre: bool):
+def _fp8_args(op: Fp8Operand, tile: Tile) -> dict:
+    return dict(W_FP8=True, QBLOCK_N=op.block[0], QBLOCK_K=op.block[1], SCALE_PER_ROW=op.block[1] % tile.block_k == 0)
+
+
+def gate_up(
+    x: torch.Tensor, W_gate_up: torch.Tensor | Fp8Experts, layout: SlotLayout, tile: Tile, top_k: int, write_pre: bool
+):
     """The per-slot neurons [S, I]; or, with write_pre, the pre-activations [S, 2I] (gate then up), for
-    hooks that read or replace them before the activation."""
-    S, I, H = layout.n_slots, W_gate_up.shape[1] // 2, x.shape[1]
+    hooks that read or replace them before the activation. W_gate_up: the dense stack, or fp8-stored experts
+    (dequantized in the kernel's tiles)."""
+    S, H = layout.n_slots, x.shape[1]
+    if isinstance(W_gate_up, Fp8Experts):
+        gate, up = W_gate_up.gate, W_gate_up.up
+        if (gate.codes.stride(), gate.scales.stride()) != (up.codes.stride(), up.scales.stride()) or gate.block != up.block:
+            raise ValueError(f"fp8 gate and up weights must share strides and blocks, got {gate} and {up}")
+        I = gate.n_rows
+        weights = (gate.codes, up.codes, gate.scales, up.scales)
+        rows0, w_strides, s_strides = (gate.row0, up.row0), gate.codes.stride(), gate.scales.stride()
+        quantized = _fp8_args(gate, tile)
+    else:
+        I = W_gate_up.shape[1] // 2
+        weights = (W_gate_up, W_gate_up, W_gate_up, W_gate_up)  # no scales: their arguments go unread
+        rows0, w_strides, s_strides, quantized = (0, I), W_gate_up.stride(), (0, 0, 0), {}
     out = x.new_empty(S, 2 * I if write_pre else I)
     post, pre, pre_linear = out, out[:, :I], out[:, I:]
     grid = (_grid_m(layout), triton.cdiv(I, tile.block_n))
     _gate_up_kernel[grid](
-        x, W_gate_up, layout.sorted_slots, layout.block_expert, layout.n_padded, post, pre, pre_linear,
-        S, top_k, H, I,
-        x.stride(0), x.stride(1), W_gate_up.stride(0), W_gate_up.stride(1), W_gate_up.stride(2), out.stride(0), out.stride(1),
+        x, *weights, layout.sorted_slots, layout.block_expert, layout.n_padded, post, pre, pre_linear,
+        S, top_k, H, I, *rows0,
+        x.stride(0), x.stride(1), *w_strides, *s_strides, out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         WRITE_POST=not write_pre, WRITE_PRE=write_pre, UPCAST=_interpreting(), DOT_PRECISION=_dot_precision(),
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **quantized,
     )
     return out
 
 
-def down(post: torch.Tensor, W_down: torch.Tensor, weights: torch.Tensor, layout: SlotLayout, tile: Tile) -> torch.Tensor:
+def down(post: torch.Tensor, W_down: torch.Tensor | Fp8Experts, weights: torch.Tensor, layout: SlotLayout, tile: Tile) -> torch.Tensor:
     """Weighted per-slot outputs [S, H], in the promoted dtype of the model and the router weights."""
-    S, H, I = layout.n_slots, W_down.shape[1], W_down.shape[2]
+    S, I = layout.n_slots, post.shape[1]
+    if isinstance(W_down, Fp8Experts):
+        op = W_down.down
+        H, stacks, row0, w_strides, s_strides, quantized = op.n_rows, (op.codes, op.scales), op.row0, op.codes.stride(), op.scales.stride(), _fp8_args(op, tile)
+    else:
+        H, stacks, row0, w_strides, s_strides, quantized = W_down.shape[1], (W_down, W_down), 0, W_down.stride(), (0, 0, 0), {}
     out = post.new_empty(S, H, dtype=torch.promote_types(post.dtype, weights.dtype))
     grid = (_grid_m(layout), triton.cdiv(H, tile.block_n))
     _down_kernel[grid](
-        post, W_down, layout.sorted_slots, layout.block_expert, layout.n_padded, weights.reshape(-1), out,
-        S, H, I,
-        post.stride(0), post.stride(1), W_down.stride(0), W_down.stride(1), W_down.stride(2), out.stride(0), out.stride(1),
+        post, *stacks, layout.sorted_slots, layout.block_expert, layout.n_padded, weights.reshape(-1), out,
+        S, H, I, row0,
+        post.stride(0), post.stride(1), *w_strides, *s_strides, out.stride(0), out.stride(1),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, UPCAST=_interpreting(),
-        DOT_PRECISION=_dot_precision(), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        DOT_PRECISION=_dot_precision(), num_warps=tile.num_warps, num_stages=tile.num_stages, **quantized,
     )
     return out
 
@@ -226,16 +303,32 @@ def combine(weighted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ---- autograd: Triton forward, torch-path backward --------------------------------------------------
 
 
+def _saved_weight(ctx, weight: torch.Tensor | Fp8Experts) -> torch.Tensor:
+    """A tensor to save for backward: the weight itself, or an empty placeholder for stored experts (kept on
+    ctx, dequantized only if a backward runs)."""
+    ctx.stored = weight if isinstance(weight, Fp8Experts) else None
+    return weight.gate.codes.new_empty(0) if isinstance(weight, Fp8Experts) else weight
+
+
+def _dense_weight(ctx, saved: torch.Tensor, dtype: torch.dtype, index: int) -> torch.Tensor:
+    if ctx.stored is None:
+        return saved
+    if ctx.stored.stored is None:
+        raise RuntimeError("fp8 operands given without their StoredExperts cannot be differentiated")
+    return ctx.stored.stored.dequantize(dtype)[index]
+
+
 class _GateUp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, W_gate_up, layout, tile, top_k, write_pre, experts):
-        ctx.save_for_backward(x, W_gate_up, experts)
+        ctx.save_for_backward(x, _saved_weight(ctx, W_gate_up), experts)
         ctx.top_k, ctx.write_pre = top_k, write_pre
         return gate_up(x, W_gate_up, layout, tile, top_k, write_pre)
 
     @staticmethod
     def backward(ctx, grad):
         x, W_gate_up, experts = ctx.saved_tensors
+        W_gate_up = _dense_weight(ctx, W_gate_up, x.dtype, 0)
         with torch.enable_grad():
             x_, W_ = x.detach().requires_grad_(x.requires_grad), W_gate_up.detach().requires_grad_(W_gate_up.requires_grad)
             out = slot_linear(x_, experts, W_, top_k=ctx.top_k)
@@ -250,12 +343,13 @@ class _GateUp(torch.autograd.Function):
 class _Down(torch.autograd.Function):
     @staticmethod
     def forward(ctx, post, W_down, weights, layout, tile, experts):
-        ctx.save_for_backward(post, W_down, weights, experts)
+        ctx.save_for_backward(post, _saved_weight(ctx, W_down), weights, experts)
         return down(post, W_down, weights, layout, tile)
 
     @staticmethod
     def backward(ctx, grad):
         post, W_down, weights, experts = ctx.saved_tensors
+        W_down = _dense_weight(ctx, W_down, post.dtype, 1)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) for t in (post, W_down, weights)]
             out = slot_linear(leaves[0], experts, leaves[1]) * leaves[2].reshape(-1, 1)
@@ -290,15 +384,31 @@ class _Combine(torch.autograd.Function):
 
 
 def routed_experts_triton(
-    x, indices, weights, tensors: ExpertTensors, hooks: ExpertHooks, batch_pos, tile: Tile | None = None
+    x, indices, weights, tensors: ExpertTensors | StoredExperts | Fp8Experts, hooks: ExpertHooks, batch_pos,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
-    """The experts of a spec the kernels fuse (ExpertSpec.fused_by_triton: SiLU(gate) * up, no biases)."""
-    if tensors.gate_up_bias is not None or tensors.down_bias is not None:
-        raise ValueError("the Triton expert kernels compute experts without biases; use the torch path")
-    W_gate_up, W_down = tensors.gate_up, tensors.down
+    """The experts of a spec the kernels fuse (ExpertSpec.fused_by_triton: SiLU(gate) * up, no biases).
+    Experts kept stored as fp8 are dequantized in the kernels' tiles (moelens.kernels.stored_operands), to
+    the bits StoredExperts.dequantize(x.dtype) gives; a stored layout the tiles do not read is dequantized
+    first, with that same function."""
+    if isinstance(tensors, StoredExperts):
+        stored = fp8_experts(tensors)
+        if stored is None:
+            tensors = tensors.dequantize(x.dtype)
+        else:
+            tensors = stored
+    if isinstance(tensors, Fp8Experts):
+        W_gate_up = W_down = tensors
+    if isinstance(tensors, ExpertTensors):
+        if tensors.gate_up_bias is not None or tensors.down_bias is not None:
+            raise ValueError("the Triton expert kernels compute experts without biases; use the torch path")
+        W_gate_up, W_down = tensors.gate_up, tensors.down
     T, k = indices.shape
-    tile = tile or tile_for(T).for_dtype(x.dtype)
-    layout = align_slots(indices, W_gate_up.shape[0], tile.block_m)
+    if tile is None:
+        tile = tile_for(T).for_dtype(x.dtype)
+        if isinstance(W_gate_up, Fp8Experts):
+            tile = tile.for_storage("fp8", (W_gate_up.gate.block[1], W_gate_up.down.block[1]))
+    layout = align_slots(indices, tensors.n_experts, tile.block_m)
     experts = indices.reshape(-1)
     x = x.contiguous()
     write_pre = hooks.hooked("pre") or hooks.hooked("pre_linear")

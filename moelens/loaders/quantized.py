@@ -146,6 +146,14 @@ class Fp8Blocks:
     ) -> Float[torch.Tensor, "*lead rows cols"]:
         return dequantize_fp8_blocks(weight, scale, self.block, dtype)
 
+    def tile_parts(
+        self, weight: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[UInt8[torch.Tensor, "*lead rows cols"], Float[torch.Tensor, "*lead row_blocks col_blocks"], tuple[int, int]]:
+        """The stored tensors as kernels read them to dequantize in their tiles (moelens.kernels.stored_operands):
+        the codes' bytes (a view), the scales as float32 (scales_as_float32, exact: what dequantize multiplies
+        by), and the block."""
+        return weight.view(torch.uint8), scales_as_float32(scale), self.block
+
 
 @dataclass(frozen=True)
 class Mxfp4:

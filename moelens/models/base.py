@@ -221,7 +221,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         NaN or Inf (one pass over each tensor as it loads). Every problem with the checkpoint is a
         CheckpointError raised here, naming the file and the field or tensor at fault.
         experts_backend: "auto" (the torch path, except on CUDA GPU architectures where the Triton kernels'
-        tests have passed on real hardware: moelens.kernels.experts.VERIFIED_TRITON_ARCHS), "torch" or "triton".
+        tests have passed on real hardware: moelens.kernels.experts.VERIFIED_TRITON_ARCHS), "torch" or "triton";
+        resolved here for the device the experts are on, and again when the model moves.
         expert_offload: keep the routed experts off `device` ("cpu": in host memory, pinned for CUDA;
         "disk": read from the checkpoint's files when routed to) and fetch those a batch routes to through
         a cache of at most expert_cache_bytes on `device` (bytes, or a size like "20GB"; default: one layer's
@@ -255,8 +256,9 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         scales; MXFP4 blocks and scales) and each routed expert is dequantized when a forward uses it, by the
         load's own function, so logits and every hook are bit for bit those of dequantizing at load. With
         expert_offload the cache holds and moves the stored bytes; with expert_parallel each rank holds its
-        experts as stored. experts.tensors() returns dequantized copies; refused with fold_ln, with
-        experts_backend="triton" ("auto" takes the torch path), and for a checkpoint not stored that way.
+        experts as stored. experts.tensors() returns dequantized copies; refused with fold_ln, for a checkpoint not
+        stored that way, and "mxfp4" with experts_backend="triton" (the kernels dequantize fp8 in their tiles,
+        to the same bits).
         """
         options = load_options(  # every argument checked here, before anything is read
             model_name, fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
@@ -489,12 +491,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     def set_experts_backend(self, backend: str) -> None:
         """Routed experts: "torch" (reference path), "triton" (kernels; CUDA, or CPU under TRITON_INTERPRET=1)
         or "auto" (triton on CUDA architectures where the kernels were verified on hardware, torch otherwise).
-        Both give the same hook tensors."""
+        Both give the same hook tensors. Resolved here, for the device each layer's experts are on, and again
+        when the model moves (experts.executor is the path a forward takes); a backend that cannot run there
+        is refused here, for every layer, before any layer changes."""
         if backend not in BACKENDS:
             raise ValueError(f"experts backend must be one of {BACKENDS}, got {backend!r}")
         experts = [block.mlp.experts for block in self.blocks if block.is_moe]
-        if backend == "triton" and experts and not experts[0].spec.fused_by_triton:
-            raise ValueError(experts[0].spec.triton_refusal())
+        for module in experts:
+            module.resolve(backend)
         for module in experts:
             module.backend = backend
 
@@ -611,7 +615,12 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             self.cfg = dataclasses.replace(self.cfg, device=device, dtype=dtype)
 
     def _apply(self, fn, recurse: bool = True):
-        # .to(), .cuda(), .cpu(), .half(), .bfloat16(), .float(), .double() all come through here
+        # .to(), .cuda(), .cpu(), .half(), .bfloat16(), .float(), .double() all come through here. An experts
+        # backend that cannot run where the experts go is refused before anything moves (each layer's experts
+        # resolve it again once moved)
+        for block in getattr(self, "blocks", ()):
+            if block.is_moe:
+                block.mlp.experts.resolve(block.mlp.experts.backend, block.mlp.experts.home_after(fn))
         out = super()._apply(fn, recurse)
         self._sync_cfg()
         return out

@@ -14,7 +14,9 @@ from moelens.experts.stored import StoredExperts
 from moelens.hook_sites import site_hook
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.expert_parallel import ExpertShard
-from moelens.kernels.experts import VIEW_SITES, ExpertViewPoint, ViewGroup, check_indices, routed_subset
+from moelens.kernels.experts import (
+    VIEW_SITES, Backend, Executor, ExpertViewPoint, ViewGroup, check_indices, resolve_backend, routed_subset,
+)
 from moelens.kernels.offload import OffloadedExperts, offloaded_routed_experts
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.parts import GatedMlpPart, MlpPart, PartGate, RoutedPart
@@ -54,6 +56,11 @@ class Experts(nn.Module):
     copies. Resident stored experts are not parameters or buffers either (state_dict() does not see them);
     model.to(device) moves them, model.to(dtype) changes the dtype they are dequantized to, never them.
 
+    `backend` is what was asked for ("auto", "torch", "triton"); `executor` the path it resolved to ("torch" or
+    "triton") for `resolved_for`, the device the experts are computed on. Resolution runs when the backend is
+    set, when the experts move (model.to()) and when they are attached, never per forward; a forward whose
+    input is on another device raises (see check_device).
+
     Children "0" .. "E-1" hold each expert's TransformerLens sites (ExpertSites): blocks.L.mlp.experts.E.hook_*."""
 
     def __init__(self, cfg: MoeConfig) -> None:
@@ -68,10 +75,12 @@ class Experts(nn.Module):
                 self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.stored: StoredExperts | None = None  # resident experts kept as stored: attach_stored()
         self.dtype = cfg.dtype  # what tensors() dequantizes stored experts to; follows model.to()
-        self.backend = "auto"  # "torch" | "triton" | "auto"; see moelens.kernels
         self.store: OffloadedExperts | None = None  # placement "offloaded": attach_store()
         self.host: ExpertTensors | StoredExperts | None = None  # placement "offloaded" to host memory: the full stacks
         self.shard: ExpertShard | None = None  # placement "sharded": attach_shard()
+        self.executor: Executor = "torch"
+        self.resolved_for: torch.device | None = None
+        self.backend = "auto"  # resolves executor for resolved_for (the property below)
         self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre")
         self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear")
         self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", formula=self.spec.activation.formula)
@@ -85,17 +94,82 @@ class Experts(nn.Module):
         if self.spec.storage is None or stored.n_experts != self.n_experts:
             raise ValueError(f"these experts are {self.spec.describe()}; got {stored!r}")
         self.stored = stored
+        self.backend = self.backend  # computed where they are now
 
     def attach_store(self, store: OffloadedExperts, host: ExpertTensors | StoredExperts | None = None) -> None:
         """Placement "offloaded": the store the forward fetches routed experts from. host: the full stacks where
         they stay readable (host memory), None when they live only on disk."""
         self._expect("offloaded")
         self.store, self.host = store, host
+        self.backend = self.backend
 
     def attach_shard(self, shard: ExpertShard) -> None:
         """Placement "sharded": this rank's experts."""
         self._expect("sharded")
         self.shard = shard
+        self.backend = self.backend
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        """Resolve `backend` for where the experts are computed now; errors (naming experts_backend) leave the
+        previous backend in place."""
+        self.executor, self.resolved_for = self.resolve(backend), self.home()
+        self._backend = backend
+
+    def resolve(self, backend: Backend, device: torch.device | None = None) -> Executor:
+        """The executor `backend` gives for these experts computed on `device` (default: where they are)."""
+        device = self.home() if device is None else device
+        if self.placement == "sharded":  # each rank runs its experts with the torch path's exchanges
+            if backend == "triton":
+                raise ValueError(
+                    "experts_backend='triton': expert_parallel runs the routed experts on the torch path; use "
+                    "experts_backend='torch' or 'auto'"
+                )
+            return resolve_backend(backend, torch.device("cpu"))  # checks the name; "auto" is torch here
+        return resolve_backend(backend, torch.device("meta") if device is None else device, self.spec)
+
+    def home(self) -> torch.device | None:
+        """The device the experts are computed on: their parameters' or stored tensors', the offload store's
+        compute device, the shard's; None where nothing is attached yet."""
+        if self.placement == "offloaded":  # a device as tensors report it ("cpu:1" is "cpu", "cuda" has its index)
+            return None if self.store is None else torch.empty(0, device=self.store.device).device
+        if self.placement == "sharded":
+            if self.shard is None:
+                return None
+            held = self.shard.tensors
+            return held.device if isinstance(held, StoredExperts) else held.gate_up.device
+        if self.spec.storage is not None:
+            return None if self.stored is None else self.stored.device
+        return getattr(self, self.spec.param_names[0]).device
+
+    def home_after(self, fn) -> torch.device | None:
+        """Where the experts will be computed once model._apply(fn) has run: resident experts follow fn,
+        offloaded and sharded ones stay where their store or shard is."""
+        home = self.home()
+        if self.placement != "resident" or home is None:
+            return home
+        return fn(torch.empty(0, device=home)).device
+
+    def check_device(self, x: torch.Tensor) -> None:
+        """A clear error for an input on another device than the executor was resolved for. Raised, not
+        re-resolved: the experts' weights are on resolved_for (a move re-resolves), so any path would fail on
+        such an input or move weights per call, and re-resolving would put the lookup back in every forward.
+        Experts resolved before they were placed (on meta, or with nothing attached: a load materializes the
+        parameters in place) are resolved once, at their first forward off meta; experts still with nothing
+        attached are left to the forward's own error."""
+        unplaced = self.resolved_for is None or self.resolved_for.type == "meta"
+        if unplaced and x.device.type != "meta":
+            self.backend = self._backend
+        if self.resolved_for is not None and x.device != self.resolved_for:
+            raise RuntimeError(
+                f"{self.hook_pre.name.removesuffix('.hook_pre') or 'experts'}: experts_backend={self.backend!r} was "
+                f"resolved to {self.executor!r} for experts on {self.resolved_for}, but the input is on {x.device}; "
+                "move the input there (or the model with model.to(), which resolves the backend again)"
+            )
 
     def _expect(self, placement: str) -> None:
         if self.placement != placement:
@@ -135,18 +209,18 @@ class Experts(nn.Module):
         hooks: ExpertHooks, batch_pos: tuple[int, int],
     ) -> Float[torch.Tensor, "T H"]:
         """sum over each token's slots of weight * expert(x), wherever the experts live."""
+        self.check_device(x)
         if self.placement == "sharded":  # this rank's experts, the others' gathered
-            return self.shard(x, indices, weights, self.spec, hooks, batch_pos, self.backend)
+            return self.shard(x, indices, weights, self.spec, hooks, batch_pos, self.executor)
         if self.placement == "offloaded":  # read from the expert cache's slots, loaded as routed to
-            return offloaded_routed_experts(self.store, x, indices, weights, self.spec, hooks, batch_pos, self.backend)
+            return offloaded_routed_experts(self.store, x, indices, weights, self.spec, hooks, batch_pos, self.executor)
         if self.stored is not None:  # only the routed experts are dequantized
             used, indices = routed_subset(indices, self.n_experts)
             tensors = self.stored.select(used)
         else:
             tensors = self.tensors()
-        if isinstance(tensors, StoredExperts):
-            tensors = tensors.dequantize(x.dtype)
-        return routed_experts(x, indices, weights, tensors, self.spec, hooks, batch_pos, self.backend)
+        # stored experts are dequantized by routed_experts, in the kernels' tiles on the triton path
+        return routed_experts(x, indices, weights, tensors, self.spec, hooks, batch_pos, self.executor)
 
     def _apply(self, fn, recurse: bool = True):
         # model.to() / .cuda() / .half() ...: stored experts follow the device only (their codes and scales
@@ -156,13 +230,14 @@ class Experts(nn.Module):
         self.dtype = probe.dtype
         if self.stored is not None and probe.device != self.stored.device:
             self.stored = self.stored.to(probe.device)
+        self.backend = self.backend  # resolved again for where the experts are now
         return out
 
     def extra_repr(self) -> str:
         where = "" if self.store is None else f", offloaded to {self.store.where}"
         where += "" if self.stored is None else f", {self.stored.nbytes:,} bytes as stored"
         where += "" if self.shard is None else f", {self.shard}"
-        return f"{self.spec.describe()}, backend={self.backend}{where}"
+        return f"{self.spec.describe()}, backend={self.backend} ({self.executor}){where}"
 
 
 class SparseMoe(nn.Module):
