@@ -586,7 +586,7 @@ def _triton_from_slots(run: GroupRun, x, indices, weights, spec, hooks, batch_po
     pool = store.cache.slots(store)
     if run.grad:  # autograd saves the weights: a copy of the routed ones, renumbered in ascending expert id
         ids = torch.tensor([slots[e] for e in used], dtype=torch.long, device=x.device)
-        tensors = ExpertTensors(*(b.index_select(0, ids.to(b.device)) for b in pool.buffers))
+        tensors = store.wrap(tuple(b.index_select(0, ids.to(b.device)) for b in pool.buffers))
         to = torch.arange(len(used), dtype=indices.dtype, device=indices.device)
     else:
         tensors = store.wrap(pool.buffers)
