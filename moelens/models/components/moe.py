@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import torch
@@ -9,14 +10,13 @@ from jaxtyping import Float, Int
 from torch import nn
 
 from moelens.config import MoeConfig
+from moelens.expert_views import VIEW_SITES, ExpertViewPoint, ViewGroup
 from moelens.experts.spec import ExpertTensors
 from moelens.experts.stored import StoredExperts
 from moelens.hook_sites import site_hook
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.expert_parallel import ExpertShard
-from moelens.kernels.experts import (
-    VIEW_SITES, Backend, Executor, ExpertViewPoint, ViewGroup, check_indices, resolve_backend, routed_subset,
-)
+from moelens.kernels.experts import Backend, Executor, check_indices, resolve_backend, routed_subset
 from moelens.kernels.offload import OffloadedExperts, offloaded_routed_experts
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.parts import GatedMlpPart, MlpPart, PartGate, RoutedPart
@@ -26,7 +26,7 @@ from moelens.models.components.router import TopKRouter
 class ExpertSites(nn.Module):
     """TransformerLens's per-expert hook sites (its MoEGatedMLP's), blocks.L.mlp.experts.E.hook_gate / hook_pre /
     hook_post: [routed, d_expert] views of the per-slot sites, the rows of the slots routed to expert E in TL's
-    order (by slot, then by token; see moelens.kernels.experts.rows_by_expert). As in TL, hook_pre is the linear
+    order (by slot, then by token; see moelens.expert_views.rows_by_expert). As in TL, hook_pre is the linear
     "up" projection (the per-slot experts.hook_pre_linear) and hook_gate the gate pre-activation (the per-slot
     experts.hook_pre)."""
 
@@ -312,7 +312,7 @@ class SparseMoe(nn.Module):
         weights = self.hook_expert_weights(router.weights(scores, indices, logits.dtype))
         hooks = self._expert_hooks
         if self.experts.views.any_hooked():  # the per-expert views take the real ids (before offload renumbers)
-            hooks = self.experts.views.bind(hooks, indices.reshape(b * p, -1), (b, p))
+            hooks = dataclasses.replace(hooks, views=self.experts.views.bind(indices.reshape(b * p, -1), (b, p)))
         routed = self.experts(x.reshape(b * p, d), indices.reshape(b * p, -1), weights.reshape(b * p, -1), hooks, (b, p))
         return self.hook_routed_out(routed.view(b, p, d))
 
