@@ -9,7 +9,7 @@ import torch
 
 from moelens.cache_analysis import CacheAnalysis
 from moelens.hooks import SliceInput, slice_pos, unwrap_slice
-from moelens.names import OPTIONAL_SITE_SWITCHES, alias_candidates
+from moelens.hooks.names import OPTIONAL_SITE_SWITCHES, alias_candidates
 from moelens.utils import get_act_name
 
 

@@ -16,8 +16,8 @@ from jaxtyping import Bool, Float, Int
 
 from moelens.factored_matrix import FactoredMatrix
 from moelens.hooks import slice_pos
-from moelens.hook_sites import SITES, TRANSFORMER_LENS_ONLY
-from moelens.names import alias_candidates, site_pattern
+from moelens.hooks.names import alias_candidates, site_pattern
+from moelens.hooks.sites import SITES, TRANSFORMER_LENS_ONLY
 
 # TransformerLens's shorthands, applied before anything else (so TL code gets TL's names).
 _ACT_NAME_ALIAS = {

@@ -1,4 +1,4 @@
-"""The table of hook sites (moelens.hook_sites) is what the models build: every hook point of every tiny model
+"""The table of hook sites (moelens.hooks.sites) is what the models build: every hook point of every tiny model
 (all variants, every TransformerLens switch on that the model allows) is a table entry with one of its forms'
 layout and meaning, every entry and form is some model's, each switch creates exactly its sites, support()
 reads its rows and absent list from the table, and the table's short and standard names resolve."""
@@ -9,8 +9,8 @@ import pytest
 from conftest import FAMILIES, VARIANTS
 
 from moelens import HookedTransformer
-from moelens.hook_sites import DEFAULT, SITE_BY_NAME, SITES, site_hook, switched_sites, table_name
-from moelens.names import alias_candidates, layer_of
+from moelens.hooks.names import alias_candidates, layer_of
+from moelens.hooks.sites import DEFAULT, SITE_BY_NAME, SITES, site_hook, switched_sites, table_name
 from moelens.utils import get_act_name
 
 SWITCHES = ("set_use_attn_result", "set_use_split_qkv_input", "set_use_attn_in", "set_use_hook_mlp_in")

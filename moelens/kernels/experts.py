@@ -23,8 +23,8 @@ from jaxtyping import Float, Int
 
 from moelens.experts.spec import ExpertSpec, ExpertTensors, GatedActivation, gather_rows
 from moelens.experts.stored import StoredExperts
-from moelens.expert_views import RoutedViews
 from moelens.hooks import HookPoint
+from moelens.hooks.expert_views import RoutedViews
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")

@@ -17,7 +17,9 @@ from torch import nn
 from moelens import families, generation, pretrained
 from moelens.config import MoeConfig
 from moelens.hook_points import HookedRootModule
-from moelens.hook_sites import site_hook
+from moelens.hooks.names import OPTIONAL_SITE_SWITCHES, alias_candidates
+from moelens.hooks.sites import site_hook
+from moelens.hooks.support import SupportTable, support_table
 from moelens.kernels import BACKENDS
 from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
@@ -25,11 +27,9 @@ from moelens.load_options import load_options
 from moelens.models.components import Block, Components, Embed, Rotary
 from moelens.models.components.attention import set_use_attn_result
 from moelens.models.components.embed import Unembed
-from moelens.names import OPTIONAL_SITE_SWITCHES, alias_candidates
 from moelens.positions import check_attention_mask, positions_from_mask
 from moelens.sae import HookedSAEMixin
 from moelens.sitemap import SiteMap
-from moelens.support import SupportTable, support_table
 from moelens.tokenizer import MoeTokenizer, TokenizationError, check_padding_side
 from moelens.utils import get_attention_mask
 from moelens.weights import WeightViews

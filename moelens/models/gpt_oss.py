@@ -26,15 +26,24 @@ from torch import nn
 
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.experts.spec import ClampedSwiGLU, ExpertSpec
-from moelens.hook_sites import site_hook
+from moelens.hooks.sites import site_hook
 from moelens.models.base import HookedTransformer
 from moelens.models.components import Components, SparseMoe, TopKRouter
 from moelens.models.components.norm import CastAfterWeightRMSNorm
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
 from moelens.models.sites import Entry, attention_projections, decoder_site_map
 from moelens.sitemap import (
-    AS_STORED, ExpertStack, FusedExperts, Interleaved, InterleavedRows, PackedWeight, Reference, SiteMap, Transposed,
-    TransposedInterleaved, Weight,
+    AS_STORED,
+    ExpertStack,
+    FusedExperts,
+    Interleaved,
+    InterleavedRows,
+    PackedWeight,
+    Reference,
+    SiteMap,
+    Transposed,
+    TransposedInterleaved,
+    Weight,
 )
 
 LAYER_TYPES = ("sliding_attention", "full_attention")

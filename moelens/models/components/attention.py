@@ -14,7 +14,7 @@ from jaxtyping import Bool, Float
 from torch import nn
 
 from moelens.config import MoeConfig
-from moelens.hook_sites import site_hook
+from moelens.hooks.sites import site_hook
 from moelens.kv_cache import LayerKV
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary

@@ -9,7 +9,7 @@ from jaxtyping import Float
 from torch import nn
 
 from moelens.config import MoeConfig
-from moelens.hook_sites import site_hook, switched_sites
+from moelens.hooks.sites import site_hook, switched_sites
 from moelens.kv_cache import LayerKV
 from moelens.models.components.attention import Attention, SplitInputs
 from moelens.models.components.mlp import GatedMLP

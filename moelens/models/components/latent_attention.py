@@ -24,7 +24,7 @@ from jaxtyping import Bool, Float
 from torch import nn
 
 from moelens.config import RopeConfig
-from moelens.hook_sites import site_hook
+from moelens.hooks.sites import site_hook
 from moelens.kv_cache import LayerKV
 from moelens.models.components.attention import project_out
 from moelens.models.components.norm import RMSNorm

@@ -6,10 +6,9 @@ import torch
 from jaxtyping import Float
 from torch import nn
 
-from moelens.hook_sites import site_hook
 from moelens.experts.activations import activation
+from moelens.hooks.sites import site_hook
 from moelens.models.components.parts import GatedMlpPart
-
 
 # the table's sites of a gated MLP, by its width's name: a dense block's MLP or a shared expert
 _SITE_OF_WIDTH = {"d_mlp": "blocks.L.mlp", "d_shared": "blocks.L.mlp.shared_expert"}

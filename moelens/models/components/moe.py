@@ -10,10 +10,10 @@ from jaxtyping import Float, Int
 from torch import nn
 
 from moelens.config import MoeConfig
-from moelens.expert_views import VIEW_SITES, ExpertViewPoint, ViewGroup
 from moelens.experts.spec import ExpertTensors
 from moelens.experts.stored import StoredExperts
-from moelens.hook_sites import site_hook
+from moelens.hooks.expert_views import VIEW_SITES, ExpertViewPoint, ViewGroup
+from moelens.hooks.sites import site_hook
 from moelens.kernels import ExpertHooks, routed_experts
 from moelens.kernels.expert_parallel import ExpertShard
 from moelens.kernels.experts import Backend, Executor, check_indices, resolve_backend, routed_subset
@@ -26,7 +26,7 @@ from moelens.models.components.router import TopKRouter
 class ExpertSites(nn.Module):
     """TransformerLens's per-expert hook sites (its MoEGatedMLP's), blocks.L.mlp.experts.E.hook_gate / hook_pre /
     hook_post: [routed, d_expert] views of the per-slot sites, the rows of the slots routed to expert E in TL's
-    order (by slot, then by token; see moelens.expert_views.rows_by_expert). As in TL, hook_pre is the linear
+    order (by slot, then by token; see moelens.hooks.expert_views.rows_by_expert). As in TL, hook_pre is the linear
     "up" projection (the per-slot experts.hook_pre_linear) and hook_gate the gate pre-activation (the per-slot
     experts.hook_pre)."""
 

@@ -8,7 +8,7 @@ import torch
 from jaxtyping import Float
 from torch import nn
 
-from moelens.hook_sites import site_hook
+from moelens.hooks.sites import site_hook
 
 
 class RMSNorm(nn.Module):

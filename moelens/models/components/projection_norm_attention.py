@@ -14,7 +14,7 @@ import torch
 from jaxtyping import Float
 
 from moelens.config import MoeConfig
-from moelens.hook_sites import site_hook
+from moelens.hooks.sites import site_hook
 from moelens.models.components.attention import Attention, SplitInputs, linear_per_head, split_inputs
 from moelens.models.components.norm import RMSNorm
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from moelens.hooks import HookPoint
+from moelens.hooks.points import HookPoint
 
 DEFAULT = "default"
 
@@ -232,7 +232,7 @@ def site_form(name: str, form: str = DEFAULT) -> Form:
     """The table's form of a site, by its table name; a KeyError names what the table has."""
     site = SITE_BY_NAME.get(name)
     if site is None:
-        raise KeyError(f"{name!r} is not in the table of hook sites (moelens.hook_sites.SITES)")
+        raise KeyError(f"{name!r} is not in the table of hook sites (moelens.hooks.sites.SITES)")
     if form not in site.forms:
         raise KeyError(f"hook site {name!r} has no form {form!r}; its forms: {sorted(site.forms)}")
     return site.forms[form]

@@ -1,5 +1,5 @@
 """Names of hook sites: a full name's pattern and block, and the aliases (the table's standard and short names)
-that cache["router_logits", 3] and get_act_name resolve. The sites themselves are moelens.hook_sites' table.
+that cache["router_logits", 3] and get_act_name resolve. The sites themselves are moelens.hooks.sites' table.
 
 Names are relative to the model root; ``L`` stands for a block index.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from moelens.hook_sites import OPTIONAL_SITE_SWITCHES, SITE_BY_NAME, SITES, Site
+from moelens.hooks.sites import OPTIONAL_SITE_SWITCHES, SITE_BY_NAME, SITES, Site
 
 __all__ = [
     "OPTIONAL_SITE_SWITCHES", "SITES", "Site", "alias_candidates", "aliases", "layer_of", "site_for", "site_pattern",

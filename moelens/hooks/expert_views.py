@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Int
 
-from moelens.hook_sites import PER_EXPERT_SITES, site_form
-from moelens.hooks import HookPoint, SliceInput, call_hooked_points, slice_pos
+from moelens.hooks.points import HookPoint, SliceInput, call_hooked_points, slice_pos
+from moelens.hooks.sites import PER_EXPERT_SITES, site_form
 
 # ---- TransformerLens's per-expert sites: ragged views of the per-slot tensors ------------------------------
 # TL's MoE runs each expert on the tokens routed to it: for expert e, `idx, top_x = torch.where(

@@ -1,5 +1,5 @@
 """support(): the table of a model's hook points, with shapes for this model and the sites it lacks; the sites'
-standard names and switches are moelens.hook_sites'."""
+standard names and switches are moelens.hooks.sites'."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from moelens.hook_sites import SITE_BY_NAME, SITES, table_name
-from moelens.names import layer_of
+from moelens.hooks.names import layer_of
+from moelens.hooks.sites import SITE_BY_NAME, SITES, table_name
 from moelens.sitemap import SiteMap
 
 
