@@ -12,7 +12,7 @@ tl = pytest.importorskip("triton.language")
 from conftest import FAMILIES, KERNEL_FAMILIES  # noqa: E402
 
 from moelens import HookedTransformer  # noqa: E402
-from moelens.experts.spec import GLU, ExpertSpec, ExpertTensors  # noqa: E402
+from moelens.experts.spec import GLU, ClampedSwiGLU, ExpertSpec, ExpertTensors  # noqa: E402
 from moelens.hooks import HookPoint  # noqa: E402
 from moelens.kernels.experts import ExpertHooks, routed_experts, routed_experts_torch  # noqa: E402
 from moelens.kernels.routing import align_slots, max_padded_rows  # noqa: E402
@@ -228,8 +228,8 @@ def test_backend_errors_are_clear(qwen_model):
     with pytest.raises(ValueError, match=r"executor must be one of \('torch', 'triton'\).*resolve_backend.*got 'auto'"):
         routed_experts(x, idx, w, ExpertTensors(Wgu, Wd), gelu, hooks, (1, 5), "auto")
     biased = ExpertSpec(8, Wgu.shape[2], Wd.shape[2], bias=True)
-    with pytest.raises(ValueError, match="with biases"):
-        routed_experts(x, idx, w, ExpertTensors(Wgu, Wd, Wgu[:, :, 0], Wd[:, :, 0]), biased, hooks, (1, 5), "triton")
+    with pytest.raises(ValueError, match=r"b_gate_up must be \[8, 48\] in the activations' dtype torch.float32, got \[8, 48\] torch.float64"):
+        routed_experts(x, idx, w, ExpertTensors(Wgu, Wd, Wgu[:, :, 0].double(), Wd[:, :, 0]), biased, hooks, (1, 5), "triton")
 
 
 def test_tuned_table_round_trips(tmp_path):
@@ -386,3 +386,103 @@ def test_e4m3_decoding_matches_torch_for_every_code():
     decode_e4m3[(1,)](codes, out)
     torch.testing.assert_close(out, codes.view(torch.float8_e4m3fn).float(), rtol=0, atol=0, equal_nan=True)
     assert torch.equal(out.signbit(), codes.view(torch.float8_e4m3fn).float().signbit())
+
+
+# ---- biases and gpt-oss's ClampedSwiGLU ---------------------------------------------------------------------
+
+CLAMPED = ClampedSwiGLU(alpha=1.702, limit=1.5)  # gpt-oss's alpha; a limit the unit-scale pre-activations cross
+
+
+def biased_case(T, E, k, dtype, seed=0):
+    """make_case with biases (unit scale, as the pre-activations)."""
+    x, idx, w, Wgu, Wd = make_case(T, E, k, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    b_gu, b_d = torch.randn(E, 2 * I, generator=gen).to(dtype), torch.randn(E, H, generator=gen).to(dtype)
+    return x, idx, w, ExpertTensors(Wgu, Wd, b_gu.to(DEVICE), b_d.to(DEVICE))
+
+
+def biased_reference(x, idx, w, tensors, activation):
+    """fp64 per-expert loop with biases and `activation`: (neurons, weighted outputs, sum)."""
+    x, idx, w = x.cpu().double(), idx.cpu(), w.cpu().double()
+    Wgu, Wd, bgu, bd = (t.cpu().double() for t in tensors)
+    T, k = idx.shape
+    post = torch.zeros(T, k, Wd.shape[2], dtype=torch.float64)
+    out = torch.zeros(T, k, Wd.shape[1], dtype=torch.float64)
+    for e in range(Wgu.shape[0]):
+        t, s = torch.where(idx == e)
+        gate, up = (x[t] @ Wgu[e].T + bgu[e]).chunk(2, dim=-1)
+        post[t, s] = activation(gate, up)
+        out[t, s] = (post[t, s] @ Wd[e].T + bd[e]) * w[t, s, None]
+    return post, out, out.sum(1)
+
+
+@pytest.mark.parametrize("activation", [CLAMPED, SILU], ids=["clamped_swiglu", "silu"])
+@pytest.mark.parametrize("hook_pre", [False, True])
+@pytest.mark.parametrize("T,E,k", [(7, 8, 2), (37, 16, 4)])
+def test_biased_experts_float32_equal_the_torch_path(T, E, k, hook_pre, activation):
+    """Biases added after each GEMM and the activation, fused (hook_pre False) or stand-alone on the pre-activations
+    a hook returned (doubled): every hook within 1e-5 of the torch path, and of an fp64 oracle."""
+    x, idx, w, tensors = biased_case(T, E, k, torch.float32, seed=T + E)
+    hooks_t, got_t = capture_hooks()
+    hooks_k, got_k = capture_hooks()
+    if hook_pre:
+        for hooks in (hooks_t, hooks_k):
+            hooks.pre.add_hook(lambda t, hook: t * 2)
+    torch_sum = routed_experts_torch(x, idx, w, tensors, activation, hooks_t, (1, T))
+    kernel_sum = routed_experts_triton(x, idx, w, tensors, hooks_k, (1, T), activation=activation)
+    for name in ("pre", "pre_linear", "post", "outputs"):
+        assert (got_k[name] - got_t[name]).abs().max() <= 1e-5, name
+    assert (kernel_sum - torch_sum).abs().max() <= 1e-5
+    clamped = (got_t["pre"].abs() > CLAMPED.limit).float().mean()
+    assert 0.05 < clamped < 0.95  # the clamp is exercised, not everywhere
+    if not hook_pre:
+        ref_post, ref_out, ref_sum = biased_reference(x, idx, w, tensors, activation)
+        assert (got_k["post"].double() - ref_post.view_as(got_k["post"])).abs().max() <= 1e-5
+        assert (kernel_sum.double() - ref_sum).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("T,E,k", [(7, 8, 2), (64, 8, 4)])
+def test_biased_clamped_swiglu_bfloat16_as_close_to_fp64_as_the_torch_path(T, E, k):
+    x, idx, w, tensors = biased_case(T, E, k, torch.bfloat16, seed=2 * T + E)
+    ref_post, ref_out, ref_sum = biased_reference(x, idx, w, tensors, CLAMPED)
+    hooks_t, got_t = capture_hooks()
+    hooks_k, got_k = capture_hooks()
+    torch_sum = routed_experts_torch(x, idx, w, tensors, CLAMPED, hooks_t, (1, T))
+    kernel_sum = routed_experts_triton(x, idx, w, tensors, hooks_k, (1, T), activation=CLAMPED)
+    assert kernel_sum.dtype == torch.bfloat16
+    for name, ref, a, b in (("post", ref_post, got_t["post"], got_k["post"]), ("outputs", ref_out, got_t["outputs"], got_k["outputs"]),
+                            ("sum", ref_sum, torch_sum, kernel_sum)):
+        torch_err = (a.cpu().double() - ref.view_as(a)).abs().mean()
+        kernel_err = (b.cpu().double() - ref.view_as(b)).abs().mean()
+        assert kernel_err <= 1.5 * torch_err + 1e-6, (name, kernel_err, torch_err)
+
+
+@pytest.mark.parametrize("limit", [7.0, 7.05])  # 7.05 is no bfloat16: torch's clamp casts it to 7.0625
+def test_clamped_swiglu_kernel_rounds_as_torch_in_bfloat16(limit):
+    """The stand-alone activation on the same bfloat16 pre-activations: torch's ClampedSwiGLU's bits (same op
+    order, each op rounded to bfloat16), over values spanning both clamps."""
+    from moelens.kernels.triton_experts import silu_mul
+
+    activation = ClampedSwiGLU(alpha=1.702, limit=limit)
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(4096, generator=gen) * 6).bfloat16(), (torch.randn(4096, generator=gen) * 6).bfloat16()
+    gate[:4] = torch.tensor([7.0, 7.0625, 7.03125, -7.0625])
+    up[:4] = torch.tensor([-7.0625, 7.0625, -7.03125, 7.0])
+    expected = activation(gate, up)
+    got = silu_mul(gate.to(DEVICE), up.to(DEVICE), activation).cpu()
+    assert torch.equal(got, expected), (got != expected).sum()
+
+
+def test_biased_experts_gradients_equal_the_torch_paths():
+    """Gradients of the input, weights and biases through the Triton backend (its backward recomputes through the
+    torch path) against the torch path's, float32."""
+    x, idx, w, tensors = biased_case(11, 8, 2, torch.float32, seed=9)
+    grads = []
+    for executor in ("torch", "triton"):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, *tensors)]
+        hooks, _ = capture_hooks()
+        spec = ExpertSpec(8, H, I, CLAMPED, bias=True)
+        routed_experts(leaves[0], idx, w, ExpertTensors(*leaves[1:]), spec, hooks, (1, 11), executor).pow(2).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for name, a, b in zip(("x", "W_gate_up", "W_down", "b_gate_up", "b_down"), *grads):
+        assert (a - b).abs().max() <= 1e-4 * max(1.0, a.abs().max().item()), name

@@ -146,8 +146,8 @@ class ExpertSpec:
 
     @property
     def fused_by_triton(self) -> bool:
-        """Whether the Triton kernels compute this expert: SiLU(gate) * up, no biases, dense weights or fp8 kept
-        as stored (dequantized in the kernels' tiles)."""
+        """Whether the Triton kernels compute this expert: SiLU(gate) * up or ClampedSwiGLU, with or without
+        biases, dense weights or fp8 kept as stored (dequantized in the kernels' tiles)."""
         return self.triton_refusal() is None
 
     def triton_refusal(self) -> str | None:
@@ -158,10 +158,10 @@ class ExpertSpec:
                 f"{self.describe()}, and the kernels do not dequantize {self.storage} in their tiles: use "
                 "experts_backend='torch' or 'auto', or load without expert_storage"
             )
-        if not self.activation.silu_glu or self.bias:
+        if not (self.activation.silu_glu or isinstance(self.activation, ClampedSwiGLU)):
             return (
-                f"experts_backend='triton' computes SiLU(gate) * up without biases; this model's experts are "
-                f"{self.describe()}: use experts_backend='torch' or 'auto'"
+                f"experts_backend='triton' computes SiLU(gate) * up or gpt-oss's ClampedSwiGLU, with or without "
+                f"biases; this model's experts are {self.describe()}: use experts_backend='torch' or 'auto'"
             )
         return None
 

@@ -162,6 +162,8 @@ def _specialise(value) -> tuple[str, bool]:
         if value == 1:
             return "constexpr", False
         return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", False
     raise TypeError(f"cannot specialise a kernel argument of type {type(value).__name__}")
 
 
