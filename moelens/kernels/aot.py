@@ -39,7 +39,7 @@ from moelens.experts.spec import ExpertTensors
 from moelens.hooks import HookPoint
 from moelens.kernels import triton_experts
 from moelens.kernels.experts import ExpertHooks
-from moelens.kernels.stored_operands import Fp8Experts, Fp8Operand
+from moelens.kernels.stored_operands import StoredOperand, StoredOperands
 from moelens.kernels.tiles import Tile, active_table
 
 KERNEL_NAMES = ("_gate_up_kernel", "_down_kernel", "_silu_mul_kernel", "_combine_kernel")
@@ -105,17 +105,17 @@ class _Recorder:
         return launch
 
 
-def stored_fp8_meta(n_experts: int, d_model: int, d_expert: int, block: tuple[int, int]) -> Fp8Experts:
+def stored_fp8_meta(n_experts: int, d_model: int, d_expert: int, block: tuple[int, int]) -> StoredOperands:
     """Meta fp8 operands as per-expert checkpoints hold them (gate, up and down codes, each with float32 scales
     per block, partial last blocks where the block does not divide)."""
     E, H, I = n_experts, d_model, d_expert
 
-    def operand(rows: int, cols: int) -> Fp8Operand:
+    def operand(rows: int, cols: int) -> StoredOperand:
         grid = (E, -(-rows // block[0]), -(-cols // block[1]))
         codes = torch.empty(E, rows, cols, dtype=torch.uint8, device="meta")
-        return Fp8Operand(codes, torch.empty(grid, device="meta"), block, 0, rows)
+        return StoredOperand("fp8", codes, torch.empty(grid, device="meta"), block, 0, rows)
 
-    return Fp8Experts(operand(I, H), operand(I, H), operand(H, I), None)
+    return StoredOperands(operand(I, H), operand(I, H), operand(H, I), None)
 
 
 def record_launches(

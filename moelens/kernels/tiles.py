@@ -49,8 +49,10 @@ class Tile:
         - a tile whose columns cut scale blocks looks a scale up per element, and every such tile spilled
           (164 to 1040 bytes): block_k is halved (down to MIN_TILE) until it divides every block's columns,
           so that one scale per row serves the tile. Blocks no power of two >= MIN_TILE divides keep the
-          tile (and the per-element lookup)."""
-        if storage != "fp8":
+          tile (and the per-element lookup).
+        mxfp4 tiles (decoded in registers, one exponent per 32 columns) follow the same rules: block_k 32 or
+        less, one exponent per row."""
+        if storage not in ("fp8", "mxfp4"):
             return self
         block_k = self.block_k // 2 if self.num_warps == 4 and self.block_m >= 32 else self.block_k
         block_k = max(MIN_TILE, block_k)

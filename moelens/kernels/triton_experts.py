@@ -13,10 +13,10 @@ torch path (`slot_linear`) and differentiates it.
 Under TRITON_INTERPRET=1 (CPU tests) tiles are upcast to float32 after loading: the interpreter's bf16
 arithmetic and tl.dot are not faithful.
 
-Experts kept stored as fp8 (moelens.kernels.stored_operands): both GEMM kernels load the float8_e4m3fn codes
-and their block scales and dequantize in the weight tile (decode, float32 product, one rounding to the model
-dtype), the bits StoredExperts.dequantize gives, so results match dequantize-then-matmul up to accumulation
-order. A weight tile whose columns lie in one scale block (BLOCK_K divides the block's columns) loads one
+Experts kept stored as fp8 or MXFP4 (moelens.kernels.stored_operands): both GEMM kernels load the codes
+(float8_e4m3fn bytes; e2m1 nibbles two per byte) and their scales (float32 per block; E8M0 bytes per 32
+columns) and dequantize in the weight tile (decode, float32 product, one rounding to the model dtype), the
+bits StoredExperts.dequantize gives, so results match dequantize-then-matmul up to accumulation order. A weight tile whose columns lie in one scale block (BLOCK_K divides the block's columns) loads one
 scale per row; any other block shape looks scales up per element.
 """
 
@@ -33,7 +33,7 @@ from moelens.experts.spec import GLU, ClampedSwiGLU, ExpertTensors, GatedActivat
 from moelens.experts.stored import StoredExperts
 from moelens.kernels.experts import ExpertHooks, hooked, hooked_site, slot_linear
 from moelens.kernels.routing import SlotLayout, align_slots
-from moelens.kernels.stored_operands import Fp8Experts, Fp8Operand, fp8_experts
+from moelens.kernels.stored_operands import StoredOperand, StoredOperands, stored_operands
 from moelens.kernels.tiles import Tile, tile_for
 
 
@@ -76,26 +76,61 @@ def _e4m3_to_f32(code):
 
 
 @triton.jit
+def _e2m1_scaled_to_f32(nibble, scale):
+    """An MXFP4 value as float32 bits, exactly what dequantization gives (moelens.loaders.quantized.MXFP4_VALUES,
+    torch.ldexp(e2m1 value, scale - 127)): e2m1 nibble (sign, 2 exponent bits, 1 mantissa bit; exponent 0 is
+    0 or 0.5) times 2 ** (scale - 127) for an E8M0 byte. The float32 exponent field is scale + e - 1 (the
+    subnormal 0.5 too, with no mantissa); field <= 0 gives a float32 subnormal (shifted right, exactly),
+    >= 255 inf (2 ** 128 and above, as ldexp overflows). Integer ops only: no flush-to-zero on any GPU."""
+    c = nibble.to(tl.int32)
+    s = scale.to(tl.int32)
+    sign = (c >> 3).to(tl.uint32)
+    e = (c >> 1) & 3
+    m = c & 1
+    field = s + e - 1
+    mant = tl.where(e == 0, 0, m << 22)
+    normal = (field << 23) | mant
+    shift = tl.minimum(tl.maximum(1 - field, 0), 31)
+    subnormal = ((1 << 23) | mant) >> shift
+    bits = tl.where(field >= 255, 0x7F800000, tl.where(field <= 0, subnormal, normal))
+    bits = tl.where((e == 0) & (m == 0), 0, bits)
+    return (bits.to(tl.uint32) | (sign << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _weight_tile(
     w_ptr, s_ptr, expert, rows, row_ok, k0, ks, k_ok, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     ty: tl.constexpr, W_FP8: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, W_MXFP4: tl.constexpr = False,
 ):
-    """The [BLOCK_K, BLOCK_N] tile of an expert's weight, transposed: element (k, n) is W[expert, rows[n], ks[k]].
+    """The [BLOCK_K, BLOCK_N] tile of an expert's weight, transposed: element (k, n) is W[expert, rows[n], ks[k]]
+    (rows: stored rows).
     W_FP8: w_ptr holds float8_e4m3fn bytes and s_ptr float32 scales, one per QBLOCK_N x QBLOCK_K block; decoded,
     scaled in float32 and rounded once to ty, as the stored experts' dequantization does, so the tile holds
-    the dequantized weights' bits. SCALE_PER_ROW: BLOCK_K divides QBLOCK_K, so the tile's columns lie in one
-    block column and one scale per row is loaded; otherwise the scale is looked up per element (a tile may
-    then cut blocks anywhere, partial last blocks included)."""
+    the dequantized weights' bits. W_MXFP4: w_ptr holds two e2m1 codes per byte along k (k in byte k // 2, low
+    nibble first), s_ptr one E8M0 byte per row and QBLOCK_K (32) columns; decoded with the scale exactly in
+    float32 and rounded once to ty, the dequantization's bits. SCALE_PER_ROW: BLOCK_K divides QBLOCK_K, so the
+    tile's columns lie in one block column and one scale per row is loaded; otherwise the scale is looked up
+    per element (a tile may then cut blocks anywhere, partial last blocks included)."""
     mask = k_ok[:, None] & row_ok[None, :]
-    w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + ks[:, None] * stride_wk, mask=mask, other=0)
-    if W_FP8:
-        s_base = s_ptr + expert * stride_se + (rows[None, :] // QBLOCK_N) * stride_sn
+    if W_MXFP4:
+        packed = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + (ks[:, None] // 2) * stride_wk, mask=mask, other=0)
+        nibble = (packed.to(tl.int32) >> ((ks[:, None] & 1) * 4)) & 0xF
+        s_base = s_ptr + expert * stride_se + rows[None, :] * stride_sn
         if SCALE_PER_ROW:
-            scale = tl.load(s_base + (k0 // QBLOCK_K) * stride_sk, mask=row_ok[None, :], other=0.0)
+            scale = tl.load(s_base + (k0 // QBLOCK_K) * stride_sk, mask=row_ok[None, :], other=0)
         else:
-            scale = tl.load(s_base + (ks[:, None] // QBLOCK_K) * stride_sk, mask=mask, other=0.0)
-        w = _round(_e4m3_to_f32(w) * scale.to(tl.float32), ty, EMULATE_RNE)
+            scale = tl.load(s_base + (ks[:, None] // QBLOCK_K) * stride_sk, mask=mask, other=0)
+        w = _round(_e2m1_scaled_to_f32(nibble, scale), ty, EMULATE_RNE)
+    else:
+        w = tl.load(w_ptr + expert * stride_we + rows[None, :] * stride_wn + ks[:, None] * stride_wk, mask=mask, other=0)
+        if W_FP8:
+            s_base = s_ptr + expert * stride_se + (rows[None, :] // QBLOCK_N) * stride_sn
+            if SCALE_PER_ROW:
+                scale = tl.load(s_base + (k0 // QBLOCK_K) * stride_sk, mask=row_ok[None, :], other=0.0)
+            else:
+                scale = tl.load(s_base + (ks[:, None] // QBLOCK_K) * stride_sk, mask=mask, other=0.0)
+            w = _round(_e4m3_to_f32(w) * scale.to(tl.float32), ty, EMULATE_RNE)
     return w
 
 
@@ -153,16 +188,17 @@ def _silu_mul_kernel(
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, wu_ptr, ws_ptr, wus_ptr, b_ptr, sorted_ptr, block_expert_ptr, n_padded_ptr, post_ptr, pre_ptr, pre_linear_ptr,
-    n_slots, top_k, H, I, gate_row0, up_row0, alpha, limit,
+    n_slots, top_k, H, I, gate_row0, up_row0, row_step, alpha, limit,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_se, stride_sn, stride_sh, stride_be, stride_bn,
     stride_os, stride_oi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_POST: tl.constexpr, WRITE_PRE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     W_FP8: tl.constexpr = False, QBLOCK_N: tl.constexpr = 1, QBLOCK_K: tl.constexpr = 1, SCALE_PER_ROW: tl.constexpr = False,
-    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0,
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0, W_MXFP4: tl.constexpr = False,
 ):
     """Gate rows gate_row0 + [0, I) of w_ptr's experts, up rows up_row0 + [0, I) of wu_ptr's (dense: one
-    stack, up rows from I; fp8: codes with their scales ws_ptr / wus_ptr, laid out alike). HAS_BIAS: b_ptr is
+    stack, up rows from I; fp8 / mxfp4: codes with their scales ws_ptr / wus_ptr, laid out alike), rows row_step
+    apart (2: gate and up rows interleaved, gpt-oss's MXFP4). HAS_BIAS: b_ptr is
     b_gate_up [E, 2I] (gate then up), added to the rounded GEMM outputs and rounded again, as the torch path
     adds it."""
     pid_m = tl.program_id(0)
@@ -183,10 +219,12 @@ def _gate_up_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
         a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xh, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_gate = _weight_tile(w_ptr, ws_ptr, expert, gate_row0 + cols, col_ok, k0, ks, k_ok, stride_we, stride_wn, stride_wh,
-                              stride_se, stride_sn, stride_sh, w_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST)
-        w_up = _weight_tile(wu_ptr, wus_ptr, expert, up_row0 + cols, col_ok, k0, ks, k_ok, stride_we, stride_wn, stride_wh,
-                            stride_se, stride_sn, stride_sh, w_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST)
+        w_gate = _weight_tile(w_ptr, ws_ptr, expert, gate_row0 + cols * row_step, col_ok, k0, ks, k_ok, stride_we, stride_wn,
+                              stride_wh, stride_se, stride_sn, stride_sh, w_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST,
+                              W_MXFP4)
+        w_up = _weight_tile(wu_ptr, wus_ptr, expert, up_row0 + cols * row_step, col_ok, k0, ks, k_ok, stride_we, stride_wn,
+                            stride_wh, stride_se, stride_sn, stride_sh, w_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST,
+                            W_MXFP4)
         if UPCAST:
             a = a.to(tl.float32)
             w_gate = w_gate.to(tl.float32)
@@ -218,7 +256,7 @@ def _down_kernel(
     stride_os, stride_oh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, W_FP8: tl.constexpr = False, QBLOCK_N: tl.constexpr = 1, QBLOCK_K: tl.constexpr = 1,
-    SCALE_PER_ROW: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+    SCALE_PER_ROW: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, W_MXFP4: tl.constexpr = False,
 ):
     """HAS_BIAS: b_ptr is b_down [E, H], added to the rounded GEMM output and rounded again (the torch path's
     down + bias), before the router weight."""
@@ -239,7 +277,8 @@ def _down_kernel(
         k_ok = ks < I
         a = tl.load(post_ptr + safe_slots[:, None] * stride_ps + ks[None, :] * stride_pi, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = _weight_tile(w_ptr, ws_ptr, expert, row0 + cols, col_ok, k0, ks, k_ok, stride_we, stride_wh, stride_wi,
-                         stride_se, stride_sh, stride_si, post_ptr.dtype.element_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST)
+                         stride_se, stride_sh, stride_si, post_ptr.dtype.element_ty, W_FP8, QBLOCK_N, QBLOCK_K, SCALE_PER_ROW, UPCAST,
+                         W_MXFP4)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -272,8 +311,9 @@ def _grid_m(layout: SlotLayout) -> int:
     return layout.max_blocks
 
 
-def _fp8_args(op: Fp8Operand, tile: Tile) -> dict:
-    return dict(W_FP8=True, QBLOCK_N=op.block[0], QBLOCK_K=op.block[1], SCALE_PER_ROW=op.block[1] % tile.block_k == 0)
+def _stored_args(op: StoredOperand, tile: Tile) -> dict:
+    fmt = dict(W_FP8=True) if op.method == "fp8" else dict(W_MXFP4=True)
+    return dict(**fmt, QBLOCK_N=op.block[0], QBLOCK_K=op.block[1], SCALE_PER_ROW=op.block[1] % tile.block_k == 0)
 
 
 def activation_args(activation: GatedActivation, dtype: torch.dtype) -> dict:
@@ -296,25 +336,26 @@ def _bias_args(bias: torch.Tensor | None, x: torch.Tensor, name: str, shape: tup
 
 
 def gate_up(
-    x: torch.Tensor, W_gate_up: torch.Tensor | Fp8Experts, layout: SlotLayout, tile: Tile, top_k: int, write_pre: bool,
+    x: torch.Tensor, W_gate_up: torch.Tensor | StoredOperands, layout: SlotLayout, tile: Tile, top_k: int, write_pre: bool,
     bias: torch.Tensor | None = None, activation: GatedActivation = SILU_GLU,
 ):
     """The per-slot neurons [S, I]; or, with write_pre, the pre-activations [S, 2I] (gate then up), for
-    hooks that read or replace them before the activation. W_gate_up: the dense stack, or fp8-stored experts
+    hooks that read or replace them before the activation. W_gate_up: the dense stack, or stored experts
     (dequantized in the kernel's tiles). bias: b_gate_up [E, 2I], or None."""
     S, H = layout.n_slots, x.shape[1]
-    if isinstance(W_gate_up, Fp8Experts):
+    if isinstance(W_gate_up, StoredOperands):
         gate, up = W_gate_up.gate, W_gate_up.up
-        if (gate.codes.stride(), gate.scales.stride()) != (up.codes.stride(), up.scales.stride()) or gate.block != up.block:
-            raise ValueError(f"fp8 gate and up weights must share strides and blocks, got {gate} and {up}")
+        if ((gate.codes.stride(), gate.scales.stride(), gate.block, gate.method, gate.row_step)
+                != (up.codes.stride(), up.scales.stride(), up.block, up.method, up.row_step)):
+            raise ValueError(f"stored gate and up weights must share strides, blocks, format and row step, got {gate} and {up}")
         I = gate.n_rows
         weights = (gate.codes, up.codes, gate.scales, up.scales)
-        rows0, w_strides, s_strides = (gate.row0, up.row0), gate.codes.stride(), gate.scales.stride()
-        quantized = _fp8_args(gate, tile)
+        rows0, w_strides, s_strides = (gate.row0, up.row0, gate.row_step), gate.codes.stride(), gate.scales.stride()
+        quantized = _stored_args(gate, tile)
     else:
         I = W_gate_up.shape[1] // 2
         weights = (W_gate_up, W_gate_up, W_gate_up, W_gate_up)  # no scales: their arguments go unread
-        rows0, w_strides, s_strides, quantized = (0, I), W_gate_up.stride(), (0, 0, 0), {}
+        rows0, w_strides, s_strides, quantized = (0, I, 1), W_gate_up.stride(), (0, 0, 0), {}
     b, b_strides, biased = _bias_args(bias, x, "b_gate_up", (_n_experts(W_gate_up), 2 * I))
     act = activation_args(activation, x.dtype)
     out = x.new_empty(S, 2 * I if write_pre else I)
@@ -331,20 +372,22 @@ def gate_up(
     return out
 
 
-def _n_experts(W: torch.Tensor | Fp8Experts) -> int:
-    return W.n_experts if isinstance(W, Fp8Experts) else W.shape[0]
+def _n_experts(W: torch.Tensor | StoredOperands) -> int:
+    return W.n_experts if isinstance(W, StoredOperands) else W.shape[0]
 
 
 def down(
-    post: torch.Tensor, W_down: torch.Tensor | Fp8Experts, weights: torch.Tensor, layout: SlotLayout, tile: Tile,
+    post: torch.Tensor, W_down: torch.Tensor | StoredOperands, weights: torch.Tensor, layout: SlotLayout, tile: Tile,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted per-slot outputs [S, H], in the promoted dtype of the model and the router weights. bias: b_down
     [E, H], or None."""
     S, I = layout.n_slots, post.shape[1]
-    if isinstance(W_down, Fp8Experts):
+    if isinstance(W_down, StoredOperands):
         op = W_down.down
-        H, stacks, row0, w_strides, s_strides, quantized = op.n_rows, (op.codes, op.scales), op.row0, op.codes.stride(), op.scales.stride(), _fp8_args(op, tile)
+        H, stacks, row0, w_strides, s_strides, quantized = op.n_rows, (op.codes, op.scales), op.row0, op.codes.stride(), op.scales.stride(), _stored_args(op, tile)
+        if op.row_step != 1:
+            raise ValueError(f"a stored down weight is read with row step 1, got {op}")
     else:
         H, stacks, row0, w_strides, s_strides, quantized = W_down.shape[1], (W_down, W_down), 0, W_down.stride(), (0, 0, 0), {}
     b, b_strides, biased = _bias_args(bias, post, "b_down", (_n_experts(W_down), H))
@@ -386,18 +429,18 @@ def combine(weighted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ---- autograd: Triton forward, torch-path backward --------------------------------------------------
 
 
-def _saved_weight(ctx, weight: torch.Tensor | Fp8Experts) -> torch.Tensor:
+def _saved_weight(ctx, weight: torch.Tensor | StoredOperands) -> torch.Tensor:
     """A tensor to save for backward: the weight itself, or an empty placeholder for stored experts (kept on
     ctx, dequantized only if a backward runs)."""
-    ctx.stored = weight if isinstance(weight, Fp8Experts) else None
-    return weight.gate.codes.new_empty(0) if isinstance(weight, Fp8Experts) else weight
+    ctx.stored = weight if isinstance(weight, StoredOperands) else None
+    return weight.gate.codes.new_empty(0) if isinstance(weight, StoredOperands) else weight
 
 
 def _dense_weight(ctx, saved: torch.Tensor, dtype: torch.dtype, index: int) -> torch.Tensor:
     if ctx.stored is None:
         return saved
     if ctx.stored.stored is None:
-        raise RuntimeError("fp8 operands given without their StoredExperts cannot be differentiated")
+        raise RuntimeError("stored operands given without their StoredExperts cannot be differentiated")
     return ctx.stored.stored.dequantize(dtype)[index]
 
 
@@ -481,29 +524,30 @@ class _Combine(torch.autograd.Function):
 
 
 def routed_experts_triton(
-    x, indices, weights, tensors: ExpertTensors | StoredExperts | Fp8Experts, hooks: ExpertHooks, batch_pos,
+    x, indices, weights, tensors: ExpertTensors | StoredExperts | StoredOperands, hooks: ExpertHooks, batch_pos,
     tile: Tile | None = None, activation: GatedActivation = SILU_GLU,
 ) -> torch.Tensor:
     """The experts of a spec the kernels compute (ExpertSpec.fused_by_triton: SiLU(gate) * up or ClampedSwiGLU,
-    with or without biases; activation is the spec's). Experts kept stored as fp8 are dequantized in the kernels' tiles (moelens.kernels.stored_operands), to
-    the bits StoredExperts.dequantize(x.dtype) gives; a stored layout the tiles do not read is dequantized
-    first, with that same function."""
+    with or without biases; activation is the spec's). Experts kept stored as fp8 or MXFP4 are dequantized in the
+    kernels' tiles (moelens.kernels.stored_operands), to the bits StoredExperts.dequantize(x.dtype) gives; a
+    stored layout the tiles do not read is dequantized first, with that same function."""
     if isinstance(tensors, StoredExperts):
-        stored = fp8_experts(tensors)
+        stored = stored_operands(tensors, x.dtype)
         if stored is None:
             tensors = tensors.dequantize(x.dtype)
         else:
             tensors = stored
     b_gate_up = b_down = None
-    if isinstance(tensors, Fp8Experts):
+    if isinstance(tensors, StoredOperands):
         W_gate_up = W_down = tensors
+        b_gate_up, b_down = tensors.gate_up_bias, tensors.down_bias
     if isinstance(tensors, ExpertTensors):
         W_gate_up, W_down, b_gate_up, b_down = tensors
     T, k = indices.shape
     if tile is None:
         tile = tile_for(T).for_dtype(x.dtype)
-        if isinstance(W_gate_up, Fp8Experts):
-            tile = tile.for_storage("fp8", (W_gate_up.gate.block[1], W_gate_up.down.block[1]))
+        if isinstance(W_gate_up, StoredOperands):
+            tile = tile.for_storage(W_gate_up.gate.method, (W_gate_up.gate.block[1], W_gate_up.down.block[1]))
     layout = align_slots(indices, tensors.n_experts, tile.block_m)
     experts = indices.reshape(-1)
     x = x.contiguous()
