@@ -50,11 +50,14 @@ class Tile:
           (164 to 1040 bytes): block_k is halved (down to MIN_TILE) until it divides every block's columns,
           so that one scale per row serves the tile. Blocks no power of two >= MIN_TILE divides keep the
           tile (and the per-element lookup).
-        mxfp4 tiles (decoded in registers, one exponent per 32 columns) follow the same rules: block_k 32 or
-        less, one exponent per row."""
+        mxfp4 tiles (e2m1 nibbles decoded with their exponent in registers, one exponent per 32 columns) follow
+        the same rules, and their 4-warp tiles of 32 rows or more quarter block_k: the bfloat16 32x128x32
+        gate_up tile spilled on sm_90 (255 registers, 296 bytes; gpt-oss's shape, biases, ClampedSwiGLU) where
+        32x128x16 used 128 and none."""
         if storage not in ("fp8", "mxfp4"):
             return self
-        block_k = self.block_k // 2 if self.num_warps == 4 and self.block_m >= 32 else self.block_k
+        narrowed = self.num_warps == 4 and self.block_m >= 32
+        block_k = self.block_k // (4 if storage == "mxfp4" else 2) if narrowed else self.block_k
         block_k = max(MIN_TILE, block_k)
         while block_k > MIN_TILE and any(cols % block_k for cols in scale_cols):
             block_k //= 2

@@ -80,20 +80,23 @@ def _e2m1_scaled_to_f32(nibble, scale):
     """An MXFP4 value as float32 bits, exactly what dequantization gives (moelens.loaders.quantized.MXFP4_VALUES,
     torch.ldexp(e2m1 value, scale - 127)): e2m1 nibble (sign, 2 exponent bits, 1 mantissa bit; exponent 0 is
     0 or 0.5) times 2 ** (scale - 127) for an E8M0 byte. The float32 exponent field is scale + e - 1 (the
-    subnormal 0.5 too, with no mantissa); field <= 0 gives a float32 subnormal (shifted right, exactly),
-    >= 255 inf (2 ** 128 and above, as ldexp overflows). Integer ops only: no flush-to-zero on any GPU."""
+    subnormal 0.5 too, with no mantissa); field <= 0 gives a float32 subnormal (the implicit bit shifted right,
+    exactly), >= 255 inf (2 ** 128 and above, as ldexp overflows). Integer ops only: no flush-to-zero on any
+    GPU."""
     c = nibble.to(tl.int32)
     s = scale.to(tl.int32)
     sign = (c >> 3).to(tl.uint32)
     e = (c >> 1) & 3
     m = c & 1
     field = s + e - 1
-    mant = tl.where(e == 0, 0, m << 22)
-    normal = (field << 23) | mant
-    shift = tl.minimum(tl.maximum(1 - field, 0), 31)
-    subnormal = ((1 << 23) | mant) >> shift
-    bits = tl.where(field >= 255, 0x7F800000, tl.where(field <= 0, subnormal, normal))
-    bits = tl.where((e == 0) & (m == 0), 0, bits)
+    # selects written as integer arithmetic: boolean tensors here made Triton 3.9's sm_90 pipeline put an i1
+    # tensor in shared memory and fail (TritonGPUReduceDataDuplication) for 32 x 128 x 32 tiles
+    normal_e2m1 = (e + 3) >> 2  # e2m1 exponent != 0: the mantissa bit is the float's
+    overflow = tl.minimum(tl.maximum(field - 254, 0), 1)  # 2 ** 128 and above: inf, no mantissa
+    mant = (m * normal_e2m1 * (1 - overflow)) << 22
+    shift = tl.minimum(tl.maximum(1 - field, 0), 31)  # field <= 0: a float32 subnormal, shifted exactly
+    bits = (((1 << 23) | mant) >> shift) + ((tl.maximum(tl.minimum(field, 255), 1) - 1) << 23)
+    bits = bits * (((c & 7) + 7) >> 3)  # +-0 codes
     return (bits.to(tl.uint32) | (sign << 31)).to(tl.float32, bitcast=True)
 
 
