@@ -11,7 +11,8 @@ swapped for recorders, so argument types, strides, constexprs and warps are what
 integers and pointers are specialised as Triton's launcher does (1 -> constexpr, multiples of 16 ->
 divisibility hints). Needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 
-    python -m moelens.kernels.aot --gpu sm_90 sm_80 --dtype bfloat16 float32 [--shape E,k,H,I] [--storage fp8] [--json]
+    python -m moelens.kernels.aot --gpu sm_90 sm_80 --dtype bfloat16 float32 [--shape E,k,H,I] [--storage fp8|mxfp4]
+        [--bias] [--clamped-swiglu] [--json]
 
 --storage fp8 records the launches for experts kept stored as fp8 (per-expert gate / up / down codes with
 float32 scales per --fp8-block, default 128 x 128), which the GEMM kernels dequantize in their tiles; --storage

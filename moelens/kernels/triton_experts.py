@@ -550,7 +550,7 @@ def routed_experts_triton(
     if tile is None:
         tile = tile_for(T).for_dtype(x.dtype)
         if isinstance(W_gate_up, StoredOperands):
-            tile = tile.for_storage(W_gate_up.gate.method, (W_gate_up.gate.block[1], W_gate_up.down.block[1]))
+            tile = tile.for_storage(W_gate_up.gate.method, (W_gate_up.gate.block[1], W_gate_up.down.block[1]), x.dtype)
     layout = align_slots(indices, tensors.n_experts, tile.block_m)
     experts = indices.reshape(-1)
     x = x.contiguous()
