@@ -192,11 +192,6 @@ def load_options(
             f"fold_ln rewrites the routed experts' gate and up rows, which expert_storage={expert_storage!r} keeps as "
             "the checkpoint stores them: load with expert_storage=None to fold"
         )
-    if expert_storage not in (None, "fp8") and experts_backend == "triton":
-        raise ValueError(
-            f"experts_backend='triton' reads dense or fp8 expert weights (fp8 dequantized in its tiles); expert_storage="
-            f"{expert_storage!r} runs the routed experts on the torch path: use experts_backend='torch' or 'auto'"
-        )
     if expert_parallel_timeout is not None and not expert_parallel:
         raise ValueError("expert_parallel_timeout is how long expert-parallel ranks wait for each other: it needs expert_parallel")
     return LoadOptions(

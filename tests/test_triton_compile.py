@@ -36,6 +36,12 @@ RUNS = {
                          "--tokens", "7,300", "--shape", "8,2,272,208"],
     "fp8_odd_blocks": ["--gpu", "sm_90", "--dtype", "bfloat16", "--storage", "fp8", "--fp8-block", "32,24",
                        "--tokens", "7", "--shape", "8,2,72,40"],
+    # fp8 with float32 activations: the tiles Tile.for_storage narrows for float32
+    "fp8_float32": ["--gpu", "sm_90", "--dtype", "float32", "--storage", "fp8"],
+    # gpt-oss-20b's experts (32 experts, top 4, 2880 x 2880): biases and ClampedSwiGLU, dense and kept MXFP4
+    "biased": ["--gpu", "sm_90", "--dtype", "bfloat16", "--bias", "--clamped-swiglu", "--shape", "32,4,2880,2880"],
+    "mxfp4": ["--gpu", "sm_90", "--dtype", "bfloat16", "float32", "--storage", "mxfp4", "--bias", "--clamped-swiglu",
+              "--shape", "32,4,2880,2880"],
 }
 
 
@@ -111,6 +117,39 @@ def test_fp8_tiles_compile_for_every_bucket_on_tensor_cores_without_spills_on_ho
         assert r["spill_bytes"] == 0, f"{r['label']} spills {r['spill_bytes']} bytes on sm_90"
 
 
+def test_biased_and_mxfp4_tiles_compile_for_every_bucket_without_spills_on_hopper(surveys):
+    """Biases and ClampedSwiGLU in the epilogues, dense and with MXFP4 decoded in the weight tiles (one exponent
+    per tile row): every bucket's tile (Tile.for_storage) compiles for sm_90 on bf16 tensor cores (IEEE fma for
+    float32), fits in shared memory, and spills no register."""
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        labels = {r["label"] for r in surveys["mxfp4"] if r["dtype"] == name}
+        for _, tile in DEFAULT_TABLE:
+            t = tile.for_dtype(dtype).for_storage("mxfp4", (32,), dtype)
+            size = f"{t.block_m}x{t.block_n}x{t.block_k}"
+            expected = {f"gate_up mxfp4 bias clamped {size}", f"gate_up mxfp4 bias clamped pre {size}", f"down mxfp4 bias {size}"}
+            assert expected <= labels, (name, size)
+        assert "silu_mul clamped" in labels
+    dense = {r["label"] for r in surveys["biased"]}
+    for _, tile in DEFAULT_TABLE:
+        size = f"{tile.block_m}x{tile.block_n}x{tile.block_k}"
+        assert {f"gate_up bias clamped {size}", f"gate_up bias clamped pre {size}", f"down bias {size}"} <= dense, size
+    mxfp4 = gemms(surveys["mxfp4"])
+    assert {r["constexprs"]["SCALE_PER_ROW"] for r in mxfp4} == {True}
+    for r in mxfp4 + gemms(surveys["biased"]):
+        hopper_wide = r["constexprs"]["BLOCK_M"] >= 64 and r["num_warps"] % 4 == 0
+        assert r["dot"] == ("fma" if r["dtype"] == "float32" else "wgmma.bf16" if hopper_wide else "mma.bf16"), r["label"]
+    for r in surveys["mxfp4"] + surveys["biased"]:
+        assert r["spill_bytes"] == 0, f"{r['dtype']} {r['label']} spills {r['spill_bytes']} bytes on sm_90"
+
+
+def test_fp8_float32_tiles_do_not_spill_on_hopper(surveys):
+    rows = gemms(surveys["fp8_float32"])
+    assert rows and {r["dot"] for r in rows} == {"fma"}
+    for r in rows:
+        assert r["spill_bytes"] == 0, f"float32 {r['label']} spills {r['spill_bytes']} bytes on sm_90"
+
+
 def test_fp8_tiles_keep_one_scale_per_row_and_halve_k_where_four_warps_spilled():
     assert Tile(32, 128, 64).for_storage("fp8", (128,)) == Tile(32, 128, 32)
     assert Tile(16, 128, 64).for_storage("fp8", (128, 128)) == Tile(16, 128, 64)
@@ -118,6 +157,14 @@ def test_fp8_tiles_keep_one_scale_per_row_and_halve_k_where_four_warps_spilled()
     assert Tile(16, 64, 64).for_storage("fp8", (32, 128)) == Tile(16, 64, 32)  # 32-column blocks
     assert Tile(16, 64, 64).for_storage("fp8", (24,)) == Tile(16, 64, 16)  # none divides: per element
     assert Tile(32, 128, 64).for_storage(None) == Tile(32, 128, 64)
+    # mxfp4: 4-warp tiles of >= 32 rows quarter block_k; float32 8-warp tiles: <= 64 rows, block_k 16
+    assert Tile(32, 128, 64).for_storage("mxfp4", (32,)) == Tile(32, 128, 16)
+    assert Tile(16, 128, 64).for_storage("mxfp4", (32,)) == Tile(16, 128, 32)
+    assert Tile(128, 128, 64, num_warps=8).for_storage("mxfp4", (32,)) == Tile(128, 128, 32, num_warps=8)
+    f32 = torch.float32
+    assert Tile(128, 64, 32, num_warps=8).for_storage("fp8", (128,), f32) == Tile(64, 64, 16, num_warps=8)
+    assert Tile(128, 64, 32, num_warps=8).for_storage("fp8", (128,), torch.bfloat16) == Tile(128, 64, 32, num_warps=8)
+    assert Tile(16, 64, 32).for_storage("mxfp4", (32,), f32) == Tile(16, 64, 32)
 
 
 def test_float32_dots_are_ieee_unless_torch_allows_tf32(surveys):

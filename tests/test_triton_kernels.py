@@ -12,12 +12,12 @@ tl = pytest.importorskip("triton.language")
 from conftest import FAMILIES, KERNEL_FAMILIES  # noqa: E402
 
 from moelens import HookedTransformer  # noqa: E402
-from moelens.experts.spec import GLU, ExpertSpec, ExpertTensors  # noqa: E402
+from moelens.experts.spec import GLU, ClampedSwiGLU, ExpertSpec, ExpertTensors  # noqa: E402
 from moelens.hooks import HookPoint  # noqa: E402
 from moelens.kernels.experts import ExpertHooks, routed_experts, routed_experts_torch  # noqa: E402
 from moelens.kernels.routing import align_slots, max_padded_rows  # noqa: E402
 from moelens.kernels.tiles import DEFAULT_TABLE, MIN_TILE, Tile, tile_for  # noqa: E402
-from moelens.kernels.triton_experts import _e4m3_to_f32, routed_experts_triton  # noqa: E402
+from moelens.kernels.triton_experts import _e2m1_scaled_to_f32, _e4m3_to_f32, routed_experts_triton  # noqa: E402
 
 H, I = 40, 24  # not multiples of any block size
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (conftest sets it)
@@ -228,8 +228,8 @@ def test_backend_errors_are_clear(qwen_model):
     with pytest.raises(ValueError, match=r"executor must be one of \('torch', 'triton'\).*resolve_backend.*got 'auto'"):
         routed_experts(x, idx, w, ExpertTensors(Wgu, Wd), gelu, hooks, (1, 5), "auto")
     biased = ExpertSpec(8, Wgu.shape[2], Wd.shape[2], bias=True)
-    with pytest.raises(ValueError, match="with biases"):
-        routed_experts(x, idx, w, ExpertTensors(Wgu, Wd, Wgu[:, :, 0], Wd[:, :, 0]), biased, hooks, (1, 5), "triton")
+    with pytest.raises(ValueError, match=r"b_gate_up must be \[8, 48\] in the activations' dtype torch.float32, got \[8, 48\] torch.float64"):
+        routed_experts(x, idx, w, ExpertTensors(Wgu, Wd, Wgu[:, :, 0].double(), Wd[:, :, 0]), biased, hooks, (1, 5), "triton")
 
 
 def test_tuned_table_round_trips(tmp_path):
@@ -386,3 +386,205 @@ def test_e4m3_decoding_matches_torch_for_every_code():
     decode_e4m3[(1,)](codes, out)
     torch.testing.assert_close(out, codes.view(torch.float8_e4m3fn).float(), rtol=0, atol=0, equal_nan=True)
     assert torch.equal(out.signbit(), codes.view(torch.float8_e4m3fn).float().signbit())
+
+
+# ---- biases and gpt-oss's ClampedSwiGLU ---------------------------------------------------------------------
+
+CLAMPED = ClampedSwiGLU(alpha=1.702, limit=1.5)  # gpt-oss's alpha; a limit the unit-scale pre-activations cross
+
+
+def biased_case(T, E, k, dtype, seed=0):
+    """make_case with biases (unit scale, as the pre-activations)."""
+    x, idx, w, Wgu, Wd = make_case(T, E, k, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    b_gu, b_d = torch.randn(E, 2 * I, generator=gen).to(dtype), torch.randn(E, H, generator=gen).to(dtype)
+    return x, idx, w, ExpertTensors(Wgu, Wd, b_gu.to(DEVICE), b_d.to(DEVICE))
+
+
+def biased_reference(x, idx, w, tensors, activation):
+    """fp64 per-expert loop with biases and `activation`: (neurons, weighted outputs, sum)."""
+    x, idx, w = x.cpu().double(), idx.cpu(), w.cpu().double()
+    Wgu, Wd, bgu, bd = (t.cpu().double() for t in tensors)
+    T, k = idx.shape
+    post = torch.zeros(T, k, Wd.shape[2], dtype=torch.float64)
+    out = torch.zeros(T, k, Wd.shape[1], dtype=torch.float64)
+    for e in range(Wgu.shape[0]):
+        t, s = torch.where(idx == e)
+        gate, up = (x[t] @ Wgu[e].T + bgu[e]).chunk(2, dim=-1)
+        post[t, s] = activation(gate, up)
+        out[t, s] = (post[t, s] @ Wd[e].T + bd[e]) * w[t, s, None]
+    return post, out, out.sum(1)
+
+
+@pytest.mark.parametrize("activation", [CLAMPED, SILU], ids=["clamped_swiglu", "silu"])
+@pytest.mark.parametrize("hook_pre", [False, True])
+@pytest.mark.parametrize("T,E,k", [(7, 8, 2), (37, 16, 4)])
+def test_biased_experts_float32_equal_the_torch_path(T, E, k, hook_pre, activation):
+    """Biases added after each GEMM and the activation, fused (hook_pre False) or stand-alone on the pre-activations
+    a hook returned (doubled): every hook within 1e-5 of the torch path, and of an fp64 oracle."""
+    x, idx, w, tensors = biased_case(T, E, k, torch.float32, seed=T + E)
+    hooks_t, got_t = capture_hooks()
+    hooks_k, got_k = capture_hooks()
+    if hook_pre:
+        for hooks in (hooks_t, hooks_k):
+            hooks.pre.add_hook(lambda t, hook: t * 2)
+    torch_sum = routed_experts_torch(x, idx, w, tensors, activation, hooks_t, (1, T))
+    kernel_sum = routed_experts_triton(x, idx, w, tensors, hooks_k, (1, T), activation=activation)
+    for name in ("pre", "pre_linear", "post", "outputs"):
+        assert (got_k[name] - got_t[name]).abs().max() <= 1e-5, name
+    assert (kernel_sum - torch_sum).abs().max() <= 1e-5
+    clamped = (got_t["pre"].abs() > CLAMPED.limit).float().mean()
+    assert 0.05 < clamped < 0.95  # the clamp is exercised, not everywhere
+    if not hook_pre:
+        ref_post, ref_out, ref_sum = biased_reference(x, idx, w, tensors, activation)
+        assert (got_k["post"].double() - ref_post.view_as(got_k["post"])).abs().max() <= 1e-5
+        assert (kernel_sum.double() - ref_sum).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("T,E,k", [(7, 8, 2), (64, 8, 4)])
+def test_biased_clamped_swiglu_bfloat16_as_close_to_fp64_as_the_torch_path(T, E, k):
+    x, idx, w, tensors = biased_case(T, E, k, torch.bfloat16, seed=2 * T + E)
+    ref_post, ref_out, ref_sum = biased_reference(x, idx, w, tensors, CLAMPED)
+    hooks_t, got_t = capture_hooks()
+    hooks_k, got_k = capture_hooks()
+    torch_sum = routed_experts_torch(x, idx, w, tensors, CLAMPED, hooks_t, (1, T))
+    kernel_sum = routed_experts_triton(x, idx, w, tensors, hooks_k, (1, T), activation=CLAMPED)
+    assert kernel_sum.dtype == torch.bfloat16
+    for name, ref, a, b in (("post", ref_post, got_t["post"], got_k["post"]), ("outputs", ref_out, got_t["outputs"], got_k["outputs"]),
+                            ("sum", ref_sum, torch_sum, kernel_sum)):
+        torch_err = (a.cpu().double() - ref.view_as(a)).abs().mean()
+        kernel_err = (b.cpu().double() - ref.view_as(b)).abs().mean()
+        assert kernel_err <= 1.5 * torch_err + 1e-6, (name, kernel_err, torch_err)
+
+
+@pytest.mark.parametrize("limit", [7.0, 7.05])  # 7.05 is no bfloat16: torch's clamp casts it to 7.0625
+def test_clamped_swiglu_kernel_rounds_as_torch_in_bfloat16(limit):
+    """The stand-alone activation on the same bfloat16 pre-activations: torch's ClampedSwiGLU's bits (same op
+    order, each op rounded to bfloat16), over values spanning both clamps."""
+    from moelens.kernels.triton_experts import silu_mul
+
+    activation = ClampedSwiGLU(alpha=1.702, limit=limit)
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(4096, generator=gen) * 6).bfloat16(), (torch.randn(4096, generator=gen) * 6).bfloat16()
+    gate[:4] = torch.tensor([7.0, 7.0625, 7.03125, -7.0625])
+    up[:4] = torch.tensor([-7.0625, 7.0625, -7.03125, 7.0])
+    expected = activation(gate, up)
+    got = silu_mul(gate.to(DEVICE), up.to(DEVICE), activation).cpu()
+    assert torch.equal(got, expected), (got != expected).sum()
+
+
+def test_biased_experts_gradients_equal_the_torch_paths():
+    """Gradients of the input, weights and biases through the Triton backend (its backward recomputes through the
+    torch path) against the torch path's, float32."""
+    x, idx, w, tensors = biased_case(11, 8, 2, torch.float32, seed=9)
+    grads = []
+    for executor in ("torch", "triton"):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, *tensors)]
+        hooks, _ = capture_hooks()
+        spec = ExpertSpec(8, H, I, CLAMPED, bias=True)
+        routed_experts(leaves[0], idx, w, ExpertTensors(*leaves[1:]), spec, hooks, (1, 11), executor).pow(2).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for name, a, b in zip(("x", "W_gate_up", "W_down", "b_gate_up", "b_down"), *grads):
+        assert (a - b).abs().max() <= 1e-4 * max(1.0, a.abs().max().item()), name
+
+
+# ---- experts kept stored as MXFP4: dequantized in the kernels' tiles ------------------------------------------------
+
+MX_H, MX_I = 96, 64  # MXFP4 packs 32 columns per scale: both GEMMs' inner widths are multiples of 32
+
+
+def stored_mxfp4_experts(E, interleaved, bias, seed=0):
+    """Random experts (MX_H x MX_I) kept stored as MXFP4 as gpt-oss publishes them: gate and up rows interleaved
+    (or gate rows first), down as stored, biases dense (b_gate_up interleaved, as gpt-oss stores it) or none;
+    ClampedSwiGLU with biases, SiLU without. Scales spread over 2 ** -8 .. 2 ** 2, a few codes subnormal."""
+    from tiny_gpt_oss import quantize_mxfp4
+
+    from moelens.experts.stored import StoredExperts, StoredPart
+    from moelens.loaders.quantized import Mxfp4
+    from moelens.sitemap import AS_STORED, Interleaved, InterleavedRows
+
+    gen = torch.Generator().manual_seed(seed)
+    Wgu = torch.randn(E, 2 * MX_I, MX_H, generator=gen) * torch.rand(E, 2 * MX_I, 1, generator=gen).mul(10).exp2() / 2**8
+    Wd = torch.randn(E, MX_H, MX_I, generator=gen) / MX_I**0.5
+    fmt = Mxfp4()
+    spec = ExpertSpec(E, MX_H, MX_I, CLAMPED if bias else SILU, bias=bias, storage="mxfp4")
+    parts = [StoredPart("W_gate_up", (), fmt, InterleavedRows() if interleaved else AS_STORED, 2), StoredPart("W_down", (), fmt, AS_STORED, 2)]
+    tensors = [*quantize_mxfp4(Wgu), *quantize_mxfp4(Wd)]
+    if bias:
+        parts += [StoredPart("b_gate_up", (), None, Interleaved()), StoredPart("b_down", (), None, AS_STORED)]
+        tensors += [torch.randn(E, 2 * MX_I, generator=gen).bfloat16(), torch.randn(E, MX_H, generator=gen).bfloat16()]
+    return spec, StoredExperts(spec, parts, [t.to(DEVICE) for t in tensors])
+
+
+@triton.jit
+def decode_mxfp4(nibbles_ptr, scales_ptr, out_ptr):
+    offs = tl.arange(0, 4096)
+    tl.store(out_ptr + offs, _e2m1_scaled_to_f32(tl.load(nibbles_ptr + offs), tl.load(scales_ptr + offs)))
+
+
+def test_mxfp4_decoding_matches_the_dequantization_for_every_code_and_scale():
+    """Every (E8M0 scale, e2m1 nibble): the bits of the dequantization's table (subnormal products, 2 ** 127,
+    inf above it, -0)."""
+    from moelens.loaders.quantized import MXFP4_VALUES
+
+    scales = torch.arange(256, dtype=torch.uint8, device=DEVICE).repeat_interleave(16)
+    nibbles = torch.arange(16, dtype=torch.uint8, device=DEVICE).repeat(256)
+    out = torch.empty(4096, device=DEVICE)
+    decode_mxfp4[(1,)](nibbles, scales, out)
+    assert torch.equal(out.cpu().view(torch.int32), MXFP4_VALUES.flatten().view(torch.int32))
+
+
+@pytest.mark.parametrize("tile", [None, Tile(16, 32, 64)], ids=["table", "scale_per_element"])
+@pytest.mark.parametrize("interleaved,bias", [(True, True), (False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_tiles_hold_the_dequantized_weights_bit_for_bit(tile, interleaved, bias, dtype):
+    """One-hot inputs (as the fp8 test): the pre-activations are the gate and up weights the tiles dequantized
+    (plus the biases, added as the torch path adds them), the per-slot outputs the down weights (plus b_down):
+    equal, bit for bit, to StoredExperts.dequantize. Tile(16, 32, 64) spans two 32-column scale groups: the
+    per-element scale lookup."""
+    E = 2
+    spec, stored = stored_mxfp4_experts(E, interleaved, bias, seed=1)
+    dense = stored.dequantize(dtype)
+    x = torch.eye(MX_H, dtype=dtype, device=DEVICE)
+    neuron_of = torch.arange(MX_H) % MX_I
+    for e in range(E):
+        idx = torch.full((MX_H, 1), e, device=DEVICE)
+        hooks, got = capture_hooks()
+        hooks.post.add_hook(lambda t, hook: torch.eye(MX_I, dtype=t.dtype, device=t.device)[neuron_of].view_as(t))
+        routed_experts_triton(x, idx, torch.ones(MX_H, 1, dtype=dtype, device=DEVICE), stored, hooks, (1, MX_H), tile,
+                              spec.activation)
+        gate, up, down = dense.gate_up[e, :MX_I].T, dense.gate_up[e, MX_I:].T, dense.down[e].T[neuron_of]
+        if bias:
+            gate, up, down = gate + dense.gate_up_bias[e, :MX_I], up + dense.gate_up_bias[e, MX_I:], down + dense.down_bias[e]
+        assert torch.equal(got["pre"].view(MX_H, MX_I), gate)
+        assert torch.equal(got["pre_linear"].view(MX_H, MX_I), up)
+        assert torch.equal(got["outputs"].view(MX_H, MX_H), down)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_stored_triton_path_equals_dequantize_then_torch(dtype):
+    """gpt-oss's layout (interleaved rows, biases, ClampedSwiGLU), random routing: the triton path against the
+    torch path on StoredExperts.dequantize's stacks. Float32: every hook and the sum within 1e-5; bfloat16: as
+    close to an fp64 oracle as the torch path (1.5x its mean error)."""
+    T, E, k = 70, 8, 2
+    spec, stored = stored_mxfp4_experts(E, True, True, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(T, MX_H, generator=gen) / 4).to(dtype).to(DEVICE)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(DEVICE)
+    w = torch.rand(T, k, generator=gen).to(dtype).to(DEVICE)
+    hooks_t, got_t = capture_hooks()
+    hooks_k, got_k = capture_hooks()
+    torch_sum = routed_experts(x, idx, w, stored, spec, hooks_t, (1, T), "torch")
+    kernel_sum = routed_experts(x, idx, w, stored, spec, hooks_k, (1, T), "triton")
+    assert kernel_sum.dtype == torch_sum.dtype == dtype
+    if dtype == torch.float32:
+        for name in ("pre", "pre_linear", "post", "outputs"):
+            assert (got_k[name] - got_t[name]).abs().max() <= 1e-5, name
+        assert (kernel_sum - torch_sum).abs().max() <= 1e-5
+        return
+    ref_post, ref_out, ref_sum = biased_reference(x, idx, w, stored.dequantize(dtype), CLAMPED)
+    for name, ref, a, b in (("post", ref_post, got_t["post"], got_k["post"]), ("outputs", ref_out, got_t["outputs"], got_k["outputs"]),
+                            ("sum", ref_sum, torch_sum, kernel_sum)):
+        torch_err = (a.cpu().double() - ref.view_as(a)).abs().mean()
+        kernel_err = (b.cpu().double() - ref.view_as(b)).abs().mean()
+        assert kernel_err <= 1.5 * torch_err + 1e-6, (name, kernel_err, torch_err)

@@ -146,22 +146,22 @@ class ExpertSpec:
 
     @property
     def fused_by_triton(self) -> bool:
-        """Whether the Triton kernels compute this expert: SiLU(gate) * up, no biases, dense weights or fp8 kept
-        as stored (dequantized in the kernels' tiles)."""
+        """Whether the Triton kernels compute this expert: SiLU(gate) * up or ClampedSwiGLU, with or without
+        biases, dense weights or fp8 / mxfp4 kept as stored (dequantized in the kernels' tiles)."""
         return self.triton_refusal() is None
 
     def triton_refusal(self) -> str | None:
         """Why experts_backend='triton' cannot compute these experts (None: it can), for the error message."""
-        if self.storage not in (None, "fp8"):
+        if self.storage not in (None, "fp8", "mxfp4"):
             return (
-                f"experts_backend='triton' reads dense or fp8 expert weights; this model's experts are "
+                f"experts_backend='triton' reads dense, fp8 or mxfp4 expert weights; this model's experts are "
                 f"{self.describe()}, and the kernels do not dequantize {self.storage} in their tiles: use "
                 "experts_backend='torch' or 'auto', or load without expert_storage"
             )
-        if not self.activation.silu_glu or self.bias:
+        if not (self.activation.silu_glu or isinstance(self.activation, ClampedSwiGLU)):
             return (
-                f"experts_backend='triton' computes SiLU(gate) * up without biases; this model's experts are "
-                f"{self.describe()}: use experts_backend='torch' or 'auto'"
+                f"experts_backend='triton' computes SiLU(gate) * up or gpt-oss's ClampedSwiGLU, with or without "
+                f"biases; this model's experts are {self.describe()}: use experts_backend='torch' or 'auto'"
             )
         return None
 

@@ -30,7 +30,7 @@ from moelens.sitemap import Layout
 class StorageFormat(Protocol):
     """A stored format (moelens.loaders.quantized.Fp8Blocks, Mxfp4): its name, and its dequantization of
     the stored tensors (each with any leading axes) into a dense tensor of `dtype`. A format the Triton kernels
-    dequantize in their tiles (fp8) also has tile_parts (moelens.kernels.stored_operands reads it)."""
+    dequantize in their tiles (fp8, mxfp4) also has tile_parts (moelens.kernels.stored_operands reads it)."""
 
     method: str
 

@@ -11,10 +11,13 @@ swapped for recorders, so argument types, strides, constexprs and warps are what
 integers and pointers are specialised as Triton's launcher does (1 -> constexpr, multiples of 16 ->
 divisibility hints). Needs TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 
-    python -m moelens.kernels.aot --gpu sm_90 sm_80 --dtype bfloat16 float32 [--shape E,k,H,I] [--storage fp8] [--json]
+    python -m moelens.kernels.aot --gpu sm_90 sm_80 --dtype bfloat16 float32 [--shape E,k,H,I] [--storage fp8|mxfp4]
+        [--bias] [--clamped-swiglu] [--json]
 
 --storage fp8 records the launches for experts kept stored as fp8 (per-expert gate / up / down codes with
-float32 scales per --fp8-block, default 128 x 128), which the GEMM kernels dequantize in their tiles.
+float32 scales per --fp8-block, default 128 x 128), which the GEMM kernels dequantize in their tiles; --storage
+mxfp4 for experts stored as gpt-oss publishes them (interleaved gate / up rows, E8M0 scales per 32 columns).
+--bias and --clamped-swiglu: experts with biases and gpt-oss's activation.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from moelens.experts.spec import ExpertTensors
+from moelens.experts.spec import ClampedSwiGLU, ExpertTensors, GatedActivation
 from moelens.hooks import HookPoint
 from moelens.kernels import triton_experts
 from moelens.kernels.experts import ExpertHooks
-from moelens.kernels.stored_operands import Fp8Experts, Fp8Operand
+from moelens.kernels.stored_operands import StoredOperand, StoredOperands
 from moelens.kernels.tiles import Tile, active_table
+from moelens.kernels.triton_experts import SILU_GLU
 
 KERNEL_NAMES = ("_gate_up_kernel", "_down_kernel", "_silu_mul_kernel", "_combine_kernel")
 
@@ -84,8 +88,10 @@ class KernelReport:
     def label(self) -> str:
         tile = "x".join(str(self.constexprs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in self.constexprs)
         pre = " pre" if self.constexprs.get("WRITE_PRE") else ""
-        fp8 = " fp8" if self.constexprs.get("W_FP8") else ""
-        return f"{self.kernel.strip('_').removesuffix('_kernel')}{fp8}{pre} {tile}".strip()
+        fmt = " fp8" if self.constexprs.get("W_FP8") else " mxfp4" if self.constexprs.get("W_MXFP4") else ""
+        fmt += " bias" if self.constexprs.get("HAS_BIAS") else ""
+        fmt += " clamped" if self.constexprs.get("ACTIVATION") == triton_experts.ACT_CLAMPED_SWIGLU else ""
+        return f"{self.kernel.strip('_').removesuffix('_kernel')}{fmt}{pre} {tile}".strip()
 
 
 class _Recorder:
@@ -105,26 +111,46 @@ class _Recorder:
         return launch
 
 
-def stored_fp8_meta(n_experts: int, d_model: int, d_expert: int, block: tuple[int, int]) -> Fp8Experts:
+def stored_fp8_meta(n_experts: int, d_model: int, d_expert: int, block: tuple[int, int]) -> StoredOperands:
     """Meta fp8 operands as per-expert checkpoints hold them (gate, up and down codes, each with float32 scales
     per block, partial last blocks where the block does not divide)."""
     E, H, I = n_experts, d_model, d_expert
 
-    def operand(rows: int, cols: int) -> Fp8Operand:
+    def operand(rows: int, cols: int) -> StoredOperand:
         grid = (E, -(-rows // block[0]), -(-cols // block[1]))
         codes = torch.empty(E, rows, cols, dtype=torch.uint8, device="meta")
-        return Fp8Operand(codes, torch.empty(grid, device="meta"), block, 0, rows)
+        return StoredOperand("fp8", codes, torch.empty(grid, device="meta"), block, 0, rows)
 
-    return Fp8Experts(operand(I, H), operand(I, H), operand(H, I), None)
+    return StoredOperands(operand(I, H), operand(I, H), operand(H, I), None)
+
+
+def stored_mxfp4_meta(n_experts: int, d_model: int, d_expert: int, dtype: torch.dtype, bias: bool) -> StoredOperands:
+    """Meta MXFP4 operands as gpt-oss publishes them: gate and up rows interleaved in one stack, down as stored,
+    two e2m1 codes per byte and one E8M0 byte per 32 columns; biases (dense, the model's dtype) if asked."""
+    E, H, I = n_experts, d_model, d_expert
+    if H % 32 or I % 32:
+        raise ValueError(f"mxfp4 packs 32 columns per scale: d_model {H} and d_expert {I} must be multiples of 32")
+
+    def stack(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(E, rows, cols // 2, dtype=torch.uint8, device="meta"),
+                torch.empty(E, rows, cols // 32, dtype=torch.uint8, device="meta"))
+
+    gate_up, down = stack(2 * I, H), stack(H, I)
+    biases = (torch.empty(E, 2 * I, dtype=dtype, device="meta"), torch.empty(E, H, dtype=dtype, device="meta")) if bias else (None, None)
+    return StoredOperands(
+        StoredOperand("mxfp4", *gate_up, (1, 32), 0, I, 2), StoredOperand("mxfp4", *gate_up, (1, 32), 1, I, 2),
+        StoredOperand("mxfp4", *down, (1, 32), 0, H), None, *biases,
+    )
 
 
 def record_launches(
     n_tokens: int, n_experts: int, top_k: int, d_model: int, d_expert: int, dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None, tile: Tile | None = None, hook_pre: bool = False,
-    storage: str | None = None, fp8_block: tuple[int, int] = (128, 128),
+    storage: str | None = None, fp8_block: tuple[int, int] = (128, 128), bias: bool = False, activation: GatedActivation = SILU_GLU,
 ) -> list[Launch]:
     """The kernel launches of one routed-experts forward at these shapes, without running any of them.
-    storage "fp8": the experts kept stored as fp8 (stored_fp8_meta), dequantized in the kernels' tiles."""
+    storage "fp8" / "mxfp4": the experts kept stored so (stored_fp8_meta, stored_mxfp4_meta), dequantized in the
+    kernels' tiles. bias: experts with b_gate_up and b_down; activation: the spec's."""
     kernels = {name: getattr(triton_experts, name) for name in KERNEL_NAMES}
     if not all(isinstance(k, JITFunction) for k in kernels.values()):
         raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1): compile them in a process without it")
@@ -132,18 +158,23 @@ def record_launches(
     x = torch.empty(n_tokens, d_model, **meta)
     indices = torch.zeros(n_tokens, top_k, dtype=torch.int64, device="meta")
     weights = torch.empty(n_tokens, top_k, device="meta", dtype=weight_dtype or dtype)
-    if storage not in (None, "fp8"):
-        raise ValueError(f"storage must be None or 'fp8' (the kernels dequantize fp8 in their tiles), got {storage!r}")
-    experts = (
-        stored_fp8_meta(n_experts, d_model, d_expert, fp8_block) if storage == "fp8"
-        else ExpertTensors(torch.empty(n_experts, 2 * d_expert, d_model, **meta), torch.empty(n_experts, d_model, d_expert, **meta))
-    )
+    if storage not in (None, "fp8", "mxfp4"):
+        raise ValueError(f"storage must be None, 'fp8' or 'mxfp4' (the kernels dequantize those in their tiles), got {storage!r}")
+    if storage == "fp8" and bias:
+        raise ValueError("the fp8 survey has no biases (no fp8 family has expert biases)")
+    if storage == "fp8":
+        experts = stored_fp8_meta(n_experts, d_model, d_expert, fp8_block)
+    elif storage == "mxfp4":
+        experts = stored_mxfp4_meta(n_experts, d_model, d_expert, dtype, bias)
+    else:
+        biases = (torch.empty(n_experts, 2 * d_expert, **meta), torch.empty(n_experts, d_model, **meta)) if bias else (None, None)
+        experts = ExpertTensors(torch.empty(n_experts, 2 * d_expert, d_model, **meta), torch.empty(n_experts, d_model, d_expert, **meta), *biases)
     hooks = ExpertHooks(*(HookPoint() for _ in range(4)))
     if hook_pre:
         hooks.pre.add_hook(lambda t, hook: t)
     log: list[Launch] = []
     with mock.patch.multiple(triton_experts, **{name: _Recorder(k, log) for name, k in kernels.items()}):
-        triton_experts.routed_experts_triton(x, indices, weights, experts, hooks, (1, n_tokens), tile)
+        triton_experts.routed_experts_triton(x, indices, weights, experts, hooks, (1, n_tokens), tile, activation)
     return log
 
 
@@ -162,6 +193,8 @@ def _specialise(value) -> tuple[str, bool]:
         if value == 1:
             return "constexpr", False
         return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", False
     raise TypeError(f"cannot specialise a kernel argument of type {type(value).__name__}")
 
 
@@ -254,7 +287,8 @@ def bucket_token_counts(table=None) -> list[int]:
 
 def survey(
     gpus: list[Gpu], dtypes: list[torch.dtype], shape: tuple[int, int, int, int], token_counts: list[int],
-    storage: str | None = None, fp8_block: tuple[int, int] = (128, 128),
+    storage: str | None = None, fp8_block: tuple[int, int] = (128, 128), bias: bool = False,
+    activation: GatedActivation = SILU_GLU,
 ) -> list[dict]:
     """Every distinct binary of a forward (hooks off, and with experts.hook_pre on) at these token counts."""
     n_experts, top_k, d_model, d_expert = shape
@@ -263,7 +297,8 @@ def survey(
         launches, first_tokens = [], {}
         for n in token_counts:
             for hook_pre in (False, True):
-                new = record_launches(n, n_experts, top_k, d_model, d_expert, dtype, hook_pre=hook_pre, storage=storage, fp8_block=fp8_block)
+                new = record_launches(n, n_experts, top_k, d_model, d_expert, dtype, hook_pre=hook_pre, storage=storage,
+                                      fp8_block=fp8_block, bias=bias, activation=activation)
                 first_tokens.update({id(launch): n for launch in new})
                 launches += new
         for launch in unique_launches(launches):
@@ -290,7 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="64,8,4096,3072", help="experts,top_k,d_model,d_expert (default: Hunyuan-A13B)")
     parser.add_argument("--tokens", help="comma-separated token counts (default: one per bucket of the tile table)")
     parser.add_argument("--tf32", action="store_true", help="compile as if torch allowed tf32 float32 matmuls")
-    parser.add_argument("--storage", choices=["fp8"], help="experts kept stored as fp8, dequantized in the tiles")
+    parser.add_argument("--storage", choices=["fp8", "mxfp4"], help="experts kept stored so, dequantized in the tiles")
+    parser.add_argument("--bias", action="store_true", help="experts with biases (gpt-oss's b_gate_up, b_down)")
+    parser.add_argument("--clamped-swiglu", action="store_true", help="gpt-oss's ClampedSwiGLU (alpha 1.702, limit 7)")
     parser.add_argument("--fp8-block", default="128,128", help="rows,cols of each fp8 scale's block (with --storage fp8)")
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a markdown table")
     args = parser.parse_args(argv)
@@ -302,7 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     fp8_block = tuple(int(v) for v in args.fp8_block.split(","))
     if len(fp8_block) != 2:
         parser.error(f"--fp8-block takes rows,cols, got {args.fp8_block!r}")
-    rows = survey([GPUS[g] for g in args.gpu], [getattr(torch, d) for d in args.dtype], shape, tokens, args.storage, fp8_block)
+    activation = ClampedSwiGLU(alpha=1.702, limit=7.0) if args.clamped_swiglu else SILU_GLU
+    rows = survey([GPUS[g] for g in args.gpu], [getattr(torch, d) for d in args.dtype], shape, tokens, args.storage, fp8_block,
+                  args.bias, activation)
     print(json.dumps(rows, default=str) if args.json else markdown(rows))
 
 

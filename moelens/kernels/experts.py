@@ -214,11 +214,11 @@ def routed_experts(
             f"resolve_backend), got {executor!r}"
         )
     if executor == "triton":
-        if (refusal := spec.triton_refusal()) is not None:  # the kernels fuse SiLU(gate) * up without biases
+        if (refusal := spec.triton_refusal()) is not None:  # experts the kernels do not compute
             raise ValueError(refusal)
         from moelens.kernels.triton_experts import routed_experts_triton
 
-        return routed_experts_triton(x, indices, weights, tensors, hooks, batch_pos)
+        return routed_experts_triton(x, indices, weights, tensors, hooks, batch_pos, activation=spec.activation)
     if isinstance(tensors, StoredExperts):
         tensors = tensors.dequantize(x.dtype)
     return routed_experts_torch(x, indices, weights, tensors, spec.activation, hooks, batch_pos)

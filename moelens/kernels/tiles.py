@@ -40,7 +40,7 @@ class Tile:
         return replace(self, block_n=max(MIN_TILE, self.block_n // 2), block_k=max(MIN_TILE, self.block_k // 2))
 
 
-    def for_storage(self, storage: str | None, scale_cols: tuple[int, ...] = ()) -> Tile:
+    def for_storage(self, storage: str | None, scale_cols: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> Tile:
         """This tile for experts kept stored as `storage`, whose weights' scale blocks span scale_cols columns
         (the GEMMs' inner dimension). fp8 weight tiles are decoded in registers, and compiled for sm_90
         (python -m moelens.kernels.aot --storage fp8):
@@ -49,14 +49,25 @@ class Tile:
         - a tile whose columns cut scale blocks looks a scale up per element, and every such tile spilled
           (164 to 1040 bytes): block_k is halved (down to MIN_TILE) until it divides every block's columns,
           so that one scale per row serves the tile. Blocks no power of two >= MIN_TILE divides keep the
-          tile (and the per-element lookup)."""
-        if storage != "fp8":
+          tile (and the per-element lookup).
+        mxfp4 tiles (e2m1 nibbles decoded with their exponent in registers, one exponent per 32 columns) follow
+        the same rules, and their 4-warp tiles of 32 rows or more quarter block_k: the bfloat16 32x128x32
+        gate_up tile spilled on sm_90 (255 registers, 296 bytes; gpt-oss's shape, biases, ClampedSwiGLU) where
+        32x128x16 used 128 and none.
+        For float32 (dtype; IEEE dots on CUDA cores) the 8-warp 128x64x32 tiles spilled on sm_90 (fp8: 1068 to
+        1976 bytes; mxfp4: 1152 to 23440) and 64x64x32 fp8 down 24 bytes: 8-warp float32 tiles take at most 64
+        rows and block_k 16 (64x64x16: 196 registers, no spill)."""
+        if storage not in ("fp8", "mxfp4"):
             return self
-        block_k = self.block_k // 2 if self.num_warps == 4 and self.block_m >= 32 else self.block_k
+        narrowed = self.num_warps == 4 and self.block_m >= 32
+        block_k = self.block_k // (4 if storage == "mxfp4" else 2) if narrowed else self.block_k
+        block_m = self.block_m
+        if dtype is not None and dtype.itemsize == 4 and self.num_warps == 8:
+            block_m, block_k = min(block_m, 64), min(block_k, MIN_TILE)
         block_k = max(MIN_TILE, block_k)
         while block_k > MIN_TILE and any(cols % block_k for cols in scale_cols):
             block_k //= 2
-        return replace(self, block_k=block_k)
+        return replace(self, block_m=max(MIN_TILE, block_m), block_k=block_k)
 
 
 # (largest token count of the bucket, tile); None closes the table

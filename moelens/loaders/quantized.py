@@ -186,6 +186,14 @@ class Mxfp4:
     ) -> Float[torch.Tensor, "*lead rows cols"]:
         return dequantize_mxfp4(blocks, scales, dtype)
 
+    def tile_parts(
+        self, blocks: UInt8[torch.Tensor, "*lead rows groups 16"], scales: UInt8[torch.Tensor, "*lead rows groups"]
+    ) -> tuple[UInt8[torch.Tensor, "*lead rows half_cols"], UInt8[torch.Tensor, "*lead rows groups"], tuple[int, int]]:
+        """The stored tensors as kernels read them to dequantize in their tiles (moelens.kernels.stored_operands):
+        each row's bytes (column c in byte c // 2, low nibble first), the E8M0 exponent bytes as stored, and the
+        block one exponent covers: 1 row x 32 columns."""
+        return blocks.flatten(-2), scales, (1, MXFP4_GROUP)
+
 
 Format = Fp8Blocks | Mxfp4
 
