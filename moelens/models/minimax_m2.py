@@ -145,16 +145,6 @@ def _check_fixed_fields(hf: HFConfig) -> None:
             )
 
 
-def _check_fixed_fields(hf: HFConfig) -> None:
-    for name, built in FIXED_FIELDS.items():
-        value = hf.opt(name)
-        if value is not None and (value != built or type(value) is not type(built)):
-            raise ValueError(
-                f"{name} = {value!r}: transformers' MiniMaxM2 (and so moelens) builds only the model with "
-                f"{name} = {built!r}"
-            )
-
-
 def _layer_sites(cfg: MiniMaxM2Config, layer: int, src: str, dst: str) -> list[Entry]:
     attn = f"{src}.self_attn"
     hub, ours = f"{src}.block_sparse_moe", f"{src}.mlp"  # the Hub's spelling, transformers 5's
