@@ -61,7 +61,8 @@ PREFILL, DECODE = 256, 32
 ROUNDS = 3
 CACHE_MB = 24
 
-RUN = """
+# what both child scripts start with: load in a fresh process, its high-water mark before, a fixed prompt
+LOAD_IN_CHILD = """
 import json, sys, time, torch
 sys.path.insert(0, {root!r})
 from moelens import HookedTransformer
@@ -74,7 +75,9 @@ base = hwm()
 kwargs = json.loads({kwargs!r})
 model = HookedTransformer.from_pretrained({path!r}, progress=False, **kwargs)
 prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
-with torch.no_grad():
+"""
+
+RUN = LOAD_IN_CHILD + """with torch.no_grad():
     for _ in range(2):  # first calls pay one-time costs (allocator, kernels): warm up on another prompt
         model(torch.randint(0, {vocab}, (1, 64), generator=torch.Generator().manual_seed(1)))
     start = time.perf_counter()
@@ -322,20 +325,7 @@ def read_table(folder: Path) -> None:
         print(f"| {label} | {r[name] * 1e3:.0f} ms | {r['bytes'] / r[name] / 1e9:.2f} | {r[name] / r['limit']:.2f}x |")
 
 
-PEAK_RUN = """
-import json, sys, torch
-sys.path.insert(0, {root!r})
-from moelens import HookedTransformer
-torch.set_num_threads(2)
-
-def hwm():
-    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
-
-base = hwm()
-kwargs = json.loads({kwargs!r})
-model = HookedTransformer.from_pretrained({path!r}, progress=False, **kwargs)
-prompt = torch.randint(0, {vocab}, (1, {prefill}), generator=torch.Generator().manual_seed(0))
-with torch.no_grad():
+PEAK_RUN = LOAD_IN_CHILD + """with torch.no_grad():
     model(prompt)
     model.generate(prompt, max_new_tokens={decode}, stop_at_eos=False, do_sample=False)
 stats = model.expert_cache_stats() if kwargs else None
