@@ -100,8 +100,10 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
 
 
 def test_router_rule():
-    assert HookedMixtral.components.router is SoftmaxTopKFloat32Weights
-    assert not SoftmaxTopKFloat32Weights.float32_weight and HookedMixtral.components.moe is SparseMoe
+    cfg = HookedMixtral.config_from_hf(tiny_mixtral.mixtral_config().to_dict())
+    for spec in HookedMixtral.recipe(cfg).layers:
+        assert spec.ffn.router is SoftmaxTopKFloat32Weights and spec.ffn.moe is SparseMoe
+    assert not SoftmaxTopKFloat32Weights.float32_weight
 
 
 # ---- the sliding window ---------------------------------------------------------------------------------

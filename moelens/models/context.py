@@ -6,7 +6,7 @@
 - allowed: the causal and padding mask over every key the new tokens see (cached ones first), [batch|1, 1,
   query, key]; a mixer that narrows it (a sliding window, chunks) calls `within(...)`;
 - mask: 1 for a real new token, 0 for padding, [batch pos], or None when every new token is real;
-- state: the layer's own state in the cache (moelens.models.state), or None without a cache.
+- state: the layer's own state in the cache (moelens.state), or None without a cache.
 
 The model builds one LayerInputs per forward and hands each layer `inputs.for_layer(state)`.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Bool, Float, Int
 
-from moelens.models.state import LayerState
+from moelens.state import LayerState
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ DeltaNet, Mamba-2, ...).
     out = mixer(x, inputs)        x: the normed stream [batch pos d_model]; inputs: moelens.models.context.
                                   LayerInputs (positions, rotary, masks, the layer's state); out: what the
                                   mixer adds to the residual stream [batch pos d_model]
-    mixer.new_state(reserve)      an empty state of the mixer's kind (moelens.models.state) for a cache
+    mixer.new_state(reserve)      an empty state of the mixer's kind (moelens.state) for a cache
     mixer.input_projections()     the linear maps that read the normed stream (fold_ln scales them)
     type(mixer).state_bytes(cfg)  StateBytes: what its state holds per token and per sequence (plan)
 
@@ -23,7 +23,7 @@ from jaxtyping import Float
 from torch import nn
 
 from moelens.models.context import LayerInputs
-from moelens.models.state import LayerState
+from moelens.state import LayerState
 
 if TYPE_CHECKING:
     from moelens.config import MoeConfig
