@@ -54,6 +54,7 @@ class DeepseekV3Config(MoeConfig):
 
 class HookedDeepseekV3(HookedTransformer):
     model_type = "deepseek_v3"
+
     @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:
         return decoder_recipe(cfg, MultiHeadLatentAttention, SharedExpertMoe, SigmoidGroupedTopK)

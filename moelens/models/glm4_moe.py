@@ -42,6 +42,7 @@ class Glm4MoeConfig(MoeConfig):
 
 class HookedGlm4Moe(HookedTransformer):
     model_type = "glm4_moe"
+
     @classmethod
     def recipe(cls, cfg: Glm4MoeConfig) -> Recipe:
         # the q/k norm where config.json's use_qk_norm turns it on (GLM-4.5, 4.6; not Air, transformers' default)

@@ -116,6 +116,7 @@ class LogitTopKSoftmax(TopKRouter):
 
 class HookedGptOss(HookedTransformer):
     model_type = "gpt_oss"
+
     @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:
         return decoder_recipe(cfg, SinkAttention, SparseMoe, LogitTopKSoftmax, norm=CastAfterWeightRMSNorm)

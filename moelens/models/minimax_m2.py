@@ -96,6 +96,7 @@ class SigmoidTopKFloat32Weights(TopKRouter):
 
 class HookedMiniMaxM2(HookedTransformer):
     model_type = "minimax_m2"
+
     @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:
         return decoder_recipe(cfg, ProjectionQKNormAttention, SparseMoe, SigmoidTopKFloat32Weights)

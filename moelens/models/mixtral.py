@@ -50,6 +50,7 @@ class SoftmaxTopKFloat32Weights(SoftmaxTopK):
 
 class HookedMixtral(HookedTransformer):
     model_type = "mixtral"
+
     @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:
         return decoder_recipe(cfg, SlidingWindowAttention, SparseMoe, SoftmaxTopKFloat32Weights)

@@ -22,6 +22,7 @@ from moelens.sitemap import Reference, SiteMap, Weight
 
 class HookedOlmoe(HookedTransformer):
     model_type = "olmoe"
+
     @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:
         return decoder_recipe(cfg, ProjectionQKNormAttention, SparseMoe, SoftmaxTopK)

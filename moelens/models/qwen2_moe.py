@@ -17,6 +17,7 @@ from moelens.sitemap import Reference, SiteMap, Weight
 
 class HookedQwen2Moe(HookedTransformer):
     model_type = "qwen2_moe"
+
     @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:
         return decoder_recipe(cfg, Attention, GatedSharedExpertMoe, SoftmaxTopK)

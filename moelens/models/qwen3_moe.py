@@ -22,6 +22,7 @@ from moelens.sitemap import Reference, SiteMap, Weight
 
 class HookedQwen3Moe(HookedTransformer):
     model_type = "qwen3_moe"
+
     @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:
         return decoder_recipe(cfg, QKNormBeforeRotaryAttention, SparseMoe, SoftmaxTopK)

@@ -21,6 +21,7 @@ from moelens.sitemap import Reference, SiteMap, Weight
 
 class HookedSolarOpen(HookedTransformer):
     model_type = "solar_open"
+
     @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:
         return decoder_recipe(cfg, Attention, SharedExpertMoe, SigmoidGroupedTopK)
