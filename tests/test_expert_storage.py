@@ -7,6 +7,7 @@ the bytes held are the files' stored bytes, counted from the checkpoint itself."
 import os
 import shutil
 import socket
+import warnings
 
 import pytest
 import tiny
@@ -21,7 +22,7 @@ from test_quantized_checkpoints import quantize_folder
 
 from moelens import HookedTransformer
 from moelens.experts.stored import StoredExperts
-from moelens.loaders.errors import CheckpointError
+from moelens.loaders.errors import CheckpointError, CheckpointWarning
 
 TOKENS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
 FP8_CODES = {torch.float8_e4m3fn}
@@ -182,6 +183,65 @@ def test_model_to_moves_stored_experts_and_never_casts_them(ckpts):
     assert experts.tensors().gate_up.dtype == torch.bfloat16 and model(TOKENS).dtype == torch.bfloat16
     model.to("meta")
     assert held(model)[0].device.type == "meta"
+
+
+@pytest.mark.parametrize("mode", [None, "disk"])
+@pytest.mark.parametrize("name", ["qwen3_fp8_partial", "gpt_oss_mxfp4"])
+def test_dtype_moves_keep_the_dense_models_bits(ckpts, name, mode):
+    """Loaded in bfloat16, then moved to float32, back, through float16 and to float32 again: the dense
+    model's weights keep every move's rounding (bfloat16 values in float32, then float16's rounding of
+    them), so stored experts, resident or read from disk into a one-expert cache, must be made through the
+    same roundings, not dequantized afresh in the new dtype (which differed by 0.0102 / 0.0012 in the
+    float32 logits). Offloaded dense experts follow the same moves (they failed on a dtype mismatch)."""
+    storage = CASES[name][1]
+    offload = {} if mode is None else {"expert_offload": mode, "expert_cache_bytes": 0, "expert_prefetch": False}
+    dense = load(ckpts[name], dtype=torch.bfloat16)
+    models = [load(ckpts[name], dtype=torch.bfloat16, expert_storage=storage, **offload)]
+    if mode is not None:
+        models.append(load(ckpts[name], dtype=torch.bfloat16, **offload))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float32):
+        dense.to(dtype)
+        for model in models:
+            model.to(dtype)
+            assert_same_run(model, dense)
+    if mode is None:  # tensors() too: the dense model's stacks
+        layer = dense.cfg.moe_layer_indices[0]
+        ours, theirs = models[0].blocks[layer].mlp.experts.tensors(), dense.blocks[layer].mlp.experts.tensors()
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours.present(), theirs.present(), strict=True))
+
+
+# layer 0's expert 3 poisoned in its stored form: an infinite fp8 block scale, an MXFP4 exponent byte of 255
+POISON = {
+    "qwen3_fp8_partial": ("model.layers.0.mlp.experts.3.up_proj.weight_scale_inv", (0, 0), float("inf")),
+    "gpt_oss_mxfp4": ("model.layers.0.mlp.experts.gate_up_proj_scales", (3, 0, 0), 255),
+}
+
+
+@pytest.mark.parametrize("name", list(POISON))
+def test_nan_stored_experts_read_from_disk_warn_as_resident_ones_do(ckpts, name, tmp_path):
+    """check_finite for experts kept stored and offloaded to disk: each is checked (dequantized) the first
+    time it is read, here when a forward routes to it, with the resident load's warning, once."""
+    storage = CASES[name][1]
+    folder = shutil.copytree(ckpts[name], tmp_path / name)
+    key, index, value = POISON[name]
+    tensors = load_file(folder / "model.safetensors")
+    tensors[key][index] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    def warned(**kwargs) -> list[str]:
+        to_expert_3 = [("blocks.0.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, 3))]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = load(folder, dtype=torch.bfloat16, expert_storage=storage, **kwargs)
+            for _ in range(2):  # read twice from disk (a one-expert cache), warned about once
+                model.run_with_hooks(TOKENS[:1, :4], fwd_hooks=to_expert_3)
+        return [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+
+    resident = warned()
+    assert len(resident) == 1 and "layer 0 expert 3 W_gate_up:" in resident[0] and "once dequantized" in resident[0]
+    assert warned(expert_offload="disk", expert_cache_bytes=0, expert_prefetch=False) == resident
+    assert warned(expert_offload="cpu", expert_cache_bytes=0, expert_prefetch=False) == resident
+    assert warned(expert_offload="disk", expert_cache_bytes=0, expert_prefetch=False, check_finite=False) == []
 
 
 # ---- refusals: each names what is at fault ---------------------------------------------------------------------
