@@ -614,6 +614,27 @@ def test_nan_and_inf_weights_warn(ckpt):
     assert caught == []
 
 
+def test_nan_experts_read_from_disk_warn_as_the_resident_load_does(ckpt):
+    """An expert offloaded to disk is checked the first time it is read (here when a forward routes to it),
+    with the resident load's warning, once: not loaded silently into NaN logits."""
+    rewrite(ckpt, lambda t: t[EXPERT_KEY].__setitem__((1, 2), float("nan")))
+    _, resident = _checkpoint_warnings(ckpt)
+    assert len(resident) == 1 and f"{EXPERT_KEY!r} in model.safetensors: 1 NaN and 0 Inf" in resident[0]
+    to_expert_3 = [("blocks.1.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, 3))]
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    for check_finite in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = HookedTransformer.from_pretrained(
+                ckpt, progress=False, expert_offload="disk", expert_cache_bytes=0, expert_prefetch=False,
+                check_finite=check_finite,
+            )
+            for _ in range(2):  # read twice (a one-expert cache), warned about once
+                assert model.run_with_hooks(tokens, fwd_hooks=to_expert_3).isnan().all()
+        messages = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+        assert messages == (resident if check_finite else [])
+
+
 def test_overflow_in_the_cast_warns(ckpt):
     rewrite(ckpt, lambda t: t[Q_KEY].__setitem__((0, 0), 1e6))  # finite as float32, inf as float16
     assert _checkpoint_warnings(ckpt)[1] == []
