@@ -192,6 +192,20 @@ def test_config_invalid_json(ckpt):
     refused(ckpt, "config.json", "not valid JSON")
 
 
+def test_config_past_16_mib_is_refused_before_it_is_read(ckpt):
+    """A config.json of valid JSON padded past 16 MiB loaded (read and parsed whole): refused naming the file and
+    its size, from the size alone (a sparse 300 MB one too), and by plan's config reader as well."""
+    path = ckpt / "config.json"
+    text = json.dumps({**json.loads(path.read_text()), "padding": "x" * 2**24})
+    path.write_text(text)
+    refused(ckpt, path, f"is {len(text):,} bytes", "at most 16,777,216 bytes")
+    with open(path, "r+b") as f:
+        f.truncate(300 * 2**20)  # no data written: a read would be what makes it cost 300 MB
+    refused(ckpt, path, f"is {300 * 2**20:,} bytes")
+    with pytest.raises(CheckpointError, match=f"is {300 * 2**20:,} bytes"):
+        moelens.plan.plan(str(path))
+
+
 def test_config_not_an_object(ckpt):
     (ckpt / "config.json").write_text("[1, 2, 3]")
     refused(ckpt, "config.json", "JSON object")
