@@ -337,6 +337,10 @@ def ep_worker(rank: int, world: int, port: int, cases: dict[str, tuple[str, str]
         shard = model.blocks[model.cfg.moe_layer_indices[0]].mlp.experts.shard
         held_dtypes = sorted(str(t.dtype) for t in shard.tensors.tensors) if isinstance(shard.tensors, StoredExperts) else None
         results[name] = observe(model) | {"held": (shard.tensors.n_experts, held_dtypes)}
+        moved = HookedTransformer.from_pretrained(
+            path, progress=False, dtype=torch.bfloat16, expert_parallel=True, expert_storage=storage
+        ).to(torch.float32)
+        results[name]["moved"] = moved(TOKENS)  # the dense model's bits after a dtype move (bfloat16's rounding kept)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -347,6 +351,8 @@ def test_expert_parallel_ranks_hold_stored_experts(ckpts, tmp_path):
     torch.set_num_threads(1)  # CPU GEMMs round by thread count: the ranks run on one thread each
     try:
         reference = {name: observe(load(path)) for name, (path, _) in cases.items()}
+        for name, (path, _) in cases.items():
+            reference[name]["moved"] = load(path, dtype=torch.bfloat16).to(torch.float32)(TOKENS)
     finally:
         torch.set_num_threads(threads)
     mp.spawn(ep_worker, args=(2, free_port(), cases, str(tmp_path)), nprocs=2, start_method="spawn")
@@ -357,5 +363,6 @@ def test_expert_parallel_ranks_hold_stored_experts(ckpts, tmp_path):
             n, dtypes = got["held"]
             assert n == 4 and dtypes is not None and ("torch.float8_e4m3fn" in dtypes or "torch.uint8" in dtypes), (rank, name, dtypes)
             assert torch.equal(got["logits"], ref["logits"]) and torch.equal(got["rerouted"], ref["rerouted"]), (rank, name)
+            assert torch.equal(got["moved"], ref["moved"]), (rank, name)
             different = [hook for hook, t in ref["cache"].items() if not torch.equal(got["cache"][hook], t)]
             assert got["cache"].keys() == ref["cache"].keys() and different == [], (rank, name, different)
