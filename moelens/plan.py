@@ -34,7 +34,7 @@ from moelens.dtypes import parse_dtype
 from moelens.families import family_for
 from moelens.loaders import read_config
 from moelens.loaders.errors import CheckpointError
-from moelens.loaders.files import read_json_object
+from moelens.loaders.files import CONFIG_MAX_BYTES, read_json_object
 from moelens.loaders.quantized import MXFP4_GROUP, SUPPORTED, Format, Fp8Blocks, stored_format
 from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
 from moelens.placement import parse_size
@@ -99,11 +99,11 @@ def read_source(model: str | Path | dict, revision: str | None = None) -> Source
     if path.is_dir():
         return Source(read_config(path), str(path), path)
     if path.is_file():  # a config.json on its own
-        return Source(read_json_object(path), str(path), None)
+        return Source(read_json_object(path, CONFIG_MAX_BYTES), str(path), None)
     check_hub_id(name, "no checkpoint folder or config file")  # a mistyped name or path never goes to the Hub
     config = hub_config(name, revision)
     # the snapshot folder the config sits in: weights already in the cache for that commit are there too
-    return Source(read_json_object(config), f"{name} (Hub)", config.parent)
+    return Source(read_json_object(config, CONFIG_MAX_BYTES), f"{name} (Hub)", config.parent)
 
 
 def hub_config(repo: str, revision: str | None = None) -> Path:

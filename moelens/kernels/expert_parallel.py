@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from jaxtyping import Float, Int
 
+from moelens.experts.rounding import Rounding
 from moelens.experts.spec import ExpertSpec, ExpertTensors
 from moelens.experts.stored import StoredExperts
 from moelens.kernels.experts import ExpertHooks, check_indices, grouped_linear, routed_experts_torch
@@ -304,6 +305,14 @@ class ExpertShard:
         self._position: Int[torch.Tensor, "E_local"] | None = None
         self._call = {"tokens": 0, "hooks": 0}  # this call's, for the fingerprints of its two GEMMs
         self._check_down = True  # whether the down projection's exchange is checked too (see BETWEEN_GEMMS)
+
+    def follow_dtype(self, dtype: torch.dtype, rounding: Rounding) -> None:
+        """The model moved to dtype (moelens.experts.rounding): stored experts dequantize through its
+        roundings, dense ones are cast to it, as the model's parameters are."""
+        if isinstance(self.tensors, StoredExperts):
+            self.tensors = self.tensors.with_rounding(rounding)
+        else:
+            self.tensors = ExpertTensors(*(None if t is None else t.to(dtype) for t in self.tensors))
 
     def __call__(
         self,

@@ -634,6 +634,16 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             print(f"Moved model to device {self.cfg.device}, dtype {self.cfg.dtype}")
         return model
 
+    def _check_not_on_meta(self) -> None:
+        """A clear error for a forward of a model whose weights are on the meta device (torch's own, from deep
+        in the forward, says only that .item() cannot be called on meta tensors)."""
+        if self.embed.weight.is_meta:
+            raise RuntimeError(
+                "this model's weights are on the meta device (model.to('meta'), or from_pretrained(device='meta')): "
+                "they have shapes but no values, so it cannot run. Load it again with from_pretrained(..., device=...) "
+                "on a real device (moving it off meta cannot bring the values back)"
+            )
+
     # ---- forward ----------------------------------------------------------------------------------
     def forward(
         self,
@@ -673,6 +683,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         if given, covers only them): they continue each row's positions, attend to the cached keys and to
         each other causally, and are appended to the cache. Hooks see only the new positions.
         """
+        self._check_not_on_meta()
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
         if shortformer_pos_embed is not None:
