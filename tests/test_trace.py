@@ -385,6 +385,50 @@ def test_a_folder_with_foreign_files_is_refused(model, tmp_path):
         trace(model, token_docs(1), tmp_path / "t", progress=False)
 
 
+def test_a_users_tmp_files_in_a_folder_without_manifest_are_refused_not_deleted(model_path, tmp_path, capsys):
+    """Files ending in .tmp are not a killed run's leftovers unless the trace can prove it wrote them: the run
+    refuses the folder with one line naming them, leaves them as they were, and leaves no trace.lock."""
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "notes.tmp").write_text("my notes")
+    (out / "part-000000.parquet.tmp").write_text("mine too")
+    err = cli_error(capsys, ["trace", str(model_path), "--data", str(write_corpus(tmp_path)), "--out", str(out), "--seq-len", "16", "--no-progress"])
+    assert "notes.tmp" in err and "holds files but no manifest.json" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.tmp", "part-000000.parquet.tmp"]
+    assert (out / "notes.tmp").read_text() == "my notes" and (out / "part-000000.parquet.tmp").read_text() == "mine too"
+
+
+def test_a_users_files_in_a_trace_folder_are_left_alone_on_resume(model, corpus, reference, tmp_path):
+    out = tmp_path / "t"
+    started(model, corpus, out)
+    mine = {"notes.tmp": "my notes", "part-1.parquet": "not a part name", "rank-x.json.tmp": "mine", "README": "hello"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    summary = trace(model, corpus, out, **RESUME)
+    assert summary.parts_reused >= 1 and read(out).equals(reference)
+    assert {name: (out / name).read_text() for name in mine} == mine
+
+
+def test_a_manifest_temporary_left_by_a_kill_in_the_first_manifest_write_is_taken_as_the_runs(model, tmp_path):
+    """What a run killed inside its first manifest write leaves (a beginning of a manifest) is the trace's own."""
+    docs = token_docs(3)
+    whole = tmp_path / "whole"
+    trace(model, docs, whole, seq_len=16, progress=False)
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "trace.lock").touch()
+    (out / "manifest.json.tmp").write_bytes((whole / "manifest.json").read_bytes()[:40])
+    trace(model, docs, out, seq_len=16, progress=False)
+    assert read(out).equals(read(whole)) and not (out / "manifest.json.tmp").exists()
+
+
+def write_corpus(tmp_path: Path) -> Path:
+    folder = tmp_path / "small_corpus"
+    folder.mkdir(exist_ok=True)
+    (folder / "a.txt").write_text("one small document " * 5)
+    return folder
+
+
 # ---- CLI and placement -------------------------------------------------------------------------------
 
 

@@ -43,6 +43,9 @@ from moelens.traces.manifest import (
     check_same_run,
     file_sha256,
     folder_lock,
+    is_first_manifest_leftover,
+    is_own_part,
+    is_own_temporary,
     jsonable,
     model_identity,
     read_manifest,
@@ -140,8 +143,14 @@ def trace(
                 if out.exists() and not out.is_dir():
                     raise NotADirectoryError(f"out: {out} is a file, expected a folder for the trace")
                 out.mkdir(parents=True, exist_ok=True)
+                lock_was_there = (out / LOCK).exists()
                 held.enter_context(folder_lock(out))
-                state = _prepare(out, identity, model, arguments, router_logits, redone)
+                try:
+                    state = _prepare(out, identity, model, arguments, router_logits, redone)
+                except Exception:
+                    if not lock_was_there:  # a refused run leaves the folder as it found it
+                        (out / LOCK).unlink(missing_ok=True)
+                    raise
             except Exception as err:  # raised on every rank by _agree, so that none waits for the others forever
                 state = err
         else:
@@ -335,19 +344,19 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
     Recorded parts are checked against their recorded size and sha256: one that is damaged or missing is
     deleted and dropped from the manifest, so that this run traces it again (its name goes into redone)."""
     for p in out.iterdir():
-        if p.name.endswith(TEMP_SUFFIX) and not p.is_file():
+        if is_own_temporary(p.name) and (p.is_symlink() or not p.is_file()):
             raise IsADirectoryError(f"out: {p} is a folder, not a temporary file of a trace: move it out of {out}")
     manifest = read_manifest(out)
     if manifest is None:
-        foreign = sorted(p.name for p in out.iterdir() if not _is_leftover(p.name))
+        # No manifest: nothing here is provably this trace's, except what a run killed inside its very first
+        # manifest write leaves (the lock, the manifest's temporary file). Anything else is the user's: refused.
+        foreign = sorted(p.name for p in out.iterdir() if p.name != LOCK and not is_first_manifest_leftover(p))
         if foreign:
             raise FileExistsError(
                 f"out: {out} holds files but no {MANIFEST} ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): "
                 "give an empty or new folder"
             )
-        for p in out.iterdir():
-            if p.name != LOCK:
-                p.unlink()
+        (out / (MANIFEST + TEMP_SUFFIX)).unlink(missing_ok=True)
         cfg = model.cfg
         manifest = {
             "format": FORMAT,
@@ -367,8 +376,8 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
     check_same_run(out, manifest, identity)
     recorded = {p["file"] for p in manifest["parts"].values()}
     unhashed = any("sha256" not in part for part in manifest["parts"].values())
-    for p in out.iterdir():
-        if p.name.endswith(TEMP_SUFFIX) or (_is_part(p.name) and p.name not in recorded):
+    for p in out.iterdir():  # only the trace's own names: a file of the user's in DIR is left alone
+        if is_own_temporary(p.name) or (is_own_part(p.name) and p.name not in recorded):
             p.unlink()  # from a run killed mid-part: its windows are traced again
     for key in sorted(manifest["parts"], key=int):
         problem = _part_problem(out, manifest["parts"][key])
@@ -406,15 +415,6 @@ def _part_problem(out: Path, part: dict) -> str | None:
         return f"{part['file']} is damaged: {rows} rows, {MANIFEST} records {part['rows']}"
     part.update(size=size, sha256=file_sha256(path))
     return None
-
-
-def _is_part(name: str) -> bool:
-    return name.startswith("part-") and name.endswith(".parquet")
-
-
-def _is_leftover(name: str) -> bool:
-    """What a run killed before its first manifest write can leave (parts come only after it), and the lock."""
-    return name.endswith(TEMP_SUFFIX) or name == LOCK
 
 
 def _agree(state, rank: int, world: int) -> dict:
