@@ -1,5 +1,6 @@
 """moelens trace: windows, schema, equality with run_with_cache, resume after a crash, refusal of other inputs."""
 
+import hashlib
 import json
 import math
 import os
@@ -429,6 +430,56 @@ def write_corpus(tmp_path: Path) -> Path:
     return folder
 
 
+def change_after_listing(monkeypatch, edit):
+    """Run edit() right after the trace has hashed its data files, before it reads them to trace them."""
+    real = trace_module.describe_files
+
+    def describe(*args, **kwargs):
+        described = real(*args, **kwargs)
+        edit()
+        return described
+
+    monkeypatch.setattr(trace_module, "describe_files", describe)
+
+
+@pytest.mark.parametrize("name", ["doc2.txt", "lines.jsonl"])
+def test_a_file_changed_between_its_hash_and_its_reading_stops_the_trace_naming_it(model, corpus, tmp_path, monkeypatch, name):
+    """The manifest must describe what was traced: a file whose bytes as read are not those hashed at the
+    start stops the run, naming it, and no recorded part holds windows of it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in sorted(corpus.iterdir()):
+        (data / f.name).write_text(f.read_text())
+    (data / "lines.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(4)))
+    target = data / name
+    before = target.read_text()
+    after = before.replace("a", "b", 1) if "a" in before else before.replace("line", "lime", 1)
+    assert len(after) == len(before) and after != before  # same size: only the hash can tell
+    change_after_listing(monkeypatch, lambda: target.write_text(after))
+    out = tmp_path / "t"
+    with pytest.raises(ValueError, match=f"{target} changed while being traced"):
+        trace(model, data, out, **RESUME)
+    manifest = json.loads((out / "manifest.json").read_text())
+    first_doc = next(f["first_doc"] for f in manifest["data"]["files"] if f["path"] == str(target))
+    assert not manifest["complete"] and all(p["docs"][1] < first_doc for p in manifest["parts"].values())
+    assert sorted(p.name for p in out.glob("*.parquet")) == sorted(p["file"] for p in manifest["parts"].values())
+    monkeypatch.undo()
+    target.write_text(before)  # as hashed: the run goes on, tracing again what the stopped run dropped
+    whole = tmp_path / "whole"
+    trace(model, data, whole, **RESUME)
+    trace(model, data, out, **RESUME)
+    assert read(out).equals(read(whole))
+
+
+def test_a_change_in_the_part_of_a_file_that_max_tokens_leaves_unread_is_caught(model, tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    big = tmp_path / "data" / "big.txt"
+    big.write_text("lorem ipsum dolor sit amet\n" * 10_000)  # 270 KB: read in pieces, and only its start is traced
+    change_after_listing(monkeypatch, lambda: big.write_text("lorem ipsum dolor sit amet\n" * 9_999 + "lorem ipsum dolor sit amen\n"))
+    with pytest.raises(ValueError, match="big.txt changed while being traced"):
+        trace(model, tmp_path / "data", tmp_path / "t", seq_len=16, max_tokens=64, progress=False)
+
+
 # ---- CLI and placement -------------------------------------------------------------------------------
 
 
@@ -539,6 +590,36 @@ def test_a_damaged_part_is_found_named_and_traced_again(model, corpus, reference
     assert read(out).equals(reference)
     assert Trace(out).n_tokens == reference.num_rows // len(model.cfg.moe_layer_indices)
     assert trace(model, corpus, out, **RESUME).already_complete
+
+
+def forge_part(out: Path, index: int, source: Path) -> None:
+    """Copy source over part index of the trace in out, and make the manifest's size and sha256 match it."""
+    part = out / f"part-{index:06d}.parquet"
+    part.write_bytes(source.read_bytes())
+    edit_manifest(out, lambda m: m["parts"][str(index)].update(size=part.stat().st_size, sha256=hashlib.sha256(part.read_bytes()).hexdigest()))
+
+
+@pytest.mark.parametrize("source", ["another model", "other data"])
+def test_a_part_copied_from_another_trace_with_a_forged_hash_is_refused_and_traced_again(model, model_path, tmp_path, capsys, source):
+    """A part copied from another model's (or other data's) trace, the manifest's size and sha256 edited to
+    match it: Trace(), trace-report and a re-run all see that it is not this trace's part."""
+    docs, kwargs = token_docs(6), dict(seq_len=16, batch_size=2, windows_per_part=3, progress=False)
+    out, other = tmp_path / "t", tmp_path / "other"
+    trace(model, docs, out, **kwargs)
+    reference = read(out)
+    if source == "another model":
+        other_model = HookedTransformer.from_pretrained(default_checkpoint("tiny-olmoe", root=tmp_path / "cache"), progress=False)
+        trace(other_model, docs, other, **kwargs)
+    else:
+        trace(model, token_docs(6, seed=1), other, **kwargs)
+    forge_part(out, 0, other / "part-000000.parquet")
+    with pytest.raises(ValueError, match="part-000000.parquet"):
+        Trace(out)
+    err = cli_error(capsys, ["trace-report", str(out), "--out", str(tmp_path / "r.html")])
+    assert "part-000000.parquet" in err
+    summary = trace(model, docs, out, **kwargs)
+    assert not summary.already_complete and len(summary.redone) == 1 and "part-000000.parquet" in summary.redone[0]
+    assert read(out).equals(reference) and Trace(out).complete
 
 
 def test_a_part_recorded_without_a_hash_is_checked_by_its_rows_and_then_hashed(model, corpus, reference, tmp_path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import itertools
 import os
 import sys
@@ -33,6 +32,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from moelens.models import HookedTransformer
+from moelens.traces.hashed import DataChanged
 from moelens.traces.manifest import (
     FORMAT,
     LOCK,
@@ -54,7 +54,15 @@ from moelens.traces.manifest import (
 try:
     import pyarrow.parquet as pq
 
-    from moelens.traces.parts import PartWriter, batch_rows, schema
+    from moelens.traces.parts import (
+        PartWriter,
+        batch_rows,
+        part_footer_problem,
+        part_identity,
+        part_rows_problem,
+        schema,
+        windows_sha256,
+    )
 except ImportError as err:  # pyarrow
     raise ImportError(f"moelens trace writes Parquet with pyarrow: pip install '.[trace]' from moelens's checkout ({err})") from err
 from moelens.traces.sources import (
@@ -167,7 +175,9 @@ def trace(
                 print(f"{out}: trace already complete ({totals['tokens']} tokens, {totals['rows']} rows)")
             return TraceSummary(out, True, 0, totals["parts"], totals["tokens"], totals["rows"], left_out, redone)
 
-        reader = FileDocuments(file_list) if file_list is not None else None
+        # the hashes the files had when the trace began (rank 0's, recorded): each must be what is read
+        expected = [f["sha256"] for f in manifest["data"]["files"]] if file_list is not None else None
+        reader = FileDocuments(file_list, expected) if file_list is not None else None
         documents = _Counting(reader if reader is not None else iterable_documents(data))
         tokenizer = DocumentTokenizer(model.tokenizer) if model.tokenizer is not None else None
         position = (lambda: reader.bytes_read) if reader is not None else None
@@ -183,7 +193,7 @@ def trace(
                 chunk = list(itertools.islice(stream, windows_per_part))
                 if not chunk:
                     break
-                digest = _windows_sha256(chunk)
+                digest = windows_sha256((w.doc, w.start, w.tokens) for w in chunk)
                 n_tokens = sum(len(w.tokens) for w in chunk)
                 recorded = done.get(str(part))
                 if recorded is not None:
@@ -195,16 +205,17 @@ def trace(
                     reused += 1
                     bar.update(chunk)
                     continue
-                writer = PartWriter(out / PART.format(part), table_schema) if rank == 0 else None
+                record = {
+                    "file": PART.format(part), "first_window": part * windows_per_part, "windows": len(chunk),
+                    "tokens": n_tokens, "rows": n_tokens * len(layers), "docs": [chunk[0].doc, chunk[-1].doc], "data_sha256": digest,
+                }
+                writer = PartWriter(out / PART.format(part), table_schema, identity=part_identity(manifest, part, record)) if rank == 0 else None
                 for batch in _batches(chunk, batch_size):
                     rows = _trace_batch(model, batch, layers, pad, table_schema)
                     if writer is not None:
                         writer.add(rows)
                     bar.update(batch)
-                done[str(part)] = {
-                    "file": PART.format(part), "first_window": part * windows_per_part, "windows": len(chunk),
-                    "tokens": n_tokens, "rows": n_tokens * len(layers), "docs": [chunk[0].doc, chunk[-1].doc], "data_sha256": digest,
-                }
+                done[str(part)] = record
                 if writer is not None:
                     committed = writer.commit()
                     if committed.rows != n_tokens * len(layers):  # a forward that skipped a hook would leave a gap
@@ -213,6 +224,12 @@ def trace(
                     manifest["parts"] = done
                     write_json_atomic(out / MANIFEST, manifest)
                 written += 1
+            if reader is not None:
+                reader.finish()  # a file that max_tokens left half read: the rest is hashed, and checked
+        except DataChanged as err:
+            if rank == 0:
+                _forget_parts_of(out, manifest, done, err.path)
+            raise
         finally:
             bar.close()
 
@@ -380,7 +397,7 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
         if is_own_temporary(p.name) or (is_own_part(p.name) and p.name not in recorded):
             p.unlink()  # from a run killed mid-part: its windows are traced again
     for key in sorted(manifest["parts"], key=int):
-        problem = _part_problem(out, manifest["parts"][key])
+        problem = _part_problem(out, manifest, int(key))
         if problem is not None:
             redone.append(problem)
             (out / manifest["parts"][key]["file"]).unlink(missing_ok=True)
@@ -394,9 +411,22 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
     return manifest
 
 
-def _part_problem(out: Path, part: dict) -> str | None:
-    """What is wrong with a recorded part file, or None. A part recorded without size and sha256 (by an
-    earlier moelens) is checked by its Parquet footer's row count, and its size and sha256 recorded."""
+def _forget_parts_of(out: Path, manifest: dict, done: dict[str, dict], path: str) -> None:
+    """A data file changed while it was traced: drop (and delete) every recorded part from its first document
+    on, which may hold windows of its new contents, so that the manifest records only what it describes."""
+    first_doc = next((f["first_doc"] for f in manifest["data"]["files"] if f["path"] == path), 0)
+    for key in [k for k, p in done.items() if p.get("docs", [0, first_doc])[1] >= first_doc]:
+        (out / done.pop(key)["file"]).unlink(missing_ok=True)
+    manifest["parts"] = done
+    write_json_atomic(out / MANIFEST, manifest)
+
+
+def _part_problem(out: Path, manifest: dict, index: int) -> str | None:
+    """What is wrong with recorded part ``index``'s file, or None: its size and sha256 against the manifest,
+    then its footer and its rows (its columns, layers and token windows: a part copied in from another trace
+    with the manifest's size and sha256 edited to match is caught there). A part recorded without size and
+    sha256 (by an earlier moelens) gets them recorded once its rows pass."""
+    part = manifest["parts"][str(index)]
     path = out / part["file"]
     if not path.is_file():
         return f"{part['file']} is recorded in {MANIFEST} but missing"
@@ -406,15 +436,10 @@ def _part_problem(out: Path, part: dict) -> str | None:
             return f"{part['file']} is damaged: {size} bytes, {MANIFEST} records {part['size']}"
         if file_sha256(path) != part["sha256"]:
             return f"{part['file']} is damaged: its sha256 is not the one {MANIFEST} records (replaced or edited)"
-        return None
-    try:
-        rows = pq.ParquetFile(path).metadata.num_rows
-    except Exception as err:  # pyarrow raises its own errors on a file that is not Parquet
-        return f"{part['file']} is damaged: not a Parquet file ({err})"
-    if rows != part["rows"]:
-        return f"{part['file']} is damaged: {rows} rows, {MANIFEST} records {part['rows']}"
-    part.update(size=size, sha256=file_sha256(path))
-    return None
+    problem = part_footer_problem(path, manifest, index) or part_rows_problem(path, manifest, index)
+    if problem is None and "sha256" not in part:
+        part.update(size=size, sha256=file_sha256(path))
+    return problem
 
 
 def _agree(state, rank: int, world: int) -> dict:
@@ -472,15 +497,6 @@ def _check_device(device) -> None:
 def _batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
-
-
-def _windows_sha256(chunk: Iterable[Window]) -> str:
-    """The identity of a part's windows, checked when a resumed run passes over a recorded part."""
-    digest = hashlib.sha256()
-    for w in chunk:
-        digest.update(np.array([w.doc, w.start, len(w.tokens)], dtype=np.int64).tobytes())
-        digest.update(w.tokens.astype(np.int64, copy=False).tobytes())
-    return digest.hexdigest()
 
 
 class _Counting:
