@@ -535,6 +535,86 @@ def test_under_torch_distributed_rank_0_writes(model, tmp_path):
     assert summary.n_tokens == sum(len(d) for d in token_docs(3)) and read(tmp_path / "t").num_rows > 0
 
 
+DATA_PARALLEL = textwrap.dedent("""
+    import sys, time, torch, torch.distributed as dist
+    from moelens.traces import parts, trace
+    rank, world, model_path, corpus, out, store, slow = sys.argv[1:]
+    rank, world = int(rank), int(world)
+    real = parts.PartWriter.commit
+    def commit(self):  # says which parts this rank writes; slowed down on the rank that is to be killed
+        if int(slow) == rank:
+            time.sleep(0.5)
+        committed = real(self)
+        print("wrote", self.final.name, flush=True)
+        return committed
+    parts.PartWriter.commit = commit
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    summary = trace(model_path, corpus, out, seq_len=32, batch_size=3, windows_per_part=4, progress=False, data_parallel=True)
+    print("summary", summary.parts_written, summary.parts_reused, summary.n_tokens, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def launch(world: int, model_path, corpus, out: Path, store: Path, slow: int = -1) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", DATA_PARALLEL, str(rank), str(world), str(model_path), str(corpus), str(out), str(store), str(slow)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            for rank in range(world)]
+
+
+def parts_written(output: str) -> list[int]:
+    return [int(line.split("part-")[1][:6]) for line in output.splitlines() if line.startswith("wrote")]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # each about 35 s on 2 shared cores
+def test_a_data_parallel_trace_deals_parts_to_ranks_and_equals_one_process(model_path, corpus, reference, tmp_path, world):
+    out = tmp_path / "t"
+    procs = launch(world, model_path, corpus, out, tmp_path / "store")
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, [o[1][-2000:] for o in outputs]
+    manifest = json.loads((out / "manifest.json").read_text())
+    n_parts = len(manifest["parts"])
+    assert n_parts >= 2 * world and manifest["complete"]
+    for rank, (stdout, _) in enumerate(outputs):  # part k is traced by rank k % world, and only there
+        assert parts_written(stdout) == list(range(rank, n_parts, world))
+    assert read(out).equals(reference)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(p["file"] for p in manifest["parts"].values()), "manifest.json", "trace.lock"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_killed_replica_s_parts_are_traced_again_on_resume(model_path, corpus, reference, tmp_path, world):
+    """Rank 1 is killed once its journal records a part (rank 0 then stops too, as torchrun stops every rank);
+    the same command again keeps every finished part, traces the rest, and gives one process's rows."""
+    out = tmp_path / "t"
+    procs = launch(world, model_path, corpus, out, tmp_path / "store1", slow=1)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "rank-00001.json").exists():
+            assert procs[1].poll() is None, procs[1].communicate()[1][-2000:]
+            time.sleep(0.02)
+        procs[1].send_signal(signal.SIGKILL)
+        for p in procs[:1] + procs[2:]:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    journal = json.loads((out / "rank-00001.json").read_text())["parts"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert journal and not manifest["complete"]
+    procs = launch(world, model_path, corpus, out, tmp_path / "store2")
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, [o[1][-2000:] for o in outputs]
+    again = {k for stdout, _ in outputs for k in parts_written(stdout)}
+    assert again and not again & {int(k) for k in journal}  # rank 1's finished parts are kept, the rest traced
+    assert read(out).equals(reference) and json.loads((out / "manifest.json").read_text())["complete"]
+    assert not list(out.glob("rank-*.json"))
+
+
 # ---- the data folder: the trace's own folder inside it, symlinks, FIFOs ----------------------------------
 
 

@@ -40,6 +40,7 @@ from moelens.traces.manifest import (
     PART,
     TEMP_SUFFIX,
     TraceMismatch,
+    check_manifest,
     check_same_run,
     file_sha256,
     folder_lock,
@@ -65,6 +66,7 @@ try:
     )
 except ImportError as err:  # pyarrow
     raise ImportError(f"moelens trace writes Parquet with pyarrow: pip install '.[trace]' from moelens's checkout ({err})") from err
+from moelens.traces.replicas import Replicas, journals, read_journal, write_journal
 from moelens.traces.sources import (
     FileDocuments,
     Files,
@@ -110,6 +112,8 @@ def trace(
     model_name: str | None = None,
     command: Sequence[str] | dict | None = None,
     progress: bool = True,
+    data_parallel: bool = False,
+    ranks_per_replica: int = 1,
 ) -> TraceSummary:
     """Trace the routing of ``data`` through ``model`` into the folder ``out`` (created; resumed if it holds
     a partial trace of the same inputs).
@@ -123,6 +127,12 @@ def trace(
     router_logits: also store each token's router logits [n_experts]. windows_per_part: windows per part
     file (default ceil(2**17 / seq_len)). command: recorded in the manifest (the CLI passes its argv).
     model_name: recorded as the model's name when model is an object (default: its class and family).
+
+    Under torch.distributed (torchrun), without data_parallel every rank runs every forward (one model over
+    all ranks, expert parallel) and rank 0 alone writes. With data_parallel, each group of ranks_per_replica
+    consecutive ranks is one replica of the model (placed by the caller: a device, a device map, or an expert
+    parallel group of that many ranks), part k is traced and written by replica k % n_replicas, and rank 0
+    writes the manifest of them all (see moelens.traces.replicas): the rows are those of one process.
     """
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_tokens", max_tokens), ("windows_per_part", windows_per_part)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= sys.maxsize):
@@ -133,7 +143,8 @@ def trace(
     if not layers:
         raise ValueError(f"{model_name} has no mixture layers: there is no routing to trace")
     windows_per_part = windows_per_part or -(-PART_TOKENS // seq_len)
-    rank, world = _rank()
+    replicas = Replicas.create(data_parallel, ranks_per_replica)
+    rank = replicas.rank
     files, file_list, data_identity = _data(data, rank, out)
     settings = {"seq_len": seq_len, "router_logits": bool(router_logits), "windows_per_part": windows_per_part,
                 "max_tokens": max_tokens, "layers": layers}
@@ -163,7 +174,7 @@ def trace(
                 state = err
         else:
             state = {}
-        manifest = _agree(state, rank, world)
+        manifest = _agree(state, replicas)
         left_out = files.left_out if files else []
         if rank == 0:
             for name in redone:
@@ -183,11 +194,22 @@ def trace(
         position = (lambda: reader.bytes_read) if reader is not None else None
         stream = windows(documents, tokenizer, seq_len, model.cfg.d_vocab, max_tokens, position)
         done: dict[str, dict] = manifest.get("parts", {})
+        journal: dict[str, dict] = {}  # the parts this rank wrote, where rank 0 records them later (data parallel)
         table_schema = schema(router_logits)
         pad = model.tokenizer.pad_token_id if model.tokenizer is not None and model.tokenizer.pad_token_id is not None else 0
 
+        def record(key: str, part: dict) -> None:
+            done[key] = part
+            if rank == 0:
+                manifest["parts"] = done
+                write_json_atomic(out / MANIFEST, manifest)
+            elif replicas.writes:
+                journal[key] = part
+                write_journal(out, rank, journal)
+
         bar = _Progress(data, files, max_tokens, enabled=progress and rank == 0, name=out.name)
         written = reused = 0
+        error: Exception | None = None
         try:
             for part in itertools.count():
                 chunk = list(itertools.islice(stream, windows_per_part))
@@ -205,46 +227,98 @@ def trace(
                     reused += 1
                     bar.update(chunk)
                     continue
-                record = {
+                if not replicas.owns(part):  # another replica's
+                    bar.update(chunk)
+                    continue
+                entry = {
                     "file": PART.format(part), "first_window": part * windows_per_part, "windows": len(chunk),
                     "tokens": n_tokens, "rows": n_tokens * len(layers), "docs": [chunk[0].doc, chunk[-1].doc], "data_sha256": digest,
                 }
-                writer = PartWriter(out / PART.format(part), table_schema, identity=part_identity(manifest, part, record)) if rank == 0 else None
+                writer = PartWriter(out / PART.format(part), table_schema, identity=part_identity(manifest, part, entry)) if replicas.writes else None
                 for batch in _batches(chunk, batch_size):
                     rows = _trace_batch(model, batch, layers, pad, table_schema)
                     if writer is not None:
                         writer.add(rows)
                     bar.update(batch)
-                done[str(part)] = record
-                if writer is not None:
+                if writer is None:
+                    done[str(part)] = entry
+                else:
                     committed = writer.commit()
                     if committed.rows != n_tokens * len(layers):  # a forward that skipped a hook would leave a gap
                         raise RuntimeError(f"part {part}: wrote {committed.rows} rows, expected {n_tokens} tokens x {len(layers)} layers")
-                    done[str(part)].update(size=committed.size, sha256=committed.sha256)
-                    manifest["parts"] = done
-                    write_json_atomic(out / MANIFEST, manifest)
+                    record(str(part), {**entry, "size": committed.size, "sha256": committed.sha256})
                 written += 1
             if reader is not None:
                 reader.finish()  # a file that max_tokens left half read: the rest is hashed, and checked
         except DataChanged as err:
-            if rank == 0:
+            if replicas.writes:  # drop what may hold the file's new contents from this rank's record
                 _forget_parts_of(out, manifest, done, err.path)
-            raise
+                if rank == 0:
+                    manifest["parts"] = done
+                    write_json_atomic(out / MANIFEST, manifest)
+                else:
+                    journal = {k: p for k, p in journal.items() if k in done}
+                    write_journal(out, rank, journal)
+            error = err
+        except Exception as err:  # under data parallelism, said to the other ranks before it is raised
+            error = err
         finally:
             bar.close()
 
+        if replicas.data_parallel and replicas.world > 1:
+            return _gather_replicas(out, manifest, done, replicas, journal, written, reused, error, documents.count,
+                                    left_out, redone, n_parts=part if error is None else None)
+        if error is not None:
+            raise error
         missing = sorted(set(done) - {str(k) for k in range(part)}, key=int)
         if missing:  # recorded parts past the data's end: the data must have shrunk since
             raise TraceMismatch(f"{out}: parts {missing[:3]} are recorded but the data now ends before them: trace into a new folder to start over")
         n_tokens = sum(p["tokens"] for p in done.values())
         n_rows = sum(p["rows"] for p in done.values())
         if rank == 0:
-            manifest["complete"] = True
-            manifest["totals"] = {"parts": len(done), "docs": documents.count, "windows": sum(p["windows"] for p in done.values()),
-                                  "tokens": n_tokens, "rows": n_rows}
-            manifest["completed_at"] = _now()
-            write_json_atomic(out / MANIFEST, manifest)
+            _complete(out, manifest, done, documents.count)
         return TraceSummary(out, False, written, reused, n_tokens, n_rows, left_out, redone)
+
+
+def _complete(out: Path, manifest: dict, done: dict[str, dict], n_docs: int) -> None:
+    manifest["parts"] = done
+    manifest["complete"] = True
+    manifest["totals"] = {"parts": len(done), "docs": n_docs, "windows": sum(p["windows"] for p in done.values()),
+                          "tokens": sum(p["tokens"] for p in done.values()), "rows": sum(p["rows"] for p in done.values())}
+    manifest["completed_at"] = _now()
+    write_json_atomic(out / MANIFEST, manifest)
+
+
+def _gather_replicas(out, manifest, done, replicas: Replicas, journal, written, reused, error, n_docs, left_out, redone, n_parts) -> TraceSummary:
+    """Data parallelism's end: every rank's parts and outcome to rank 0, which records them all in the
+    manifest (and completes it when no rank failed and every part is there); then the outcome on every rank."""
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes = replicas.gather({"parts": journal, "written": written, "failure": failure, "n_parts": n_parts})
+    verdict = None
+    if replicas.rank == 0:
+        for outcome in outcomes[1:]:
+            done.update(outcome["parts"])
+        failed = [(r, o["failure"]) for r, o in enumerate(outcomes) if o["failure"] is not None]
+        manifest["parts"] = done
+        write_json_atomic(out / MANIFEST, manifest)  # every journal's parts are in it now
+        for path in journals(out):
+            path.unlink()
+        if not failed:
+            missing = sorted(set(range(n_parts)) - {int(k) for k in done}) + sorted(int(k) for k in done if int(k) >= n_parts)
+            if missing:
+                failed = [(0, f"TraceMismatch: {out}: parts {missing[:3]} are recorded but not the data's, or not written by any replica")]
+            else:
+                _complete(out, manifest, done, n_docs)
+        verdict = {"failed": failed, "written": sum(o["written"] for o in outcomes),
+                   "tokens": sum(p["tokens"] for p in done.values()), "rows": sum(p["rows"] for p in done.values())}
+    verdict = replicas.broadcast(verdict)
+    if error is not None:
+        raise error
+    if verdict["failed"]:
+        rank, failure = verdict["failed"][0]
+        raise RuntimeError(f"data parallel trace: rank {rank} failed ({failure}); the parts every replica finished are recorded: "
+                           "run the same command again to trace the rest")
+    return TraceSummary(out, False, verdict["written"], reused, verdict["tokens"], verdict["rows"], left_out, redone)
 
 
 class _Progress:
@@ -391,6 +465,15 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
         write_json_atomic(out / MANIFEST, manifest)
         return manifest
     check_same_run(out, manifest, identity)
+    found = journals(out)
+    if found:  # a data-parallel run's replicas' parts, not gathered into the manifest yet (a kill)
+        for path in found:
+            for key, part in read_journal(path).items():
+                manifest["parts"].setdefault(key, part)
+        check_manifest(out / MANIFEST, manifest)  # the journals' parts as strictly as the manifest's own
+        write_json_atomic(out / MANIFEST, manifest)
+        for path in found:
+            path.unlink()
     recorded = {p["file"] for p in manifest["parts"].values()}
     unhashed = any("sha256" not in part for part in manifest["parts"].values())
     for p in out.iterdir():  # only the trace's own names: a file of the user's in DIR is left alone
@@ -412,13 +495,12 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
 
 
 def _forget_parts_of(out: Path, manifest: dict, done: dict[str, dict], path: str) -> None:
-    """A data file changed while it was traced: drop (and delete) every recorded part from its first document
-    on, which may hold windows of its new contents, so that the manifest records only what it describes."""
+    """A data file changed while it was traced: drop from done (and delete) every part from the file's first
+    document on, which may hold windows of its new contents, so that what is recorded is what the manifest
+    describes."""
     first_doc = next((f["first_doc"] for f in manifest["data"]["files"] if f["path"] == path), 0)
     for key in [k for k, p in done.items() if p.get("docs", [0, first_doc])[1] >= first_doc]:
         (out / done.pop(key)["file"]).unlink(missing_ok=True)
-    manifest["parts"] = done
-    write_json_atomic(out / MANIFEST, manifest)
 
 
 def _part_problem(out: Path, manifest: dict, index: int) -> str | None:
@@ -442,25 +524,12 @@ def _part_problem(out: Path, manifest: dict, index: int) -> str | None:
     return problem
 
 
-def _agree(state, rank: int, world: int) -> dict:
+def _agree(state, replicas: Replicas) -> dict:
     """Rank 0's manifest (or its error) on every rank, so that all ranks skip the same parts or stop together."""
-    if world > 1:
-        import torch.distributed as dist
-
-        box = [state]
-        dist.broadcast_object_list(box, src=0)
-        state = box[0]
+    state = replicas.broadcast(state)
     if isinstance(state, Exception):
         raise state
     return state
-
-
-def _rank() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # ---- helpers -------------------------------------------------------------------------------------
