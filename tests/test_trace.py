@@ -582,6 +582,26 @@ def test_a_data_parallel_trace_deals_parts_to_ranks_and_equals_one_process(model
 
 
 @pytest.mark.slow
+def test_the_command_under_torchrun_traces_data_parallel(model_path, corpus, reference, tmp_path):
+    """README's launch, on CPU: torchrun starts two processes, each a replica on the CPU."""
+    out = tmp_path / "t"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "moelens",
+                          "trace", str(model_path), "--data", str(corpus), "--out", str(out), "--seq-len", "32", "--batch-size", "3",
+                          "--windows-per-part", "4", "--no-progress", "--data-parallel"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("traced ") == 1  # rank 0 alone says what the trace did
+    assert read(out).equals(reference)
+
+
+def test_data_parallel_without_torchrun_is_one_line(model_path, corpus, tmp_path, capsys):
+    argv = ["trace", str(model_path), "--data", str(corpus), "--out", str(tmp_path / "t"), "--no-progress"]
+    assert "runs one process per replica under torchrun" in cli_error(capsys, [*argv, "--data-parallel"])
+    assert "add --data-parallel" in cli_error(capsys, [*argv, "--replica", "device-map"])
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_killed_replica_s_parts_are_traced_again_on_resume(model_path, corpus, reference, tmp_path, world):
     """Rank 1 is killed once its journal records a part (rank 0 then stops too, as torchrun stops every rank);

@@ -538,7 +538,7 @@ def _agree(state, replicas: Replicas) -> dict:
 def _model(model, dtype, device, name):
     if isinstance(model, (str, os.PathLike)):
         path = str(model)
-        _check_device(device)
+        check_device(device)
         model = HookedTransformer.from_pretrained(path, dtype=dtype or torch.float32, device=device or "cpu")
         name = name or path
     elif dtype is not None or device is not None:
@@ -547,7 +547,7 @@ def _model(model, dtype, device, name):
     return model.eval(), name, model.embed.weight.dtype
 
 
-def _check_device(device) -> None:
+def check_device(device) -> None:
     """A device this torch and machine have, checked before any weights are read."""
     if device is None:
         return
