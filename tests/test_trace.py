@@ -538,8 +538,8 @@ def test_under_torch_distributed_rank_0_writes(model, tmp_path):
 DATA_PARALLEL = textwrap.dedent("""
     import sys, time, torch, torch.distributed as dist
     from moelens.traces import parts, trace
-    rank, world, model_path, corpus, out, store, slow = sys.argv[1:]
-    rank, world = int(rank), int(world)
+    rank, world, model_path, corpus, out, store, slow, group = sys.argv[1:]
+    rank, world, group = int(rank), int(world), int(group)
     real = parts.PartWriter.commit
     def commit(self):  # says which parts this rank writes; slowed down on the rank that is to be killed
         if int(slow) == rank:
@@ -550,14 +550,20 @@ DATA_PARALLEL = textwrap.dedent("""
     parts.PartWriter.commit = commit
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
-    summary = trace(model_path, corpus, out, seq_len=32, batch_size=3, windows_per_part=4, progress=False, data_parallel=True)
+    model = model_path
+    if group > 1:  # each replica: its experts sharded over `group` ranks
+        from moelens import HookedTransformer
+        model = HookedTransformer.from_pretrained(model_path, expert_parallel=group, progress=False)
+    summary = trace(model, corpus, out, seq_len=32, batch_size=3, windows_per_part=4, progress=False, data_parallel=True,
+                    ranks_per_replica=group, model_name=model_path if group > 1 else None)
     print("summary", summary.parts_written, summary.parts_reused, summary.n_tokens, flush=True)
     dist.destroy_process_group()
 """)
 
 
-def launch(world: int, model_path, corpus, out: Path, store: Path, slow: int = -1) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", DATA_PARALLEL, str(rank), str(world), str(model_path), str(corpus), str(out), str(store), str(slow)],
+def launch(world: int, model_path, corpus, out: Path, store: Path, slow: int = -1, group: int = 1) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", DATA_PARALLEL, str(rank), str(world), str(model_path), str(corpus), str(out), str(store),
+                              str(slow), str(group)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             for rank in range(world)]
 
@@ -579,6 +585,19 @@ def test_a_data_parallel_trace_deals_parts_to_ranks_and_equals_one_process(model
         assert parts_written(stdout) == list(range(rank, n_parts, world))
     assert read(out).equals(reference)
     assert sorted(p.name for p in out.iterdir()) == sorted([*(p["file"] for p in manifest["parts"].values()), "manifest.json", "trace.lock"])
+
+
+@pytest.mark.slow
+def test_replicas_that_are_expert_parallel_groups_trace_as_one_process(model_path, corpus, reference, tmp_path):
+    """4 ranks: 2 replicas, each one model whose experts are sharded over 2 ranks; the first rank of each
+    replica writes its parts."""
+    out = tmp_path / "t"
+    procs = launch(4, model_path, corpus, out, tmp_path / "store", group=2)
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [o[1][-2000:] for o in outputs]
+    n_parts = len(json.loads((out / "manifest.json").read_text())["parts"])
+    assert [parts_written(stdout) for stdout, _ in outputs] == [list(range(0, n_parts, 2)), [], list(range(1, n_parts, 2)), []]
+    assert read(out).equals(reference)
 
 
 @pytest.mark.slow
@@ -839,6 +858,17 @@ def test_a_folder_named_like_a_temporary_file_is_one_line(model_path, corpus, tm
     err = cli_error(capsys, ["trace", str(model_path), "--data", str(corpus), "--out", str(out), "--seq-len", "32",
                              "--batch-size", "3", "--windows-per-part", "4", "--no-progress"])
     assert f"out: {out / 'part-000001.parquet.tmp'} is a folder, not a temporary file of a trace" in err
+
+
+def test_a_folder_named_like_a_part_is_one_line_and_left_alone(model_path, corpus, tmp_path, capsys):
+    out = tmp_path / "t"
+    started(str(model_path), corpus, out)
+    (out / "part-000009.parquet").mkdir()
+    (out / "part-000009.parquet" / "mine.txt").write_text("mine")
+    err = cli_error(capsys, ["trace", str(model_path), "--data", str(corpus), "--out", str(out), "--seq-len", "32",
+                             "--batch-size", "3", "--windows-per-part", "4", "--no-progress"])
+    assert f"out: {out / 'part-000009.parquet'} is a folder, not a part of a trace" in err
+    assert (out / "part-000009.parquet" / "mine.txt").read_text() == "mine"
 
 
 # ---- a long document in bounded pieces, through trace() ----------------------------------------------------

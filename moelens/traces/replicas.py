@@ -35,6 +35,8 @@ class Replicas:
         collective call under data parallelism (it makes the gloo group the trace coordinates on)."""
         if isinstance(ranks_per_replica, bool) or not isinstance(ranks_per_replica, int) or ranks_per_replica < 1:
             raise ValueError(f"ranks_per_replica must be a positive integer, got {ranks_per_replica!r}")
+        if ranks_per_replica != 1 and not data_parallel:
+            raise ValueError(f"ranks_per_replica={ranks_per_replica} says how many ranks one replica is: it needs data_parallel=True")
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):

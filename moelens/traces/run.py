@@ -45,6 +45,7 @@ from moelens.traces.manifest import (
     file_sha256,
     folder_lock,
     is_first_manifest_leftover,
+    is_own_journal,
     is_own_part,
     is_own_temporary,
     jsonable,
@@ -293,7 +294,7 @@ def _gather_replicas(out, manifest, done, replicas: Replicas, journal, written, 
     """Data parallelism's end: every rank's parts and outcome to rank 0, which records them all in the
     manifest (and completes it when no rank failed and every part is there); then the outcome on every rank."""
     failure = None if error is None else f"{type(error).__name__}: {error}"
-    outcomes = replicas.gather({"parts": journal, "written": written, "failure": failure, "n_parts": n_parts})
+    outcomes = replicas.gather({"parts": journal, "written": written if replicas.writes else 0, "failure": failure, "n_parts": n_parts})
     verdict = None
     if replicas.rank == 0:
         for outcome in outcomes[1:]:
@@ -434,9 +435,10 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
     same inputs) otherwise. Leftovers of a killed run go: temporary files and parts the manifest lacks.
     Recorded parts are checked against their recorded size and sha256: one that is damaged or missing is
     deleted and dropped from the manifest, so that this run traces it again (its name goes into redone)."""
-    for p in out.iterdir():
-        if is_own_temporary(p.name) and (p.is_symlink() or not p.is_file()):
-            raise IsADirectoryError(f"out: {p} is a folder, not a temporary file of a trace: move it out of {out}")
+    for p in out.iterdir():  # a trace's own names are its regular files: anything else under them is the user's
+        if (is_own_temporary(p.name) or is_own_part(p.name) or is_own_journal(p.name)) and (p.is_symlink() or not p.is_file()):
+            kind = "temporary file" if is_own_temporary(p.name) else "part" if is_own_part(p.name) else "journal"
+            raise IsADirectoryError(f"out: {p} is a {'symlink' if p.is_symlink() else 'folder'}, not a {kind} of a trace: move it out of {out}")
     manifest = read_manifest(out)
     if manifest is None:
         # No manifest: nothing here is provably this trace's, except what a run killed inside its very first
