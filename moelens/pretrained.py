@@ -122,7 +122,8 @@ def load(cls, options: LoadOptions):
         prefetch = expert_offload == "disk" if options.expert_prefetch is None else options.expert_prefetch
         offloaded = offload_experts(model, files, keys, expert_offload, cache, device_for, prefetch, options.check_finite)
     elif options.expert_parallel:
-        offloaded = shard_experts(model, files, keys, device, options.expert_parallel_timeout, options.check_finite)
+        group = None if options.expert_parallel is True else options.expert_parallel
+        offloaded = shard_experts(model, files, keys, device, options.expert_parallel_timeout, group, options.check_finite)
     elif options.expert_storage:
         offloaded = keep_experts_stored(model, files, keys, device_for, read=not on_meta, check_finite=options.check_finite)
     materialize(model, device_for)
@@ -279,13 +280,16 @@ def route(router, x: torch.Tensor) -> torch.Tensor:
     return router.choose(router.choice_scores(router.scores(router.logits(x))))
 
 
-def shard_experts(model, files, keys, device: torch.device, timeout_s: float, check_finite: bool = True) -> dict[str, torch.Tensor]:
+def shard_experts(
+    model, files, keys, device: torch.device, timeout_s: float, ranks_per_group: int | None = None,
+    check_finite: bool = True,
+) -> dict[str, torch.Tensor]:
     """Expert parallelism: give every mixture layer (built "sharded") only this rank's experts
     (kernels.expert_parallel), read expert by expert from the checkpoint's files; returns meta slots for the
     full stacks, so that fill() checks their shapes and reads nothing of the other ranks' experts. The layers
-    exchange through one ExpertExchange (checked fingerprints, timeout_s). check_finite: this rank's experts are
-    checked as they are read."""
-    exchange = ExpertExchange.create(device, timeout_s)
+    exchange through one ExpertExchange (checked fingerprints, timeout_s), over every rank, or over this rank's
+    group of ranks_per_group consecutive ranks. check_finite: this rank's experts are checked as they are read."""
+    exchange = ExpertExchange.create(device, timeout_s, ranks_per_group)
     rank, world = exchange.rank, exchange.world
     lo, hi = expert_range(model.cfg.n_experts, world, rank)
     reader = expert_reader(model, files, keys)

@@ -248,6 +248,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         holds only experts [r*E//N, (r+1)*E//N) of each layer; the rest is replicated, and every rank's
         logits, hooks and caches are bit for bit one process's (see moelens.kernels.expert_parallel). Torch
         experts backend only; not with fold_ln, device_map or expert_offload; no backward through experts.
+        expert_parallel=G (an int): one model per group of G consecutive ranks instead of over all of them.
         The ranks must run the same forwards on the same inputs with hooks that change the same values: each
         expert exchange is checked first, and a difference is an ExpertParallelError on every rank naming it.
         expert_parallel_timeout: seconds a rank waits for the others at an expert exchange before raising
