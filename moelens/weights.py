@@ -42,6 +42,15 @@ if TYPE_CHECKING:
     from moelens.models.components.parts import GatedMlpPart
 
 
+EMBEDDING_PARAMETERS = ("embed.weight", "unembed.weight")
+
+
+def hidden_weight_count(params: dict[str, torch.Tensor]) -> int:
+    """TransformerLens's n_params of a model's named parameters: the weight matrices (2 or more dims) outside the
+    embedding and unembedding; no biases, norms or correction-bias buffers. moelens's cfg.n_params."""
+    return sum(t.numel() for name, t in params.items() if t.dim() >= 2 and name not in EMBEDDING_PARAMETERS)
+
+
 class WeightViews:
     """Mixin for HookedTransformer: weight views, QK / OV circuits and in-place weight processing."""
 
