@@ -246,8 +246,9 @@ class CacheAnalysis:
         return f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
 
     def _norm_weight(self, scale_name: str) -> Float[torch.Tensor, "d_model"]:
-        """The weight of the norm whose hook_scale is `scale_name` (its current value; 1 after fold_ln)."""
-        return self.model.mod_dict[scale_name.removesuffix(".hook_scale")].weight.detach()
+        """The factor the norm whose hook_scale is `scale_name` multiplies by (its effective_weight(), as it is
+        now: 1 after fold_ln)."""
+        return self.model.mod_dict[scale_name.removesuffix(".hook_scale")].effective_weight().detach()
 
     def _divide_by_scale(
         self, residual_stack: torch.Tensor, name: str, pos_slice: PosSlice, batch_slice: PosSlice = None
@@ -291,7 +292,7 @@ class CacheAnalysis:
         norm = self.model.ln_final
         x = stack.float()
         normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)).to(stack.dtype)
-        return norm.weight.detach().to(stack.device) * normed
+        return self._norm_weight("ln_final.hook_scale").to(stack.device) * normed
 
     # ---- attention heads ---------------------------------------------------------------------------
     def _head_result(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
