@@ -86,8 +86,9 @@ def inspect(args: argparse.Namespace) -> int:
     else:
         weights = "checkpoint weights"
     print(
-        f"{type(model).__name__} from {path}: {weights}, {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{cfg.n_layers} layers, {cfg.n_experts} experts, top-{top_k}"
+        f"{type(model).__name__} from {path}: {weights}, {sum(p.numel() for p in model.parameters()):,} parameters "
+        f"in all (embeddings included; cfg.n_params, TransformerLens's count without embeddings, norms and biases: "
+        f"{cfg.n_params:,}), {cfg.n_layers} layers, {cfg.n_experts} experts, top-{top_k}"
     )
     if model.tokenizer is None:
         try:

@@ -34,7 +34,7 @@ from moelens.sae import HookedSAEMixin
 from moelens.sitemap import SiteMap
 from moelens.tokenizer import MoeTokenizer, TokenizationError, check_padding_side
 from moelens.utils import get_attention_mask
-from moelens.weights import WeightViews
+from moelens.weights import WeightViews, hidden_weight_count
 
 ReturnType = Literal["logits", "loss", "both"] | None
 
@@ -604,9 +604,12 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     def _count_weight_matrices(self) -> int:
         """TransformerLens's n_params: the weight-matrix parameters outside the embedding and unembedding (routed
         experts held off the model, offloaded or sharded, counted too: where they live is not the model's size)."""
-        elsewhere = [t for block in self.blocks if block.is_moe for t in block.mlp.experts.stacks_held_elsewhere(self.cfg.dtype).values()]
-        tensors = [p for name, p in self.named_parameters() if name not in ("embed.weight", "unembed.weight")] + elsewhere
-        return sum(t.numel() for t in tensors if t.dim() >= 2)
+        params = dict(self.named_parameters())
+        for layer, block in enumerate(self.blocks):
+            if block.is_moe:
+                stacks = block.mlp.experts.stacks_held_elsewhere(self.cfg.dtype)
+                params |= {f"blocks.{layer}.mlp.experts.{name}": t for name, t in stacks.items()}
+        return hidden_weight_count(params)
 
     def _sync_cfg(self) -> None:
         """cfg.device / cfg.dtype: where the model is (its embedding's device: the first of a device map) and

@@ -91,6 +91,7 @@ class LogitTopKSoftmax(TopKRouter):
 
     scoring = "top-k logits, softmax over the k"
     scores_form = "top_k_logits"  # hook_router_scores holds the logits the top-k is taken on
+    probs_form = "softmax_of_logits"
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)

@@ -69,6 +69,7 @@ class SigmoidTopKFloat32Weights(TopKRouter):
 
     choice_bias = True
     scoring = "sigmoid"
+    scores_form = probs_form = "sigmoid"
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)

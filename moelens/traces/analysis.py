@@ -223,8 +223,9 @@ def _grid(rows, labels: list[str], layers: list[int], n_experts: int) -> np.ndar
 
 def trace_expert_load(trace: TraceLike, layers: int | Sequence[int] | None = None) -> TraceExpertLoad:
     """Expert load per layer: counts, load, H(load), CV and max/mean of counts, and, when the trace holds
-    router logits, the mean per-token routing entropy (router probabilities: softmax of the logits, or for
-    sigmoid routers the sigmoid scores normalised to sum to one, as expert_usage does)."""
+    router logits, the mean per-token routing entropy (router probabilities, recomputed from the stored logits as
+    hook_router_probs defines them: softmax of the logits, or for sigmoid routers the sigmoid scores normalised
+    to sum to one, as expert_usage reads them)."""
     trace = as_trace(trace)
     layers = trace.resolve_layers(layers)
     con = trace.connect()

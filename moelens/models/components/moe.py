@@ -272,6 +272,7 @@ class SparseMoe(nn.Module):
         self.experts = Experts(cfg)
         self.hook_router_logits = site_hook("blocks.L.mlp.hook_router_logits")
         self.hook_router_scores = site_hook("blocks.L.mlp.hook_router_scores", self.router.scores_form)
+        self.hook_router_probs = site_hook("blocks.L.mlp.hook_router_probs", self.router.probs_form)
         if self.router.choice_bias:
             self.hook_choice_scores = site_hook("blocks.L.mlp.hook_choice_scores")
         self.hook_expert_indices = site_hook("blocks.L.mlp.hook_expert_indices")
@@ -324,6 +325,8 @@ class SparseMoe(nn.Module):
         router = self.router
         logits = self.hook_router_logits(router.logits(x))
         scores = self.hook_router_scores(router.scores(logits))
+        if self.hook_router_probs.has_hooks:  # an observation site: computed for its hooks only, read by nothing
+            self.hook_router_probs(router.probabilities(scores))
         choice = router.choice_scores(scores)
         if router.choice_bias:
             choice = self.hook_choice_scores(choice)
