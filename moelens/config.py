@@ -5,9 +5,10 @@ it is the component classes the family file picks. A family with sizes of its ow
 
 from __future__ import annotations
 
+import difflib
 import math
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -35,6 +36,68 @@ class RopeConfig:
     interleaved: bool = False
 
 
+class FrozenConfigError(FrozenInstanceError):
+    """An assignment to a field of a model's (frozen) config: the message names the field and what sets it."""
+
+
+# fields the model sets itself, and the call that does it (the model replaces its cfg)
+_FIELD_SETTERS = {
+    "use_attn_result": "model.set_use_attn_result({value!r})",
+    "use_split_qkv_input": "model.set_use_split_qkv_input({value!r})",
+    "use_hook_mlp_in": "model.set_use_hook_mlp_in({value!r})",
+    "use_attn_in": "model.set_use_attn_in({value!r})",
+    "device": "model.to(device)",
+    "dtype": "model.to(dtype)",
+    "tokenizer_name": "model.set_tokenizer(tokenizer)",
+    "tokenizer_prepends_bos": "model.set_tokenizer(tokenizer)",
+    "default_prepend_bos": "from_pretrained(..., default_prepend_bos=...), or prepend_bos= per call",
+}
+
+
+def _frozen_message(cfg: object, name: str, value: object, deleting: bool = False) -> str:
+    cls = type(cfg).__name__
+    names = [f.name for f in fields(cfg)]  # type: ignore[arg-type]
+    verb = "delete" if deleting else "set"
+    if name not in names and isinstance(getattr(type(cfg), name, None), property):
+        return f"cannot {verb} cfg.{name}: {cls} is frozen, and {name} is computed from its fields"
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        return f"cannot {verb} {cls}.{name}: the config is frozen, and {name!r} is not one of its fields" + (
+            f" (did you mean {close[0]!r}?)" if close else ""
+        )
+    how = _FIELD_SETTERS.get(name, "dataclasses.replace(cfg, {name}=...) and a model built from that config")
+    return f"cannot {verb} cfg.{name}: {cls} is frozen (the model replaces its cfg where it changes); use {how.format(name=name, value=value)}"
+
+
+def _explain_frozen(cls: type) -> None:
+    """Wrap cls's dataclass-made __setattr__ / __delattr__ so that assigning a field raises FrozenConfigError
+    naming it, instead of the bare FrozenInstanceError. Done once per class (a family's config subclass is a
+    dataclass of its own, with __setattr__ of its own)."""
+    if cls.__dict__.get("_frozen_explained"):
+        return
+    frozen_setattr, frozen_delattr = cls.__setattr__, cls.__delattr__
+
+    def __setattr__(self, name, value):
+        try:
+            frozen_setattr(self, name, value)
+        except FrozenConfigError:
+            raise
+        except FrozenInstanceError:
+            raise FrozenConfigError(_frozen_message(self, name, value)) from None
+
+    def __delattr__(self, name):
+        try:
+            frozen_delattr(self, name)
+        except FrozenConfigError:
+            raise
+        except FrozenInstanceError:
+            raise FrozenConfigError(_frozen_message(self, name, None, deleting=True)) from None
+
+    type.__setattr__(cls, "__setattr__", __setattr__)
+    type.__setattr__(cls, "__delattr__", __delattr__)
+    type.__setattr__(cls, "_frozen_explained", True)
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """A model's sizes, under moelens's names and, where TransformerLens code reads them, TransformerLens's
@@ -50,7 +113,8 @@ class MoeConfig:
     d_expert.
 
     Frozen: the model replaces its cfg where it changes (device and dtype on .to(), the tokenizer's fields on
-    set_tokenizer); TransformerLens code that assigns to cfg fields fails with FrozenInstanceError.
+    set_tokenizer); TransformerLens code that assigns to cfg fields fails with FrozenConfigError (a
+    FrozenInstanceError) naming the field and what sets it (model.set_use_attn_result(True), model.to(...)).
     """
 
     family: str  # model_type in config.json
@@ -116,6 +180,7 @@ class MoeConfig:
     use_attn_in: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
+        _explain_frozen(type(self))  # this class's and each family subclass's dataclass-made __setattr__
         sizes = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_vocab", "max_position_embeddings")
         for name in sizes:
             if getattr(self, name) < 1:
