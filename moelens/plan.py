@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from huggingface_hub import hf_hub_download
+from huggingface_hub import hf_hub_download, snapshot_download
 
 from moelens import defaults
 from moelens.dtypes import parse_dtype
@@ -116,13 +116,18 @@ def hub_config(repo: str, revision: str | None = None) -> Path:
     except Exception:  # not cached: fetch it
         pass
     try:
-        return Path(hf_hub_download(repo, "config.json", revision=revision))
+        # snapshot_download, as loading does (moelens.loaders.hub): offline or with the Hub unreachable it fails at
+        # once, where hf_hub_download retries its HEAD request for some 25 s
+        config = Path(snapshot_download(repo, revision=revision, allow_patterns=["config.json"])) / "config.json"
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(
             f"{repo!r} is not a local folder or file, and its config.json could not be fetched from the Hub nor "
             f"found in the local cache ({first})"
         ) from err
+    if not config.is_file():
+        raise FileNotFoundError(f"Hub repo {repo!r} has no config.json")
+    return config
 
 
 def stored_weights(folder: Path | None) -> dict | None:

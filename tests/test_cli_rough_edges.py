@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,21 @@ def test_mistyped_option_is_reported_by_its_subcommand_with_a_suggestion(capsys)
     err = capsys.readouterr().err.strip()
     assert err.startswith("moelens inspect: error:") and "--promt (did you mean --prompt?)" in err, err
     assert "see moelens inspect -h" in err and len(err.splitlines()) == 1
+
+
+def test_plan_of_a_hub_id_fails_fast_when_the_hub_is_unreachable(tmp_path):
+    env = {
+        **os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0",
+        "HF_ENDPOINT": "http://127.0.0.1:9",  # nothing listens there: every request is refused at once
+    }
+    times = {}
+    for command in ("plan", "inspect"):
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "moelens", command, "someowner/somemodel"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        times[command] = time.monotonic() - start
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "someowner/somemodel" in lines[0], done.stderr
+    # hf_hub_download's retries took plan some 25 s (1 + 2 + 4 + 8 + 8 s of back-off); inspect fails at once
+    assert times["plan"] < times["inspect"] + 5, times

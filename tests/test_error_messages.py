@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 import moelens
+import moelens.analysis
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +51,57 @@ def test_assigning_a_frozen_cfg_field_points_to_its_setter(name):
         model.cfg.n_expert = 8
     model.set_use_attn_result(True)  # the way that works
     assert model.cfg.use_attn_result
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(value="2"), TypeError, r"steer_router: value must be a real number, got str '2'"),
+        (dict(value=float("nan")), ValueError, r"steer_router: value"),
+        (dict(value=True), TypeError, r"steer_router: value"),
+        (dict(expert="2"), TypeError, r"steer_router: expert must be an expert id"),
+        (dict(expert=[1.5]), TypeError, r"steer_router: expert"),
+        (dict(expert=[]), TypeError, r"steer_router: expert"),
+        (dict(expert=99), IndexError, r"steer_router: expert: experts must lie in \[0, "),
+    ],
+)
+def test_steer_router_names_a_bad_argument(trained, kwargs, error, match):
+    args = dict(layers=1, expert=2, value=2.0) | kwargs
+    with pytest.raises(error, match=match):
+        moelens.analysis.steer_router(trained, "def f(x):", **args)
+
+
+def test_steer_router_takes_numbers_of_any_kind(trained):
+    import torch
+
+    as_float = moelens.analysis.steer_router(trained, "def f(x):", layers=1, expert=2, value=2.0)
+    for value in (2, torch.tensor(2.0)):
+        other = moelens.analysis.steer_router(trained, "def f(x):", layers=1, expert=[2], value=value)
+        assert torch.equal(other.logits, as_float.logits)
+
+
+def test_force_route_names_bad_experts(trained):
+    with pytest.raises(TypeError, match="force_route: experts"):
+        moelens.analysis.force_route(trained, "def f(x):", layers=1, experts=["0", "1"])
+
+
+def test_unknown_from_pretrained_keyword_suggests_the_closest():
+    with pytest.raises(TypeError, match=r"dtyp \(did you mean dtype\?\)"):
+        moelens.HookedTransformer.from_pretrained("tiny-code-moe", dtyp="bfloat16")
+
+
+def test_kimi_k2_config_names_the_documented_mapping(tmp_path):
+    import json
+    import shutil
+
+    from moelens.defaults import default_checkpoint
+    from moelens.plan import plan
+
+    folder = tmp_path / "kimi"
+    shutil.copytree(default_checkpoint("tiny-deepseek-v3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "kimi_k2"
+    (folder / "config.json").write_text(json.dumps(config))
+    for load in (lambda: moelens.HookedTransformer.from_pretrained(str(folder)), lambda: plan(config)):
+        with pytest.raises(ValueError, match=r"'kimi_k2' is not supported.*DeepSeek-V3's architecture.*\"model_type\": \"deepseek_v3\""):
+            load()
