@@ -27,6 +27,7 @@ from moelens.config import RopeConfig
 from moelens.hooks.sites import site_hook
 from moelens.kv_cache import LayerKV
 from moelens.models.components.attention import project_out
+from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
 
@@ -48,7 +49,7 @@ def latent_softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
     return scale
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
     """MLA with TransformerLens's sites at their per-head meaning (q, k after decompression and before the
     rotary; rot_q, rot_k what enters the scores; v and z v_head_dim wide) plus the latents.
 
