@@ -84,6 +84,7 @@ class Experts(nn.Module):
         self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre")
         self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear")
         self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", formula=self.spec.activation.formula)
+        self.hook_out = site_hook("blocks.L.mlp.experts.hook_out")
         self.views = ViewGroup(cfg.n_experts)  # not a module: the per-expert sites below, for a cheap hooked test
         for e in range(cfg.n_experts):
             self.add_module(str(e), ExpertSites(self.views, e))
@@ -258,7 +259,8 @@ class SparseMoe(nn.Module):
         self.hook_expert_outputs = site_hook("blocks.L.mlp.hook_expert_outputs")
         self.hook_routed_out = site_hook("blocks.L.mlp.hook_routed_out")
         self._expert_hooks = ExpertHooks(
-            self.experts.hook_pre, self.experts.hook_pre_linear, self.experts.hook_post, self.hook_expert_outputs
+            self.experts.hook_pre, self.experts.hook_pre_linear, self.experts.hook_post, self.experts.hook_out,
+            self.hook_expert_outputs,
         )
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
