@@ -102,7 +102,7 @@ def inspect(args: argparse.Namespace) -> int:
     set_threads(args)
     model, path = _load(args.model, args.dtype)
     cfg = model.cfg
-    top_k = "/".join(str(k) for k in sorted({cfg.top_k[i] for i in cfg.moe_layer_indices}))
+    top_k = "/".join(str(k) for k in sorted({cfg.top_k_per_layer[i] for i in cfg.moe_layer_indices}))
     # say whether the routing shown means anything: the per-family tiny defaults have seeded random weights
     if str(path) in defaults.TRAINED:
         weights = "trained weights (embedded default; see MODEL_CARD.md in its folder)"

@@ -137,7 +137,8 @@ class MoeConfig:
     d_mlp: int = 0  # dense MLP width (blocks that are not mixtures)
     moe_layers: tuple[bool, ...] = ()  # per block: mixture or dense
     n_experts: int = 0
-    top_k: tuple[int, ...] = ()  # per block
+    # experts per token, per block (0 for a dense block); cfg.top_k is the mixture layers' one k
+    top_k_per_layer: tuple[int, ...] = ()
     d_expert: int = 0
     d_shared: int = 0  # shared expert width, where the family's mixture block has one
     # sizes and constants the routers read; how a family routes is its router class (models/components)
@@ -201,12 +202,12 @@ class MoeConfig:
             )
         if self.attention_windows and len(self.attention_windows) != self.n_layers:
             raise ValueError(f"attention_windows ({len(self.attention_windows)}) needs one entry per layer ({self.n_layers})")
-        if len(self.moe_layers) != self.n_layers or len(self.top_k) != self.n_layers:
+        if len(self.moe_layers) != self.n_layers or len(self.top_k_per_layer) != self.n_layers:
             raise ValueError(
-                f"moe_layers ({len(self.moe_layers)}) and top_k ({len(self.top_k)}) need one entry per layer "
-                f"({self.n_layers})"
+                f"moe_layers ({len(self.moe_layers)}) and top_k_per_layer ({len(self.top_k_per_layer)}) need one "
+                f"entry per layer ({self.n_layers})"
             )
-        for layer, (is_moe, k) in enumerate(zip(self.moe_layers, self.top_k, strict=True)):
+        for layer, (is_moe, k) in enumerate(zip(self.moe_layers, self.top_k_per_layer, strict=True)):
             if is_moe and not 1 <= k <= self.n_experts:
                 raise ValueError(f"layer {layer}: top_k {k} must be between 1 and n_experts ({self.n_experts})")
 
@@ -282,11 +283,23 @@ class MoeConfig:
         return self.n_experts or None
 
     @property
+    def top_k(self) -> int:
+        """Experts each token is routed to in every mixture layer, one int (TransformerLens code does arithmetic
+        with it). A ValueError where the mixture layers differ (Hunyuan's moe_topk may) or there are none:
+        top_k_per_layer[L] holds each block's (0 for a dense one)."""
+        ks = {self.top_k_per_layer[layer] for layer in self.moe_layer_indices}
+        if len(ks) != 1:
+            per_layer = {layer: self.top_k_per_layer[layer] for layer in self.moe_layer_indices}
+            what = f"its mixture layers route to different numbers of experts ({per_layer})" if ks else "it has no mixture layer"
+            raise ValueError(f"cfg.top_k is one int for the whole model, but {what}; read cfg.top_k_per_layer[L] for block L's")
+        return ks.pop()
+
+    @property
     def experts_per_token(self) -> int | None:
-        """Experts each token is routed to, in the first mixture layer (top_k holds every layer's; the
-        families here use one value for all); None without mixture layers."""
+        """Experts each token is routed to, in the first mixture layer (top_k_per_layer holds every layer's);
+        None without mixture layers."""
         moe = self.moe_layer_indices
-        return self.top_k[moe[0]] if moe else None
+        return self.top_k_per_layer[moe[0]] if moe else None
 
     @property
     def gated_mlp(self) -> bool:
@@ -532,7 +545,7 @@ def routed_fields(
     if any(moe_layers):
         top_k = hf.integer("num_experts_per_tok", num_experts_per_tok, at_least=1, at_most=n_experts)
     top_ks = tuple(top_k if moe else 0 for moe in moe_layers)
-    return dict(moe_layers=moe_layers, n_experts=n_experts, top_k=top_ks, d_expert=d_expert)
+    return dict(moe_layers=moe_layers, n_experts=n_experts, top_k_per_layer=top_ks, d_expert=d_expert)
 
 
 def _bad(label: str, value, expected: str) -> ValueError:

@@ -239,7 +239,7 @@ def count_tensors(
     """count_model of a model's parameters and buffers."""
     components = {name: Count() for name in COMPONENTS}
     layers = [
-        LayerCount(i, "moe" if moe else "dense", n_experts=cfg.n_experts if moe else 0, top_k=cfg.top_k[i])
+        LayerCount(i, "moe" if moe else "dense", n_experts=cfg.n_experts if moe else 0, top_k=cfg.top_k_per_layer[i])
         for i, moe in enumerate(cfg.moe_layers)
     ]
     for name, tensor in [*params.items(), *buffers.items()]:
@@ -266,7 +266,7 @@ def activation_terms(cfg, batch: int, seq: int, float32_router: bool = False) ->
     tokens = batch * seq
     # Hunyuan and Solar weigh the slot outputs with float32 router weights, which promotes them to float32
     slot_bytes = max(b, 4) if float32_router else b
-    moe_k = [k for k, moe in zip(cfg.top_k, cfg.moe_layers, strict=True) if moe]
+    moe_k = [k for k, moe in zip(cfg.top_k_per_layer, cfg.moe_layers, strict=True) if moe]
     k = max(moe_k, default=0)
     terms = {
         "residual": (
@@ -953,7 +953,7 @@ def plan(
         on_disk=on_disk,
         config={
             "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_experts": cfg.n_experts,
-            "top_k": max(cfg.top_k, default=0), "d_expert": cfg.d_expert, "d_vocab": cfg.d_vocab,
+            "top_k": max(cfg.top_k_per_layer, default=0), "d_expert": cfg.d_expert, "d_vocab": cfg.d_vocab,
             "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": float32_router,
         },
         stored=stored,

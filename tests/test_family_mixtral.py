@@ -221,7 +221,7 @@ def test_plan_counts_match_transformers_at_full_size():
 def test_config_defaults_and_checks():
     raw = {k: v for k, v in MIXTRAL_8X7B.items() if k not in ("rope_theta", "num_local_experts", "num_experts_per_tok")}
     cfg = HookedMixtral.config_from_hf(raw)  # transformers' defaults: theta 1e6, 8 experts, top-2
-    assert (cfg.rope.theta, cfg.n_experts, cfg.top_k[0]) == (1e6, 8, 2)
+    assert (cfg.rope.theta, cfg.n_experts, cfg.top_k_per_layer[0]) == (1e6, 8, 2)
     assert HookedMixtral.config_from_hf({**raw, "sliding_window": 4096}).sliding_window == 4096
     with pytest.raises(ValueError, match="sliding_window"):
         HookedMixtral.config_from_hf({**raw, "sliding_window": 0})

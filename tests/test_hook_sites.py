@@ -178,7 +178,7 @@ def test_unweighted_expert_outputs_site(name, backend):
     with torch.no_grad():
         logits, cache = model.run_with_cache(tokens)
         out = cache[site]
-        assert out.shape == (2, 5, model.cfg.top_k[layer], model.cfg.d_model)
+        assert out.shape == (2, 5, model.cfg.top_k, model.cfg.d_model)
         assert cache["expert_out", layer] is out  # its short name
         # by hand: each slot's neurons through its expert's down projection, plus its bias
         idx = cache["expert_indices", layer]

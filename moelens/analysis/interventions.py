@@ -77,7 +77,7 @@ def force_route_hooks(
             raise TypeError(f"force_route: weights must be a sequence or tensor of floats, got {weights!r} ({err})") from None
     hooks: Hooks = []
     for layer in resolve_layers(model, layers):
-        k = model.cfg.top_k[layer]
+        k = model.cfg.top_k_per_layer[layer]
         if experts.shape[-1] != k:
             raise ValueError(f"layer {layer} routes to top_k={k} experts, got {experts.shape[-1]} to force")
         hooks.append((hook_name(layer, "expert_indices"), lambda idx, hook: _where(positions, experts, idx)))

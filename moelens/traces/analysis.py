@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 
+from moelens.analysis.difference import ExpertDelta, ranked_deltas
 from moelens.analysis.interventions import steer_router_hooks
 from moelens.traces.manifest import MANIFEST, read_manifest
 
@@ -700,15 +701,6 @@ def trace_top_tokens(
 # ---- paired corpora: SteerMoE's activation-rate difference -------------------------------------------
 
 
-@dataclass(frozen=True)
-class ExpertDelta:
-    layer: int
-    expert: int
-    rate_a: float  # share of corpus A's tokens routed to the expert
-    rate_b: float
-    delta: float  # rate_a - rate_b: above 0, the expert is more active on A
-
-
 def trace_activation_difference(
     trace_a: TraceLike, trace_b: TraceLike, layers: int | Sequence[int] | None = None
 ) -> list[ExpertDelta]:
@@ -722,12 +714,7 @@ def trace_activation_difference(
     layers = a.resolve_layers(layers)
     b.resolve_layers(layers)
     load_a, load_b = trace_expert_load(a, layers), trace_expert_load(b, layers)
-    rate_a, rate_b = load_a.rates, load_b.rates
-    deltas = [
-        ExpertDelta(layer, e, float(rate_a[i, e]), float(rate_b[i, e]), float(rate_a[i, e] - rate_b[i, e]))
-        for i, layer in enumerate(layers) for e in range(a.n_experts)
-    ]
-    return sorted(deltas, key=lambda d: (-abs(d.delta), d.layer, d.expert))
+    return ranked_deltas(layers, load_a.rates, load_b.rates)
 
 
 def delta_experts(

@@ -248,7 +248,7 @@ class SparseMoe(nn.Module):
 
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__()
-        self.router = router(cfg, cfg.top_k[layer])
+        self.router = router(cfg, cfg.top_k_per_layer[layer])
         self.experts = Experts(cfg)
         self.hook_router_logits = site_hook("blocks.L.mlp.hook_router_logits")
         self.hook_router_scores = site_hook("blocks.L.mlp.hook_router_scores", self.router.scores_form)
