@@ -281,11 +281,11 @@ class SparseMoe(nn.Module):
     # TransformerLens's dense-MLP weights (block.mlp.W_in [d_model, d_mlp], ...): a mixture has one per expert
     _DENSE_WEIGHTS: ClassVar[dict[str, str]] = {
         "W_in": "the routed experts' up projections are experts.W_gate_up[:, d_expert:] ([n_experts, d_expert, "
-        "d_model]); model.W_in[L] ([n_experts, d_model, d_expert]) when every block is a mixture",
+        "d_model]); model.W_in[L] ([n_experts, d_model, d_expert])",
         "W_gate": "the routed experts' gate projections are experts.W_gate_up[:, :d_expert] ([n_experts, d_expert, "
-        "d_model]); model.W_gate[L] ([n_experts, d_model, d_expert]) when every block is a mixture",
+        "d_model]); model.W_gate[L] ([n_experts, d_model, d_expert])",
         "W_out": "the routed experts' down projections are experts.W_down ([n_experts, d_model, d_expert]); "
-        "model.W_out[L] ([n_experts, d_expert, d_model]) when every block is a mixture",
+        "model.W_out[L] ([n_experts, d_expert, d_model])",
         "b_in": "the routed experts' biases, where the family has them, are experts.b_gate_up ([n_experts, "
         "2 * d_expert], gate first)",
         "b_out": "the routed experts' output biases, where the family has them, are experts.b_down ([n_experts, d_model])",
