@@ -84,7 +84,8 @@ def chosen_experts(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, 
 def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     """Fold every RMSNorm weight (ln1, ln2, ln_final) into its readers and set the norm weights to 1; return
     how many tokens of a probe batch had their routing changed by it."""
-    routed = [part.module for block in model.blocks for part in block.mlp.parts() if part.kind == "routed"]
+    routed = [part.module for block in model.blocks for sub in block.sublayers() if sub.kind == "ffn"
+              for part in sub.module.parts() if part.kind == "routed"]
     stored = next((experts.spec.storage for experts in routed if experts.spec.storage), None)
     if stored is not None:  # their tensors() are dequantized copies: scaling those would fold nothing
         raise ValueError(
@@ -94,21 +95,24 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     probe = probe_tokens(model)
     before = chosen_experts(model, probe)
     for block in model.blocks:
-        w1 = block.ln1.weight.float()
-        for proj in block.attn.input_projections():
-            _scale_inputs(proj.weight, w1)
-        w2 = block.ln2.weight.float()
-        for part in block.mlp.parts():  # everything that reads ln2's output; biases are added after and do not
-            for weight in part.input_weights():
-                _scale_inputs(weight, w2)
-        block.ln1.weight.fill_(1.0)
-        block.ln2.weight.fill_(1.0)
+        for sub in block.sublayers():  # each sublayer's norm into everything that reads its output
+            w = sub.norm.effective_weight().float()
+            for weight in _readers(sub):  # biases are added after the weight and do not change
+                _scale_inputs(weight, w)
+            sub.norm.make_identity()
     untie(model)
-    _scale_inputs(model.unembed.weight, model.ln_final.weight.float())
-    model.ln_final.weight.fill_(1.0)
+    _scale_inputs(model.unembed.weight, model.ln_final.effective_weight().float())
+    model.ln_final.make_identity()
     after = chosen_experts(model, probe)
     per_layer = {layer: int((before[layer] != after[layer]).any(-1).sum()) for layer in before}
     return RoutingChanges(probe.numel(), per_layer)
+
+
+def _readers(sub) -> list[torch.Tensor]:
+    """The weights that read a sublayer's normed input: a mixer's input projections, a feed-forward's parts'."""
+    if sub.kind == "mixer":
+        return [proj.weight for proj in sub.module.input_projections()]
+    return [weight for part in sub.module.parts() for weight in part.input_weights()]
 
 
 @torch.no_grad()

@@ -117,7 +117,7 @@ def generate(
     pad = _pad_id(model, eos)
 
     batch = tokens.shape[0]
-    cache = KVCache.for_model(model) if use_past_kv_cache else None
+    cache = KVCache.for_model(model, reserve=tokens.shape[1] + max_new_tokens) if use_past_kv_cache else None
     step_tokens, step_mask = tokens, attention_mask
     finished = torch.zeros(batch, dtype=torch.bool, device=model.device)
     for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generating"):

@@ -1,9 +1,11 @@
-"""Key/value cache for incremental decoding: what attention already computed for earlier positions.
+"""The cache for incremental decoding: what each layer hands on to later positions (its state, of the kind its
+token mixer asks for: moelens.state), the attention-mask history and each row's next position.
 
-Per layer it keeps keys and values exactly as attention uses them (after rotary and, for Hunyuan, the q/k
-norm: what hook_rot_k and hook_v produce, kv heads not repeated), so a hook that edits those sites edits
-what later positions see. Alongside: the attention-mask history (1 real token, 0 padding) and each row's
-next rotary position (its count of real tokens so far), which keep left-padded rows correct.
+A softmax-attention layer keeps keys and values exactly as attention uses them (after rotary and, for Hunyuan,
+the q/k norm: what hook_rot_k and hook_v produce, kv heads not repeated), in buffers preallocated along the
+position axis, so a hook that edits those sites edits what later positions see and a decode step copies only
+its own keys and values. The mask history (1 real token, 0 padding) and each row's next rotary position (its
+count of real tokens so far) keep left-padded rows correct.
 
     cache = KVCache.for_model(model)
     logits = model(prompt, attention_mask=mask, past_kv_cache=cache)   # fills the cache
@@ -14,46 +16,35 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 
+from moelens.state import KVState, LayerState
 from moelens.positions import positions_from_mask
 
 
-@dataclass
-class LayerKV:
-    """One layer's cached keys and values, [batch pos kv_head d_head]; None until the first forward."""
-
-    keys: Float[torch.Tensor, "batch pos kv_head d_head"] | None = None
-    values: Float[torch.Tensor, "batch pos kv_head d_head"] | None = None
-
-    def append(
-        self, keys: Float[torch.Tensor, "batch new kv_head d_head"], values: Float[torch.Tensor, "batch new kv_head d_head"]
-    ) -> tuple[Float[torch.Tensor, "batch all kv_head d_head"], Float[torch.Tensor, "batch all kv_head d_head"]]:
-        """Store the new positions' keys and values; return those of every position, cached first."""
-        if self.keys is not None:
-            keys, values = torch.cat([self.keys, keys], dim=1), torch.cat([self.values, values], dim=1)
-        self.keys, self.values = keys, values
-        return keys, values
-
-    def truncate(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :length], self.values[:, :length]
-
-
 class KVCache:
-    """Keys and values of every layer, the attention-mask history and each row's next position."""
+    """Every layer's state (None for a layer without a token mixer), the attention-mask history and each row's
+    next position."""
 
-    def __init__(self, n_layers: int) -> None:
-        self.layers = [LayerKV() for _ in range(n_layers)]
+    def __init__(self, layers: int | list[LayerState | None]) -> None:
+        """layers: the states, one per layer (KVCache.for_model makes the ones a model's layers ask for); an int
+        n makes n empty key/value states (for a model of softmax attention on every layer)."""
+        self.layers: list[LayerState | None] = [KVState() for _ in range(layers)] if isinstance(layers, int) else list(layers)
         self.attention_mask: Int[torch.Tensor, "batch pos"] | None = None  # None: nothing cached yet
         self.next_position: Int[torch.Tensor, " batch"] | None = None
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> KVCache:
-        return cls(model.cfg.n_layers)
+    def for_model(cls, model: torch.nn.Module, reserve: int = 0) -> KVCache:
+        """An empty cache of the states model's layers ask for; reserve: positions to allocate room for up front
+        (generate reserves prompt + new tokens, so no buffer is ever copied)."""
+        return cls([None if b.token_mixer is None else b.token_mixer.new_state(reserve) for b in model.blocks])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layers' states hold now."""
+        return sum(state.nbytes for state in self.layers if state is not None)
 
     def __len__(self) -> int:
         """Number of cached positions (padding included)."""
@@ -88,13 +79,14 @@ class KVCache:
     @contextlib.contextmanager
     def extending(self, new_mask: Int[torch.Tensor, "batch new"]) -> Iterator[None]:
         """Around one forward: commit the mask and positions when it succeeds; when it raises (a failing hook),
-        drop what the layers appended, so the cache is left as it was rather than half extended."""
-        length = len(self)
+        roll every layer's state back, so the cache is left as it was rather than half extended."""
+        snapshots = [None if state is None else state.snapshot() for state in self.layers]
         try:
             yield
         except BaseException:
-            for layer in self.layers:
-                layer.truncate(length)
+            for state, snapshot in zip(self.layers, snapshots):
+                if state is not None:
+                    state.rollback(snapshot)
             raise
         self.attention_mask = self.full_mask(new_mask.long())
         counts = new_mask.long().sum(-1)

@@ -306,6 +306,18 @@ def activation_terms(cfg, batch: int, seq: int, float32_router: bool = False) ->
     return out
 
 
+def float32_router(recipe) -> bool:
+    """Whether the mixture layers' routers keep float32 weights (their logits are then float32)."""
+    return any(router.float32_weight for router in recipe.routers())
+
+
+def cached_per_token(recipe, cfg) -> int:
+    """Values the cache holds per token, averaged over the layers (rounded up): each layer's mixer says what
+    its state holds per token."""
+    total = sum(state.per_token for state in recipe.state_bytes(cfg))
+    return -(-total // cfg.n_layers)
+
+
 def kv_cache_bytes(cfg, batch: int, seq: int, per_token: int | None = None) -> int:
     """Keys and values of every layer for batch x seq positions, in the model dtype. per_token: values cached
     per token and layer (the family's attention says: MLA caches decompressed keys and values of every head);
@@ -658,9 +670,9 @@ def check_tokens(**sizes: int) -> None:
 
 def needs_of(cfg, family, components: dict[str, Count], layers: list[LayerCount], batch: int, seq: int) -> Needs:
     """What the placements weigh, from the model's counts (count_model) and a forward of batch x seq tokens."""
-    classes = family.components_for(cfg)
-    acts = activation_terms(cfg, batch, seq, classes.router.float32_weight)
-    kv = kv_cache_bytes(cfg, batch, seq, classes.attention.cached_per_token(cfg))
+    recipe = family.recipe(cfg)
+    acts = activation_terms(cfg, batch, seq, float32_router(recipe))
+    kv = kv_cache_bytes(cfg, batch, seq, cached_per_token(recipe, cfg))
     embed_bytes = components["embeddings"].bytes
     final_norm = cfg.d_model * torch.tensor([], dtype=cfg.dtype).element_size()
     return Needs(
@@ -926,9 +938,9 @@ def plan(
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head wins, as the loader does
     cfg = dataclasses.replace(cfg, dtype=dtype)
     components, layers = count_tensors(cfg, *meta_tensors(family, cfg))
-    float32_router = family.components_for(cfg).router.float32_weight
-    acts = activation_terms(cfg, batch, seq, float32_router)
-    kv_per_token = family.components_for(cfg).attention.cached_per_token(cfg)
+    recipe = family.recipe(cfg)
+    acts = activation_terms(cfg, batch, seq, float32_router(recipe))
+    kv_per_token = cached_per_token(recipe, cfg)
     kv = kv_cache_bytes(cfg, batch, seq, kv_per_token)
     needs = needs_of(cfg, family, components, layers, batch, seq)
     stored = None if unreadable is None else {"error": unreadable}

@@ -88,12 +88,15 @@ def test_correction_bias_changes_the_choice(models):
 
 
 def test_components():
-    assert HookedGlm4Moe.components.moe is SharedExpertMoe and HookedGlm4Moe.components.router is SigmoidGroupedTopK
     raw = tiny_glm.glm4_moe_config().to_dict()
-    normed = HookedGlm4Moe.components_for(HookedGlm4Moe.config_from_hf(raw))
-    plain = HookedGlm4Moe.components_for(HookedGlm4Moe.config_from_hf({**raw, "use_qk_norm": False}))
-    assert normed.attention is QKNormBeforeRotaryAttention and plain.attention is Attention
-    assert normed.router is plain.router is SigmoidGroupedTopK
+    normed_cfg = HookedGlm4Moe.config_from_hf(raw)
+    normed = HookedGlm4Moe.recipe(normed_cfg)
+    plain = HookedGlm4Moe.recipe(HookedGlm4Moe.config_from_hf({**raw, "use_qk_norm": False}))
+    assert {spec.mixer for spec in normed.layers} == {QKNormBeforeRotaryAttention}
+    assert {spec.mixer for spec in plain.layers} == {Attention}
+    for layer in normed_cfg.moe_layer_indices:
+        for recipe in (normed, plain):
+            assert recipe.layers[layer].ffn.moe is SharedExpertMoe and recipe.layers[layer].ffn.router is SigmoidGroupedTopK
 
 
 # ---- float32: every site, every variant -------------------------------------------------------------

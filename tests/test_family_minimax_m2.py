@@ -114,9 +114,10 @@ def test_references_cover_what_transformers_exposes(ckpts, refs):
 
 
 def test_components():
-    parts = HookedMiniMaxM2.components
-    assert parts.attention is ProjectionQKNormAttention and parts.moe is SparseMoe
-    assert parts.router is SigmoidTopKFloat32Weights
+    cfg = HookedMiniMaxM2.config_from_hf(tiny_mm.minimax_m2_config().to_dict())
+    for spec in HookedMiniMaxM2.recipe(cfg).layers:
+        assert spec.mixer is ProjectionQKNormAttention and spec.ffn.moe is SparseMoe
+        assert spec.ffn.router is SigmoidTopKFloat32Weights
     assert SigmoidTopKFloat32Weights.choice_bias and not SigmoidTopKFloat32Weights.float32_weight
 
 

@@ -54,7 +54,7 @@ def test_variants_are_what_they_claim(ckpts):
     cfg = {v: HookedTransformer.from_pretrained(p, progress=False).cfg for v, p in ckpts.items()}
     assert cfg["base"].n_kv_heads < cfg["base"].n_heads and cfg["base"].sliding_window is None
     assert cfg["sliding_window"].sliding_window == WINDOW < 40  # shorter than the tests' sequences
-    assert cfg["mha_tied"].tie_word_embeddings and cfg["mha_tied"].n_kv_heads == 4 and cfg["mha_tied"].top_k[0] == 3
+    assert cfg["mha_tied"].tie_word_embeddings and cfg["mha_tied"].n_kv_heads == 4 and cfg["mha_tied"].top_k_per_layer[0] == 3
     assert not cfg["base"].qkv_bias and cfg["base"].norm_topk_prob and cfg["base"].d_mlp == 0
     base = stored_keys(ckpts["base"])  # what transformers 5's save_pretrained writes: the Hub's spelling
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in base
@@ -100,8 +100,10 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
 
 
 def test_router_rule():
-    assert HookedMixtral.components.router is SoftmaxTopKFloat32Weights
-    assert not SoftmaxTopKFloat32Weights.float32_weight and HookedMixtral.components.moe is SparseMoe
+    cfg = HookedMixtral.config_from_hf(tiny_mixtral.mixtral_config().to_dict())
+    for spec in HookedMixtral.recipe(cfg).layers:
+        assert spec.ffn.router is SoftmaxTopKFloat32Weights and spec.ffn.moe is SparseMoe
+    assert not SoftmaxTopKFloat32Weights.float32_weight
 
 
 # ---- the sliding window ---------------------------------------------------------------------------------

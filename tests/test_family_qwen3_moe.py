@@ -100,8 +100,10 @@ def test_bfloat16_is_bit_exact(ckpts, refs, variant):
 
 
 def test_components():
-    c = HookedQwen3Moe.components
-    assert (c.attention, c.moe, c.router) == (QKNormBeforeRotaryAttention, SparseMoe, SoftmaxTopK)
+    cfg = HookedQwen3Moe.config_from_hf(tiny_qwen3.qwen3_moe_config().to_dict())
+    for layer, spec in enumerate(HookedQwen3Moe.recipe(cfg).layers):
+        assert spec.mixer is QKNormBeforeRotaryAttention
+        assert (spec.ffn.moe, spec.ffn.router) == (SparseMoe, SoftmaxTopK) if cfg.moe_layers[layer] else not spec.is_moe
 
 
 def test_q_and_k_are_normed_before_the_rotary(ckpts):

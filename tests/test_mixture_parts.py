@@ -14,9 +14,10 @@ from torch import nn
 
 from moelens.analysis.routing import routing_table
 from moelens.hooks import HookPoint
-from moelens.models.components import GatedMLP, SparseMoe
+from moelens.models.components import Attention, GatedMLP, SoftmaxTopK, SparseMoe
 from moelens.models.components.parts import GatedMlpPart, PartGate
 from moelens.models.qwen2_moe import HookedQwen2Moe
+from moelens.models.recipe import decoder_recipe
 
 
 def gated_mlp_by_hand(part: GatedMlpPart, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,9 @@ class RoutedThenTanhGated(SparseMoe):
 
 
 class HookedRoutedThenTanhGated(HookedQwen2Moe):
-    components = dataclasses.replace(HookedQwen2Moe.components, moe=RoutedThenTanhGated)
+    @classmethod
+    def recipe(cls, cfg):
+        return decoder_recipe(cfg, Attention, RoutedThenTanhGated, SoftmaxTopK)
 
 
 RENAMED = {".mlp.shared_expert.": ".mlp.always_on.", ".mlp.shared_gate.": ".mlp.always_on_gate."}

@@ -24,9 +24,11 @@ from moelens.kernels import BACKENDS
 from moelens.kernels.offload import ExpertCacheStats
 from moelens.kv_cache import KVCache
 from moelens.load_options import load_options
-from moelens.models.components import Block, Components, Embed, Rotary
+from moelens.models.components import Block, Embed, Rotary
 from moelens.models.components.attention import set_use_attn_result
 from moelens.models.components.embed import Unembed
+from moelens.models.context import LayerInputs
+from moelens.models.recipe import Recipe
 from moelens.positions import check_attention_mask, positions_from_mask
 from moelens.sae import HookedSAEMixin
 from moelens.sitemap import SiteMap
@@ -69,7 +71,6 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     """
 
     model_type: ClassVar[str] = ""  # config.json's model_type; a family class with one registers itself
-    components: ClassVar[Components]
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -77,7 +78,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             families.register(cls)
 
     def __init__(self, cfg: MoeConfig, tokenizer: MoeTokenizer | None = None) -> None:
-        if not hasattr(type(self), "components"):  # the base class: only a family's class builds a model
+        if type(self).recipe.__func__ is HookedTransformer.recipe.__func__:  # only a family's class builds a model
             family = families.FAMILIES.get(getattr(cfg, "family", None))
             raise TypeError(
                 f"{type(self).__name__}(cfg) builds no model: load one with HookedTransformer.from_pretrained(...), "
@@ -90,9 +91,10 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         self.embed = Embed(cfg.d_vocab, cfg.d_model)
         self.hook_embed = site_hook("hook_embed")
         self.rotary = Rotary(cfg)
-        components = self.components_for(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, layer, components) for layer in range(cfg.n_layers))
-        self.ln_final = components.norm(cfg.d_model, cfg.norm_eps)
+        recipe = self.recipe(cfg)
+        recipe.check(cfg)
+        self.blocks = nn.ModuleList(Block(cfg, layer, spec) for layer, spec in enumerate(recipe.layers))
+        self.ln_final = recipe.final_norm(cfg.d_model, cfg.norm_eps)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab)
         self.hook_logits = site_hook("hook_logits")
         self.tie_weights()
@@ -114,10 +116,9 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         raise NotImplementedError(f"{cls.__name__} does not define config_from_hf")
 
     @classmethod
-    def components_for(cls, cfg: MoeConfig) -> Components:
-        """The classes this config's blocks are built from: the family's `components`, unless its configs
-        choose between behaviours (a family whose config.json turns a q/k norm on or off)."""
-        return cls.components
+    def recipe(cls, cfg: MoeConfig) -> Recipe:  # pragma: no cover - every family overrides
+        """Each layer's token mixer, feed-forward and norm for this config (moelens.models.recipe)."""
+        raise NotImplementedError(f"{cls.__name__} does not define recipe")
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:  # pragma: no cover - every family overrides
@@ -693,7 +694,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         b, p = resid.shape[:2]
         if attention_mask is not None:
             attention_mask = check_attention_mask(attention_mask, (b, p)).to(self.device)
-        kvs: list = [None] * len(self.blocks)
+        states: list = [None] * len(self.blocks)
         key_mask, extending = attention_mask, contextlib.nullcontext()
         if past_kv_cache is not None:
             if start_at_layer is not None or stop_at_layer is not None:
@@ -701,18 +702,18 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             past_kv_cache.check_fits(self.cfg.n_layers, b)
             if attention_mask is None:  # the cache keeps a mask history whatever the input
                 attention_mask = torch.ones(b, p, dtype=torch.long, device=self.device)
-            kvs, key_mask = past_kv_cache.layers, past_kv_cache.full_mask(attention_mask)
+            states, key_mask = past_kv_cache.layers, past_kv_cache.full_mask(attention_mask)
             extending = past_kv_cache.extending(attention_mask)
         self._warn_if_too_long(p + (0 if past_kv_cache is None else len(past_kv_cache)))
         positions = self._positions(b, p, attention_mask, position_ids, past_kv_cache)
         cos, sin = self.rotary(positions, resid.dtype)
-        allowed = self._allowed(p, key_mask)
+        inputs = LayerInputs(positions, cos, sin, self._allowed(p, key_mask), attention_mask)
         with extending:
-            for block, kv in zip(self.blocks[start_at_layer:stop_at_layer], kvs[start_at_layer:stop_at_layer]):
-                device = block.ln1.weight.device
+            for block, state in zip(self.blocks[start_at_layer:stop_at_layer], states[start_at_layer:stop_at_layer]):
+                device = block.first_norm.weight.device
                 if resid.device != device:  # a device map: the stream moves between whole blocks
-                    resid, cos, sin, allowed = (t.to(device) for t in (resid, cos, sin, allowed))
-                resid = block(resid, cos, sin, allowed, kv)
+                    resid, inputs = resid.to(device), inputs.to(device)
+                resid = block(resid, inputs.for_layer(state))
         if stop_at_layer is not None:
             return resid
         normalized = self.ln_final(resid.to(self.ln_final.weight.device))

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from moelens.config import REQUIRED, HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Components, SharedExpertMoe, SigmoidGroupedTopK
+from moelens.models.components import SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.latent_attention import MultiHeadLatentAttention
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
 
@@ -53,7 +54,10 @@ class DeepseekV3Config(MoeConfig):
 
 class HookedDeepseekV3(HookedTransformer):
     model_type = "deepseek_v3"
-    components = Components(attention=MultiHeadLatentAttention, moe=SharedExpertMoe, router=SigmoidGroupedTopK)
+
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, MultiHeadLatentAttention, SharedExpertMoe, SigmoidGroupedTopK)
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:

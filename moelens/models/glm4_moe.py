@@ -17,13 +17,13 @@ not part of it, and loading passes over their keys.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from moelens.config import HFConfig, MoeConfig, common_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Attention, Components, SharedExpertMoe, SigmoidGroupedTopK
+from moelens.models.components import Attention, SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.deepseek_v3 import deepseek_mixture_fields
 from moelens.models.sites import (
     Entry, attention_projections, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts,
@@ -42,14 +42,12 @@ class Glm4MoeConfig(MoeConfig):
 
 class HookedGlm4Moe(HookedTransformer):
     model_type = "glm4_moe"
-    # without the q/k norm (GLM-4.5-Air, transformers' default); components_for picks the normed attention
-    components = Components(attention=Attention, moe=SharedExpertMoe, router=SigmoidGroupedTopK)
 
     @classmethod
-    def components_for(cls, cfg: Glm4MoeConfig) -> Components:
-        if cfg.qk_norm:
-            return dataclasses.replace(cls.components, attention=QKNormBeforeRotaryAttention)
-        return cls.components
+    def recipe(cls, cfg: Glm4MoeConfig) -> Recipe:
+        # the q/k norm where config.json's use_qk_norm turns it on (GLM-4.5, 4.6; not Air, transformers' default)
+        attention = QKNormBeforeRotaryAttention if cfg.qk_norm else Attention
+        return decoder_recipe(cfg, attention, SharedExpertMoe, SigmoidGroupedTopK)
 
     @classmethod
     def site_map(cls, cfg: Glm4MoeConfig) -> SiteMap:

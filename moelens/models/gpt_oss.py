@@ -28,9 +28,10 @@ from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.experts.spec import ClampedSwiGLU, ExpertSpec
 from moelens.hooks.sites import site_hook
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Components, SparseMoe, TopKRouter
+from moelens.models.components import SparseMoe, TopKRouter
 from moelens.models.components.norm import CastAfterWeightRMSNorm
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map
 from moelens.sitemap import (
     AS_STORED,
@@ -115,7 +116,10 @@ class LogitTopKSoftmax(TopKRouter):
 
 class HookedGptOss(HookedTransformer):
     model_type = "gpt_oss"
-    components = Components(attention=SinkAttention, moe=SparseMoe, router=LogitTopKSoftmax, norm=CastAfterWeightRMSNorm)
+
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, SinkAttention, SparseMoe, LogitTopKSoftmax, norm=CastAfterWeightRMSNorm)
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:

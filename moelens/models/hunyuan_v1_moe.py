@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from moelens.config import HFConfig, MoeConfig, RopeConfig, common_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Components, Float32SoftmaxTopK, QKNormAfterRotaryAttention, SharedFirstMoe
+from moelens.models.components import Float32SoftmaxTopK, QKNormAfterRotaryAttention, SharedFirstMoe
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, gated_mlp, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
 
@@ -22,7 +23,9 @@ IGNORED_FIELDS = ("moe_intermediate_size", "num_shared_expert", "routed_scaling_
 class HookedHunyuanMoe(HookedTransformer):
     model_type = "hunyuan_v1_moe"
     # transformers builds the q/k norms whatever use_qk_norm says
-    components = Components(attention=QKNormAfterRotaryAttention, moe=SharedFirstMoe, router=Float32SoftmaxTopK)
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, QKNormAfterRotaryAttention, SharedFirstMoe, Float32SoftmaxTopK)
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:

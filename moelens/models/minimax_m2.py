@@ -32,9 +32,10 @@ from jaxtyping import Float, Int
 
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Components, SparseMoe, TopKRouter
+from moelens.models.components import SparseMoe, TopKRouter
 from moelens.models.components.projection_norm_attention import ClipQKVConfig, ProjectionQKNormAttention
 from moelens.models.mixtral import W1_W3_W2
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, router_references, routed_experts
 from moelens.sitemap import ExpertStack, Reference, SiteMap, Weight
 
@@ -95,7 +96,10 @@ class SigmoidTopKFloat32Weights(TopKRouter):
 
 class HookedMiniMaxM2(HookedTransformer):
     model_type = "minimax_m2"
-    components = Components(attention=ProjectionQKNormAttention, moe=SparseMoe, router=SigmoidTopKFloat32Weights)
+
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, ProjectionQKNormAttention, SparseMoe, SigmoidTopKFloat32Weights)
 
     @classmethod
     def site_map(cls, cfg: MiniMaxM2Config) -> SiteMap:

@@ -18,8 +18,9 @@ from jaxtyping import Float
 
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Components, SoftmaxTopK, SparseMoe
+from moelens.models.components import SoftmaxTopK, SparseMoe
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, router_references, routed_experts
 from moelens.sitemap import ExpertStack, PerExpertKeys, Reference, SiteMap, Weight
 
@@ -49,7 +50,10 @@ class SoftmaxTopKFloat32Weights(SoftmaxTopK):
 
 class HookedMixtral(HookedTransformer):
     model_type = "mixtral"
-    components = Components(attention=SlidingWindowAttention, moe=SparseMoe, router=SoftmaxTopKFloat32Weights)
+
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, SlidingWindowAttention, SparseMoe, SoftmaxTopKFloat32Weights)
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:

@@ -11,17 +11,21 @@ transformers sizes the q/k norms by hidden_size, so the head dimension is hidden
 
 from __future__ import annotations
 
-from moelens.config import HFConfig, common_fields, routed_fields
+from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Components, SoftmaxTopK, SparseMoe
+from moelens.models.components import SoftmaxTopK, SparseMoe
 from moelens.models.components.projection_norm_attention import ClipQKVConfig, ProjectionQKNormAttention
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
 
 
 class HookedOlmoe(HookedTransformer):
     model_type = "olmoe"
-    components = Components(attention=ProjectionQKNormAttention, moe=SparseMoe, router=SoftmaxTopK)
+
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, ProjectionQKNormAttention, SparseMoe, SoftmaxTopK)
 
     @classmethod
     def site_map(cls, cfg: ClipQKVConfig) -> SiteMap:

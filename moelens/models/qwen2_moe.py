@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Attention, Components, GatedSharedExpertMoe, SoftmaxTopK
+from moelens.models.components import Attention, GatedSharedExpertMoe, SoftmaxTopK
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
 
 
 class HookedQwen2Moe(HookedTransformer):
     model_type = "qwen2_moe"
-    components = Components(attention=Attention, moe=GatedSharedExpertMoe, router=SoftmaxTopK)
+
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, Attention, GatedSharedExpertMoe, SoftmaxTopK)
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:

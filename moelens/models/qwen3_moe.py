@@ -13,15 +13,19 @@ from __future__ import annotations
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.qwen2_moe import dense_width, mixture_layers
-from moelens.models.components import Components, SoftmaxTopK, SparseMoe
+from moelens.models.components import SoftmaxTopK, SparseMoe
 from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, dense_mlp, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
 
 
 class HookedQwen3Moe(HookedTransformer):
     model_type = "qwen3_moe"
-    components = Components(attention=QKNormBeforeRotaryAttention, moe=SparseMoe, router=SoftmaxTopK)
+
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, QKNormBeforeRotaryAttention, SparseMoe, SoftmaxTopK)
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 from moelens.config import HFConfig, MoeConfig, common_fields
 from moelens.models.base import HookedTransformer
-from moelens.models.components import Attention, Components, SharedExpertMoe, SigmoidGroupedTopK
+from moelens.models.components import Attention, SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.deepseek_v3 import deepseek_mixture_fields
+from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, gated_mlp, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
 
 
 class HookedSolarOpen(HookedTransformer):
     model_type = "solar_open"
-    components = Components(attention=Attention, moe=SharedExpertMoe, router=SigmoidGroupedTopK)
+
+    @classmethod
+    def recipe(cls, cfg: MoeConfig) -> Recipe:
+        return decoder_recipe(cfg, Attention, SharedExpertMoe, SigmoidGroupedTopK)
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:

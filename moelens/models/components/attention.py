@@ -1,8 +1,9 @@
 """Causal self-attention with grouped kv heads and optional biases, hooked everywhere; subclasses for the
 families that norm queries and keys.
 
-A subclass changes one step: `project` (x -> q, k, v per head) or `position` (rotary, and whatever the
-family does around it); the scores, pattern and output are the same for all."""
+A subclass changes one step: `project` (x -> q, k, v per head), `position` (rotary, and whatever the
+family does around it), `allowed` (narrowing the mask: a sliding window) or `softmax` (a sink); the scores,
+pattern and output are `attend`, which every softmax attention here shares (latent attention too)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from torch import nn
 
 from moelens.config import MoeConfig
 from moelens.hooks.sites import site_hook
-from moelens.kv_cache import LayerKV
 from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary
+from moelens.models.context import LayerInputs
+from moelens.models.mixers.base import StateBytes
+from moelens.state import KVState
 
 
 class SplitInputs(NamedTuple):
@@ -71,6 +74,45 @@ def set_use_attn_result(attn: nn.Module, on: bool) -> None:
         del attn.hook_result
 
 
+def rows_contiguous(t: torch.Tensor) -> bool:
+    """Each [.., n, d] matrix of t laid out row by row (a view of a KV buffer is, along its position axis)."""
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
+def attend(
+    attn: nn.Module,
+    q: Float[torch.Tensor, "batch head query d_head"],
+    k: Float[torch.Tensor, "batch kv_head key d_head"],
+    v: Float[torch.Tensor, "batch kv_head key d_v"],
+    allowed: Bool[torch.Tensor, "batch 1 query key"],
+) -> Float[torch.Tensor, "batch query head d_v"]:
+    """Softmax attention of q over k and v under `allowed`, the heads of a kv group sharing its keys: the
+    scores (attn.hook_attn_scores), the pattern (attn.softmax, then attn.hook_pattern) and the heads' outputs.
+
+    With attn.backend "fused", a fusable attention and no hook on the scores or pattern, SDPA computes the
+    same thing (rounding differently)."""
+    b, n_heads, n_q, d = q.shape
+    n_kv, n_k = k.shape[1], k.shape[2]
+    group = n_heads // n_kv
+    fused = attn.backend != "eager" and attn.fusable
+    if not fused or attn.hook_attn_scores.has_hooks or attn.hook_pattern.has_hooks:
+        # The heads of a kv group share its keys: fold them into the query axis instead of repeating keys and
+        # values ([b, kv, group*q, d] @ [b, kv, d, k]); laid out row by row as transformers' repeat_kv leaves
+        # them (bf16 GEMMs round by memory layout; a KV buffer's view already is)
+        if group > 1 and not rows_contiguous(k):
+            k, v = k.contiguous(), v.contiguous()
+        q_grouped = q.reshape(b, n_kv, group * n_q, d)
+        scores = torch.matmul(q_grouped, k.transpose(2, 3)).mul_(attn.scale).view(b, n_heads, n_q, n_k)
+        # in place: these are the largest tensors of the block. finfo.min, not -inf: a row with nothing
+        # allowed must not turn into NaN
+        scores = attn.hook_attn_scores(scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min))
+        pattern = attn.hook_pattern(attn.softmax(scores))
+        z = torch.matmul(pattern.reshape(b, n_kv, group * n_q, n_k), v).view(b, n_heads, n_q, v.shape[-1])
+    else:  # nothing reads the pattern: the fused kernel gives the same result
+        z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=attn.scale, enable_gqa=group > 1)
+    return z.transpose(1, 2)
+
+
 class Attention(AttentionWeightViews, nn.Module):
     """Grouped-query attention with the rotary on q and k (Qwen2-MoE, Solar-Open, Mixtral)."""
 
@@ -105,42 +147,32 @@ class Attention(AttentionWeightViews, nn.Module):
         self.hook_pattern = site_hook("blocks.L.attn.hook_pattern")
         self.hook_z = site_hook("blocks.L.attn.hook_z")
 
+    block_attribute: ClassVar[str] = "attn"  # TransformerLens's blocks.L.attn.*
+
     def forward(
-        self,
-        x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        allowed: Bool[torch.Tensor, "batch 1 query key"],
-        kv: LayerKV | None = None,
+        self, x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs, inputs: LayerInputs
     ) -> Float[torch.Tensor, "batch pos d_model"]:
-        """With `kv`, x holds only the new positions: their keys and values are appended to the cache and the
-        queries attend to every cached position too (so scores and pattern are [batch head new all]).
+        """With a state in `inputs`, x holds only the new positions: their keys and values are appended to it
+        and the queries attend to every cached position too (so scores and pattern are [batch head new all]).
         x is the normed stream, or SplitInputs (each head's own copy of it)."""
         q, k, v = self.project(x)
-        b = q.shape[0]
-        q, k = self.position(q, k, cos, sin)
+        q, k = self.position(q, k, inputs.cos, inputs.sin)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
-        if kv is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds for later tokens
-            k, v = kv.append(k, v)
+        if inputs.state is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds later
+            k, v = inputs.state.append(k, v)
+        z = attend(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.allowed(inputs))
+        return project_out(self, self.hook_z(z))
 
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # batch head pos d_head
-        group = self.n_heads // self.n_kv_heads
-        if self.backend == "eager" or not self.fusable or self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
-            # The heads of a kv group share its keys: fold them into the query axis instead of repeating
-            # keys and values ([b, kv, group*q, d] @ [b, kv, d, k]).
-            n_q, n_k = q.shape[2], k.shape[2]
-            if group > 1:  # laid out as transformers' repeat_kv leaves them: bf16 GEMMs round by memory layout
-                k, v = k.contiguous(), v.contiguous()
-            q_grouped = q.reshape(b, self.n_kv_heads, group * n_q, self.d_head)
-            scores = torch.matmul(q_grouped, k.transpose(2, 3)).mul_(self.scale).view(b, self.n_heads, n_q, n_k)
-            # in place: these are the largest tensors of the block. finfo.min, not -inf: a row with nothing
-            # allowed must not turn into NaN
-            scores = self.hook_attn_scores(scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min))
-            pattern = self.hook_pattern(self.softmax(scores))
-            z = torch.matmul(pattern.reshape(b, self.n_kv_heads, group * n_q, n_k), v).view(b, self.n_heads, n_q, self.d_head)
-        else:  # nothing reads the pattern: the fused kernel gives the same result
-            z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
-        return project_out(self, self.hook_z(z.transpose(1, 2)))
+    def allowed(self, inputs: LayerInputs) -> Bool[torch.Tensor, "batch 1 query key"]:
+        """The keys each query may attend to: causal, padding masked (a subclass narrows it)."""
+        return inputs.allowed
+
+    def new_state(self, reserve: int = 0) -> KVState:
+        return KVState(reserve)
+
+    @classmethod
+    def state_bytes(cls, cfg: MoeConfig) -> StateBytes:
+        return StateBytes(per_token=cls.cached_per_token(cfg))
 
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         """The pattern from the masked scores: a float32 softmax over the keys, in the scores' dtype."""

@@ -1,8 +1,10 @@
-"""Pre-norm transformer block: resid + attn(ln1(resid)), then + mlp(ln2(.)); every stream hooked."""
+"""Pre-norm transformer block, built from its layer's recipe (moelens.models.recipe.LayerSpec): resid + mixer(ln1(resid)),
+then + ffn(ln2(.)); every stream hooked. A layer without a mixer or without a feed-forward has only the other
+sublayer (and no hook_resid_mid)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from jaxtyping import Float
@@ -10,23 +12,11 @@ from torch import nn
 
 from moelens.config import MoeConfig
 from moelens.hooks.sites import site_hook, switched_sites
-from moelens.kv_cache import LayerKV
-from moelens.models.components.attention import Attention, SplitInputs
-from moelens.models.components.mlp import GatedMLP
-from moelens.models.components.moe import SparseMoe
-from moelens.models.components.norm import RMSNorm
-from moelens.models.components.router import TopKRouter
+from moelens.models.components.attention import SplitInputs
+from moelens.models.context import LayerInputs
 
-
-@dataclass(frozen=True)
-class Components:
-    """The classes a family builds its blocks from: each behaviour is a class, not a flag."""
-
-    attention: type[Attention]
-    moe: type[SparseMoe]
-    router: type[TopKRouter]
-    dense_mlp: type[GatedMLP] = GatedMLP
-    norm: type[RMSNorm] = RMSNorm  # ln1, ln2 and ln_final
+if TYPE_CHECKING:
+    from moelens.models.recipe import LayerSpec
 
 
 # TransformerLens's optional per-block hooks, by switch: the table's block sites each exists only while its
@@ -42,44 +32,78 @@ def per_head(x: Float[torch.Tensor, "batch pos d_model"], n_heads: int) -> Float
     return x[:, :, None, :].expand(-1, -1, n_heads, -1).clone()
 
 
+class Sublayer(NamedTuple):
+    """One term a block adds to its residual stream: the norm that reads the stream, the module, and the hook
+    holding what it adds (hook_attn_out for the token mixer, hook_mlp_out for the feed-forward)."""
+
+    kind: str  # "mixer" or "ffn"
+    norm: nn.Module
+    module: nn.Module
+    out_hook: str  # the block's attribute name of the output hook
+
+
 class Block(nn.Module):
     # the switches of OPTIONAL_HOOKS, off by default (set per instance by set_optional_hooks)
     use_split_qkv_input = False
     use_attn_in = False
     use_hook_mlp_in = False
 
-    def __init__(self, cfg: MoeConfig, layer: int, components: Components) -> None:
+    def __init__(self, cfg: MoeConfig, layer: int, spec: LayerSpec) -> None:
         super().__init__()
-        self.is_moe = cfg.moe_layers[layer]
+        self.is_moe = spec.is_moe
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.ln1 = components.norm(cfg.d_model, cfg.norm_eps, site="blocks.L.ln1")
-        self.attn = components.attention(cfg, layer)
-        self.ln2 = components.norm(cfg.d_model, cfg.norm_eps, site="blocks.L.ln2")
-        self.mlp: nn.Module = (
-            components.moe(cfg, layer, components.router) if self.is_moe
-            else components.dense_mlp(cfg.d_model, cfg.d_mlp, cfg.act_fn)
-        )
+        self.mixer_attribute: str | None = None  # "attn" (softmax attention) or "mixer"; None: no token mixer
+        # registered in this order (modules, then the block's hooks) so names, parameters and hooks keep it
+        if spec.mixer is not None:
+            self.ln1 = spec.norm(cfg.d_model, cfg.norm_eps, site="blocks.L.ln1")
+            mixer = spec.mixer(cfg, layer)
+            self.mixer_attribute = mixer.block_attribute
+            setattr(self, self.mixer_attribute, mixer)
+        if spec.ffn is not None:
+            self.ln2 = spec.norm(cfg.d_model, cfg.norm_eps, site="blocks.L.ln2")
+            self.mlp: nn.Module = spec.ffn.build(cfg, layer)
         self.hook_resid_pre = site_hook("blocks.L.hook_resid_pre")
-        self.hook_attn_out = site_hook("blocks.L.hook_attn_out")
-        self.hook_resid_mid = site_hook("blocks.L.hook_resid_mid")
-        self.hook_mlp_out = site_hook("blocks.L.hook_mlp_out")
+        if spec.mixer is not None:
+            self.hook_attn_out = site_hook("blocks.L.hook_attn_out")
+        if spec.mixer is not None and spec.ffn is not None:
+            self.hook_resid_mid = site_hook("blocks.L.hook_resid_mid")
+        if spec.ffn is not None:
+            self.hook_mlp_out = site_hook("blocks.L.hook_mlp_out")
         self.hook_resid_post = site_hook("blocks.L.hook_resid_post")
 
+    @property
+    def token_mixer(self) -> nn.Module | None:
+        """The layer's token mixer (softmax attention as block.attn, another kind as block.mixer), or None."""
+        return None if self.mixer_attribute is None else getattr(self, self.mixer_attribute)
+
+    def sublayers(self) -> list[Sublayer]:
+        """What the block adds to its stream, in order: resid_post = resid_pre + the sublayers' outputs."""
+        out = []
+        if self.mixer_attribute is not None:
+            out.append(Sublayer("mixer", self.ln1, self.token_mixer, "hook_attn_out"))
+        if hasattr(self, "mlp"):
+            out.append(Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out"))
+        return out
+
+    @property
+    def first_norm(self) -> nn.Module:
+        """The norm of the first sublayer (its weight's device is where the block runs)."""
+        return self.sublayers()[0].norm
+
     def forward(
-        self,
-        resid: Float[torch.Tensor, "batch pos d_model"],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        allowed: torch.Tensor,
-        kv: LayerKV | None = None,
+        self, resid: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
     ) -> Float[torch.Tensor, "batch pos d_model"]:
         resid = self.hook_resid_pre(resid)
-        attn_out = self.hook_attn_out(self.attn(self.attn_input(resid), cos, sin, allowed, kv))
-        resid_mid = self.hook_resid_mid(resid + attn_out)
+        if self.mixer_attribute is not None:
+            attn_out = self.hook_attn_out(self.token_mixer(self.attn_input(resid), inputs))
+            resid = resid + attn_out
+            if not hasattr(self, "mlp"):
+                return self.hook_resid_post(resid)
+            resid = self.hook_resid_mid(resid)
         # a copy, as TransformerLens: an edit of hook_mlp_in reaches the MLP, not the residual add
-        mlp_in = self.hook_mlp_in(resid_mid.clone()) if self.use_hook_mlp_in else resid_mid
+        mlp_in = self.hook_mlp_in(resid.clone()) if self.use_hook_mlp_in else resid
         mlp_out = self.hook_mlp_out(self.mlp(self.ln2(mlp_in)))
-        return self.hook_resid_post(resid_mid + mlp_out)
+        return self.hook_resid_post(resid + mlp_out)
 
     def attn_input(self, resid: Float[torch.Tensor, "batch pos d_model"]) -> torch.Tensor | SplitInputs:
         """ln1(resid); with split inputs each head's hooked copy of resid, then ln1 of each (TransformerLens

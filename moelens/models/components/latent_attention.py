@@ -20,14 +20,16 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 from torch import nn
 
 from moelens.config import RopeConfig
 from moelens.hooks.sites import site_hook
-from moelens.kv_cache import LayerKV
-from moelens.models.components.attention import project_out
+from moelens.models.components.attention import attend, project_out, rows_contiguous
 from moelens.models.components.attention_views import AttentionWeightViews
+from moelens.models.context import LayerInputs
+from moelens.models.mixers.base import StateBytes
+from moelens.state import KVState
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
 
@@ -96,30 +98,32 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
         self.hook_pattern = site_hook("blocks.L.attn.hook_pattern")
         self.hook_z = site_hook("blocks.L.attn.hook_z", "latent")
 
+    block_attribute: ClassVar[str] = "attn"
+    fusable: ClassVar[bool] = True
+
     def forward(
-        self,
-        x: Float[torch.Tensor, "batch pos d_model"],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        allowed: Bool[torch.Tensor, "batch 1 query key"],
-        kv: LayerKV | None = None,
+        self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
     ) -> Float[torch.Tensor, "batch pos d_model"]:
-        """As Attention.forward: with `kv`, x holds only the new positions and the cached ones are attended to."""
+        """As Attention.forward: with a state, x holds only the new positions and the cached ones are attended to."""
         q, k, v = self.project(x)
-        q, k = self.position(q, k, cos, sin)
+        q, k = self.position(q, k, inputs.cos, inputs.sin)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
-        if kv is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds for later tokens
-            k, v = kv.append(k, v)
-        # laid out as transformers' (q and k contiguous [batch head pos d], v a view): the same matmuls, bit for bit
-        q, k, v = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2)
-        if self.backend == "eager" or self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
-            scores = torch.matmul(q, k.transpose(2, 3)).mul_(self.scale)
-            scores = self.hook_attn_scores(scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min))
-            pattern = self.hook_pattern(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype))
-            z = torch.matmul(pattern, v)
-        else:
-            z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
-        return project_out(self, self.hook_z(z.transpose(1, 2)))
+        if inputs.state is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds later
+            k, v = inputs.state.append(k, v)
+        # laid out as transformers' (q and k [batch head pos d] row by row, v a view): the same matmuls, bit for bit
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = (t if rows_contiguous(t) else t.contiguous() for t in (q, k))
+        return project_out(self, self.hook_z(attend(self, q, k, v, inputs.allowed)))
+
+    def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+    def new_state(self, reserve: int = 0) -> KVState:
+        return KVState(reserve)
+
+    @classmethod
+    def state_bytes(cls, cfg) -> StateBytes:
+        return StateBytes(per_token=cls.cached_per_token(cfg))
 
     @staticmethod
     def cached_per_token(cfg) -> int:

@@ -46,8 +46,37 @@ class RMSNorm(nn.Module):
         """The float32 normed input, back in the input's dtype, times the weight (Llama's order)."""
         return self.weight * normed.to(dtype)
 
+    def effective_weight(self) -> Float[torch.Tensor, " d"]:
+        """The per-dimension factor the norm multiplies the normed input by (what fold_ln moves into the
+        weights that read it; the cache's analyses apply it): here the weight itself."""
+        return self.weight
+
+    @torch.no_grad()
+    def make_identity(self) -> None:
+        """Set the weight so the effective factor is 1 (after fold_ln moved it into the readers)."""
+        self.weight.fill_(1.0)
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """(1 + weight) applied to the float32 normed input, then cast back (Qwen3-Next, Qwen3.5): the stored weight
+    is centred on zero, so fold_ln and the analyses read effective_weight(), never the raw weight."""
+
+    def __init__(self, d: int, eps: float, hooked: bool = True, site: str = "ln_final") -> None:
+        super().__init__(d, eps, hooked, site)
+        nn.init.zeros_(self.weight)
+
+    def apply_weight(self, normed: Float[torch.Tensor, "... d"], dtype: torch.dtype) -> Float[torch.Tensor, "... d"]:
+        return (normed * (1.0 + self.weight.float())).to(dtype)
+
+    def effective_weight(self) -> Float[torch.Tensor, " d"]:
+        return 1.0 + self.weight
+
+    @torch.no_grad()
+    def make_identity(self) -> None:
+        self.weight.zero_()
 
 
 class CastAfterWeightRMSNorm(RMSNorm):
