@@ -37,7 +37,7 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
 def config(dtype: torch.dtype, storage: str | None) -> MoeConfig:
     return MoeConfig(
         family="qwen3_moe", d_model=H, n_layers=1, n_heads=4, n_kv_heads=4, d_head=64, d_vocab=8, norm_eps=1e-6,
-        rope=RopeConfig(theta=10000.0), max_position_embeddings=4096, moe_layers=(True,), n_experts=E, top_k=(K,),
+        rope=RopeConfig(theta=10000.0), max_position_embeddings=4096, moe_layers=(True,), n_experts=E, top_k_per_layer=(K,),
         d_expert=I, dtype=dtype, expert_storage=storage,
     )
 

@@ -61,13 +61,26 @@ class ActivationCache(CacheAnalysis):
         for candidate in candidates:
             if candidate + suffix in self.cache_dict:
                 return candidate + suffix
-        cached = [k for k in self.cache_dict if base in k][:5]
-        switch = OPTIONAL_SITE_SWITCHES.get(candidates[0].rsplit(".", 1)[-1])
+        full = candidates[0]
+        cached = self._cached_like(base, full)
+        switch = OPTIONAL_SITE_SWITCHES.get(full.rsplit(".", 1)[-1])
+        is_site = full in getattr(self.model, "hook_dict", {})
         raise KeyError(
-            f"{key!r} (-> {candidates[0] + suffix}) is not in this cache"
-            + (f"; cached names like it: {cached}" if cached else "; was it left out by names_filter?")
+            f"{key!r} (-> {full + suffix}) is not in this cache"
+            + ("; was it left out by names_filter?" if is_site else "")
+            + ("" if is_site or switch else "; this model has no hook site of that name")
+            + (f"; cached names like it: {cached}" if cached else "")
             + (f" (the site exists only after model.{switch}(True))" if switch else "")
         )
+
+    def _cached_like(self, base: str, full: str) -> list[str]:
+        """Up to five cached names containing the key's site name ("pre" for "pre", "mlp_pre" or
+        "blocks.1.mlp.hook_pre"), those of the key's block first."""
+        needle = full.rsplit(".", 1)[-1].removeprefix("hook_") if "." in base or base not in full else base
+        block = ".".join(full.split(".")[:2]) + "." if full.startswith("blocks.") else None
+        like = [k for k in self.cache_dict if needle in k]
+        like.sort(key=lambda k: not (block and k.startswith(block)))  # stable: cache order within each group
+        return like[:5]
 
     @staticmethod
     def _candidates(name: str, layer, layer_type) -> list[str]:

@@ -5,6 +5,7 @@ and `trace-report` a trace as a page a person can open."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from moelens import defaults
 from moelens.analysis import plot_routing, routing_table
+from moelens.extras import MissingExtra, require
 from moelens.loaders import read_config
 from moelens.loaders.errors import CheckpointError
 from moelens.locate import resolve
@@ -26,7 +28,8 @@ from moelens.verify import ReferenceUnavailable, verify as run_verify
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # What bad input raises in moelens (a CheckpointError is also a ValueError; OSError: a path that is not there):
 # reported in one line. Anything else is a bug in moelens and keeps its traceback.
-USER_ERRORS = (CheckpointError, ValueError, KeyError, TypeError, OSError)
+# A missing optional dependency (MissingExtra) is one line too.
+USER_ERRORS = (CheckpointError, ValueError, KeyError, TypeError, OSError, MissingExtra)
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -48,6 +51,20 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """Usage errors in one line, like every other user error."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, except that an unknown option is reported by the subcommand it was given to, with the
+        closest of that subcommand's options (argparse leaves them to the top-level parser, which knows none)."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            parser = getattr(self, "subcommands", {}).get(getattr(parsed, "command", None), self)
+            options = [o for action in parser._actions for o in action.option_strings]
+            shown = []
+            for arg in unknown:
+                close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1) if arg.startswith("-") else []
+                shown.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+            parser.error(f"unrecognized arguments: {' '.join(shown)}")
+        return parsed
 
 
 def positive_int(text: str) -> int:
@@ -74,10 +91,20 @@ def _load(model: str | None, dtype: str):
     return HookedTransformer.from_pretrained(path, dtype=DTYPES[dtype]), path
 
 
+def set_threads(args: argparse.Namespace) -> None:
+    """--threads: torch's intra-op threads for this command (its default is one per core, which on a machine
+    whose cores are busy with other work makes each forward wait for the slowest)."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+
 def inspect(args: argparse.Namespace) -> int:
+    if args.plot:  # before any work: a missing matplotlib is found now, not after the forward
+        require("moelens inspect --plot", "matplotlib")
+    set_threads(args)
     model, path = _load(args.model, args.dtype)
     cfg = model.cfg
-    top_k = "/".join(str(k) for k in sorted({cfg.top_k[i] for i in cfg.moe_layer_indices}))
+    top_k = "/".join(str(k) for k in sorted({cfg.top_k_per_layer[i] for i in cfg.moe_layer_indices}))
     # say whether the routing shown means anything: the per-family tiny defaults have seeded random weights
     if str(path) in defaults.TRAINED:
         weights = "trained weights (embedded default; see MODEL_CARD.md in its folder)"
@@ -103,11 +130,7 @@ def inspect(args: argparse.Namespace) -> int:
     table = routing_table(model, tokens, top_next=args.top)
     print(table)
     if args.plot:
-        try:
-            plot_routing(table, args.plot, n_experts=model.cfg.n_experts)
-        except ImportError as err:
-            print(err, file=sys.stderr)
-            return 2
+        plot_routing(table, args.plot, n_experts=model.cfg.n_experts)
         print(f"routing plot written to {args.plot}")
     return 0
 
@@ -144,8 +167,11 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def trace(args: argparse.Namespace) -> int:
+    require("moelens trace", "pyarrow")
     # the trace extra (pyarrow): imported only when a trace is asked for, so the other commands run without it
     from moelens.traces.run import trace as run_trace
+
+    set_threads(args)
 
     path = args.model or defaults.DEFAULT
     placement = {"dtype": DTYPES[args.dtype], "device": args.device}
@@ -226,6 +252,7 @@ def replica_model(path: str, dtype: torch.dtype, device: str, replica: str, per_
 
 
 def trace_report(args: argparse.Namespace) -> int:
+    require("moelens trace-report", "pyarrow", "duckdb", "matplotlib")
     trace = Trace(args.trace)  # pyarrow, duckdb (the trace extra) and matplotlib are imported when used
     name = args.model or trace.manifest["model"]["name"]
     tokenizer = _tokenizer(name)
@@ -248,6 +275,7 @@ def _tokenizer(name: str):
 def build_parser() -> Parser:
     parser = Parser(prog="moelens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.subcommands = sub.choices  # name -> its parser, for parse_args's suggestions
     p = sub.add_parser("inspect", help="per layer, the experts each token is routed to, and the next tokens")
     p.add_argument(
         "model", nargs="?", help=f"Hub id, local folder, or an embedded default: {defaults.DEFAULT} (the default, "
@@ -256,6 +284,8 @@ def build_parser() -> Parser:
     p.add_argument("--prompt", default="The quick brown fox", help="text (or space-separated ids without tokenizer)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the weights and the forward")
     p.add_argument("--top", type=positive_int, default=5, help="how many next tokens to show")
+    p.add_argument("--threads", type=positive_int, help="torch threads for the forward (default: torch's, one per "
+                   "core; on a machine whose cores other work keeps busy, 1 is often several times faster)")
     p.add_argument("--plot", metavar="OUT.png", help="also write the routing plot [token x layer] (needs the plot extra; default: no plot)")
     p.set_defaults(run=inspect)
     p = sub.add_parser("verify", help="max logit and per-site differences against transformers")
@@ -300,6 +330,8 @@ def build_parser() -> Parser:
     p.add_argument("--windows-per-part", type=positive_int, help="windows per Parquet part (default: 2**17 tokens' worth)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the weights and the forward")
+    p.add_argument("--threads", type=positive_int, help="torch threads for the forward (default: torch's, one per "
+                   "core; on a machine whose cores other work keeps busy, 1 is often several times faster)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--data-parallel", action="store_true", help="under torchrun: every process a replica of the model, "
                    "each tracing its share of the parts; one manifest (rows equal to one process's)")

@@ -5,9 +5,10 @@ it is the component classes the family file picks. A family with sizes of its ow
 
 from __future__ import annotations
 
+import difflib
 import math
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -35,6 +36,68 @@ class RopeConfig:
     interleaved: bool = False
 
 
+class FrozenConfigError(FrozenInstanceError):
+    """An assignment to a field of a model's (frozen) config: the message names the field and what sets it."""
+
+
+# fields the model sets itself, and the call that does it (the model replaces its cfg)
+_FIELD_SETTERS = {
+    "use_attn_result": "model.set_use_attn_result({value!r})",
+    "use_split_qkv_input": "model.set_use_split_qkv_input({value!r})",
+    "use_hook_mlp_in": "model.set_use_hook_mlp_in({value!r})",
+    "use_attn_in": "model.set_use_attn_in({value!r})",
+    "device": "model.to(device)",
+    "dtype": "model.to(dtype)",
+    "tokenizer_name": "model.set_tokenizer(tokenizer)",
+    "tokenizer_prepends_bos": "model.set_tokenizer(tokenizer)",
+    "default_prepend_bos": "from_pretrained(..., default_prepend_bos=...), or prepend_bos= per call",
+}
+
+
+def _frozen_message(cfg: object, name: str, value: object, deleting: bool = False) -> str:
+    cls = type(cfg).__name__
+    names = [f.name for f in fields(cfg)]  # type: ignore[arg-type]
+    verb = "delete" if deleting else "set"
+    if name not in names and isinstance(getattr(type(cfg), name, None), property):
+        return f"cannot {verb} cfg.{name}: {cls} is frozen, and {name} is computed from its fields"
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        return f"cannot {verb} {cls}.{name}: the config is frozen, and {name!r} is not one of its fields" + (
+            f" (did you mean {close[0]!r}?)" if close else ""
+        )
+    how = _FIELD_SETTERS.get(name, "dataclasses.replace(cfg, {name}=...) and a model built from that config")
+    return f"cannot {verb} cfg.{name}: {cls} is frozen (the model replaces its cfg where it changes); use {how.format(name=name, value=value)}"
+
+
+def _explain_frozen(cls: type) -> None:
+    """Wrap cls's dataclass-made __setattr__ / __delattr__ so that assigning a field raises FrozenConfigError
+    naming it, instead of the bare FrozenInstanceError. Done once per class (a family's config subclass is a
+    dataclass of its own, with __setattr__ of its own)."""
+    if cls.__dict__.get("_frozen_explained"):
+        return
+    frozen_setattr, frozen_delattr = cls.__setattr__, cls.__delattr__
+
+    def __setattr__(self, name, value):
+        try:
+            frozen_setattr(self, name, value)
+        except FrozenConfigError:
+            raise
+        except FrozenInstanceError:
+            raise FrozenConfigError(_frozen_message(self, name, value)) from None
+
+    def __delattr__(self, name):
+        try:
+            frozen_delattr(self, name)
+        except FrozenConfigError:
+            raise
+        except FrozenInstanceError:
+            raise FrozenConfigError(_frozen_message(self, name, None, deleting=True)) from None
+
+    type.__setattr__(cls, "__setattr__", __setattr__)
+    type.__setattr__(cls, "__delattr__", __delattr__)
+    type.__setattr__(cls, "_frozen_explained", True)
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """A model's sizes, under moelens's names and, where TransformerLens code reads them, TransformerLens's
@@ -50,7 +113,8 @@ class MoeConfig:
     d_expert.
 
     Frozen: the model replaces its cfg where it changes (device and dtype on .to(), the tokenizer's fields on
-    set_tokenizer); TransformerLens code that assigns to cfg fields fails with FrozenInstanceError.
+    set_tokenizer); TransformerLens code that assigns to cfg fields fails with FrozenConfigError (a
+    FrozenInstanceError) naming the field and what sets it (model.set_use_attn_result(True), model.to(...)).
     """
 
     family: str  # model_type in config.json
@@ -73,7 +137,8 @@ class MoeConfig:
     d_mlp: int = 0  # dense MLP width (blocks that are not mixtures)
     moe_layers: tuple[bool, ...] = ()  # per block: mixture or dense
     n_experts: int = 0
-    top_k: tuple[int, ...] = ()  # per block
+    # experts per token, per block (0 for a dense block); cfg.top_k is the mixture layers' one k
+    top_k_per_layer: tuple[int, ...] = ()
     d_expert: int = 0
     d_shared: int = 0  # shared expert width, where the family's mixture block has one
     # sizes and constants the routers read; how a family routes is its router class (models/components)
@@ -116,6 +181,7 @@ class MoeConfig:
     use_attn_in: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
+        _explain_frozen(type(self))  # this class's and each family subclass's dataclass-made __setattr__
         sizes = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_vocab", "max_position_embeddings")
         for name in sizes:
             if getattr(self, name) < 1:
@@ -136,12 +202,12 @@ class MoeConfig:
             )
         if self.attention_windows and len(self.attention_windows) != self.n_layers:
             raise ValueError(f"attention_windows ({len(self.attention_windows)}) needs one entry per layer ({self.n_layers})")
-        if len(self.moe_layers) != self.n_layers or len(self.top_k) != self.n_layers:
+        if len(self.moe_layers) != self.n_layers or len(self.top_k_per_layer) != self.n_layers:
             raise ValueError(
-                f"moe_layers ({len(self.moe_layers)}) and top_k ({len(self.top_k)}) need one entry per layer "
-                f"({self.n_layers})"
+                f"moe_layers ({len(self.moe_layers)}) and top_k_per_layer ({len(self.top_k_per_layer)}) need one "
+                f"entry per layer ({self.n_layers})"
             )
-        for layer, (is_moe, k) in enumerate(zip(self.moe_layers, self.top_k, strict=True)):
+        for layer, (is_moe, k) in enumerate(zip(self.moe_layers, self.top_k_per_layer, strict=True)):
             if is_moe and not 1 <= k <= self.n_experts:
                 raise ValueError(f"layer {layer}: top_k {k} must be between 1 and n_experts ({self.n_experts})")
 
@@ -217,11 +283,23 @@ class MoeConfig:
         return self.n_experts or None
 
     @property
+    def top_k(self) -> int:
+        """Experts each token is routed to in every mixture layer, one int (TransformerLens code does arithmetic
+        with it). A ValueError where the mixture layers differ (Hunyuan's moe_topk may) or there are none:
+        top_k_per_layer[L] holds each block's (0 for a dense one)."""
+        ks = {self.top_k_per_layer[layer] for layer in self.moe_layer_indices}
+        if len(ks) != 1:
+            per_layer = {layer: self.top_k_per_layer[layer] for layer in self.moe_layer_indices}
+            what = f"its mixture layers route to different numbers of experts ({per_layer})" if ks else "it has no mixture layer"
+            raise ValueError(f"cfg.top_k is one int for the whole model, but {what}; read cfg.top_k_per_layer[L] for block L's")
+        return ks.pop()
+
+    @property
     def experts_per_token(self) -> int | None:
-        """Experts each token is routed to, in the first mixture layer (top_k holds every layer's; the
-        families here use one value for all); None without mixture layers."""
+        """Experts each token is routed to, in the first mixture layer (top_k_per_layer holds every layer's);
+        None without mixture layers."""
         moe = self.moe_layer_indices
-        return self.top_k[moe[0]] if moe else None
+        return self.top_k_per_layer[moe[0]] if moe else None
 
     @property
     def gated_mlp(self) -> bool:
@@ -467,7 +545,7 @@ def routed_fields(
     if any(moe_layers):
         top_k = hf.integer("num_experts_per_tok", num_experts_per_tok, at_least=1, at_most=n_experts)
     top_ks = tuple(top_k if moe else 0 for moe in moe_layers)
-    return dict(moe_layers=moe_layers, n_experts=n_experts, top_k=top_ks, d_expert=d_expert)
+    return dict(moe_layers=moe_layers, n_experts=n_experts, top_k_per_layer=top_ks, d_expert=d_expert)
 
 
 def _bad(label: str, value, expected: str) -> ValueError:

@@ -17,9 +17,23 @@ def register(family: type) -> None:
     FAMILIES[model_type] = family
 
 
+# model_types moelens does not register, whose architecture is a registered family's (README, "Large models")
+SAME_ARCHITECTURE = {
+    "kimi_k2": ("deepseek_v3", "Kimi-K2 is DeepSeek-V3's architecture (its config.json's architectures says "
+                "DeepseekV3ForCausalLM)"),
+}
+
+
 def family_for(model_type: str | None, config_path: Path | str = "config.json") -> type:
     if model_type not in FAMILIES:
+        hint = ""
+        if model_type in SAME_ARCHITECTURE:
+            family, why = SAME_ARCHITECTURE[model_type]
+            hint = (
+                f". {why}: set \"model_type\": \"{family}\" in a copy of config.json (or in the dict given to "
+                f"plan) and it loads and plans as {family}"
+            )
         raise CheckpointError(
-            f"{config_path}: model_type {model_type!r} is not supported; moelens supports {sorted(FAMILIES)}"
+            f"{config_path}: model_type {model_type!r} is not supported; moelens supports {sorted(FAMILIES)}{hint}"
         )
     return FAMILIES[model_type]

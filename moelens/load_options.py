@@ -10,6 +10,8 @@ against the checkpoint.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from os import PathLike
@@ -120,9 +122,14 @@ def load_options(
     if "torch_dtype" in others:  # TransformerLens: torch_dtype, when given, wins
         dtype = others.pop("torch_dtype")
     if others:
+        known = [*inspect.signature(load_options).parameters, "torch_dtype"]
+        named = []
+        for key in sorted(others):
+            close = difflib.get_close_matches(key, known, n=1)
+            named.append(f"{key} (did you mean {close[0]}?)" if close else key)
         raise TypeError(
-            f"from_pretrained got keyword(s) moelens does not take: {', '.join(sorted(others))} "
-            "(TransformerLens hands these to Hugging Face's from_pretrained; moelens reads the checkpoint itself)"
+            f"from_pretrained got keyword(s) moelens does not take: {', '.join(named)} "
+            "(TransformerLens hands unknown ones to Hugging Face's from_pretrained; moelens reads the checkpoint itself)"
         )
     if not isinstance(name_or_path, (str, PathLike)):
         raise TypeError(

@@ -7,7 +7,7 @@ get_act_patch_* functions are the usual combinations, with TransformerLens's nam
 
 What differs from TransformerLens, and why:
 - The runs are made under torch.no_grad() (the metric is read with .item(); no graph is needed).
-- No progress bar (moelens does not depend on tqdm).
+- No progress bar: the loop runs silently (TransformerLens's shows one with tqdm).
 - index_df / return_index_df need pandas, which is not a moelens dependency: they raise an ImportError
   saying so when it is missing. index_axis_names needs nothing.
 - A layer that lacks the site (a dense block has no hook_routed_out; a block without a shared expert no

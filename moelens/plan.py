@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from huggingface_hub import hf_hub_download
+from huggingface_hub import hf_hub_download, snapshot_download
 
 from moelens import defaults
 from moelens.dtypes import parse_dtype
@@ -117,13 +117,18 @@ def hub_config(repo: str, revision: str | None = None) -> Path:
     except Exception:  # not cached: fetch it
         pass
     try:
-        return Path(hf_hub_download(repo, "config.json", revision=revision))
+        # snapshot_download, as loading does (moelens.loaders.hub): offline or with the Hub unreachable it fails at
+        # once, where hf_hub_download retries its HEAD request for some 25 s
+        config = Path(snapshot_download(repo, revision=revision, allow_patterns=["config.json"])) / "config.json"
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileNotFoundError(
             f"{repo!r} is not a local folder or file, and its config.json could not be fetched from the Hub nor "
             f"found in the local cache ({first})"
         ) from err
+    if not config.is_file():
+        raise FileNotFoundError(f"Hub repo {repo!r} has no config.json")
+    return config
 
 
 def stored_weights(folder: Path | None) -> dict | None:
@@ -235,7 +240,7 @@ def count_tensors(
     """count_model of a model's parameters and buffers."""
     components = {name: Count() for name in COMPONENTS}
     layers = [
-        LayerCount(i, "moe" if moe else "dense", n_experts=cfg.n_experts if moe else 0, top_k=cfg.top_k[i])
+        LayerCount(i, "moe" if moe else "dense", n_experts=cfg.n_experts if moe else 0, top_k=cfg.top_k_per_layer[i])
         for i, moe in enumerate(cfg.moe_layers)
     ]
     for name, tensor in [*params.items(), *buffers.items()]:
@@ -262,7 +267,7 @@ def activation_terms(cfg, batch: int, seq: int, float32_router: bool = False) ->
     tokens = batch * seq
     # Hunyuan and Solar weigh the slot outputs with float32 router weights, which promotes them to float32
     slot_bytes = max(b, 4) if float32_router else b
-    moe_k = [k for k, moe in zip(cfg.top_k, cfg.moe_layers, strict=True) if moe]
+    moe_k = [k for k, moe in zip(cfg.top_k_per_layer, cfg.moe_layers, strict=True) if moe]
     k = max(moe_k, default=0)
     terms = {
         "residual": (
@@ -966,7 +971,7 @@ def plan(
         on_disk=on_disk,
         config={
             "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_experts": cfg.n_experts,
-            "top_k": max(cfg.top_k, default=0), "d_expert": cfg.d_expert, "d_vocab": cfg.d_vocab,
+            "top_k": max(cfg.top_k_per_layer, default=0), "d_expert": cfg.d_expert, "d_vocab": cfg.d_vocab,
             "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": float32_router,
         },
         stored=stored,

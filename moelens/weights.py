@@ -17,9 +17,11 @@ Layouts are TransformerLens's: input dimension first, `x @ W`:
   b_router [n_layers, n_experts]; b_gate, b_in [n_layers, n_experts, d_expert]; b_out [n_layers, n_experts,
       d_model]: where the family has router / expert biases (gpt-oss), a ValueError where it has none
   W_shared_gate, W_shared_in [n_layers, d_model, d_shared]  W_shared_out [n_layers, d_shared, d_model]
-Absent attention biases read as zeros. Expert and router stacks need every block to be a mixture (they raise for a
-model with dense blocks, naming them, rather than silently renumbering layers); read such a model's
-`blocks[L].mlp` per layer.
+Absent attention biases read as zeros. The attention views are each block's `blocks[L].attn.W_Q` ...
+(moelens.models.components.attention_views) stacked. Expert, router and shared-expert views are stacks where
+every block is a mixture; on a model with dense blocks (DeepSeek-V3, GLM-4.5, tiny-code-moe) they are a
+MixtureLayers dict {mixture block index: tensor} (a stack of the mixture layers alone would renumber them), so
+`model.W_in[L]` is block L's in both cases.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import einops
 import torch
 from jaxtyping import Float, Int
 from torch import nn
@@ -49,6 +50,33 @@ def hidden_weight_count(params: dict[str, torch.Tensor]) -> int:
     """TransformerLens's n_params of a model's named parameters: the weight matrices (2 or more dims) outside the
     embedding and unembedding; no biases, norms or correction-bias buffers. moelens's cfg.n_params."""
     return sum(t.numel() for name, t in params.items() if t.dim() >= 2 and name not in EMBEDDING_PARAMETERS)
+
+
+class MixtureLayers(dict):
+    """A mixture weight view (W_router, W_gate, W_in, W_out, their biases, the shared expert's) of a model with
+    dense blocks: {block index: that block's tensor} for the mixture blocks only, so that view[L] is block L's,
+    as it is in the stack of an all-mixture model. A dense block's index (or a stacked-tensor attribute such as
+    .shape) is an error saying so. Negative indices count from the last block."""
+
+    def __init__(self, what: str, per_layer: dict[int, torch.Tensor], n_layers: int) -> None:
+        super().__init__(per_layer)
+        self.what, self.n_layers = what, n_layers
+
+    def __missing__(self, layer):
+        if isinstance(layer, int) and -self.n_layers <= layer < 0 and layer + self.n_layers in self:
+            return self[layer + self.n_layers]
+        raise KeyError(
+            f"{self.what}[{layer!r}]: this model's {self.what} is one tensor per mixture layer, {sorted(self)}; "
+            f"block {layer!r} is a dense MLP (read blocks[{layer!r}].mlp) or not a block"
+        )
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"{self.what} of a model with dense blocks is a dict {{mixture layer: tensor}} ({sorted(self)}), not a "
+            f"stacked tensor: index it by block, e.g. {self.what}[{min(self)}].{name}"
+        )
 
 
 class WeightViews:
@@ -107,78 +135,49 @@ class WeightViews:
         tokens = torch.as_tensor(tokens, device=self.unembed.weight.device)
         return self.unembed.weight[tokens].clone()  # its own tensor: an in-place edit must not reach the model
 
-    # ---- attention ----------------------------------------------------------------------------------
+    # ---- attention: each block's views (moelens.models.components.attention_views), stacked ---------------
     def _per_layer(self, fn: Callable[[Attention], torch.Tensor]) -> torch.Tensor:
         return torch.stack([fn(block.attn) for block in self.blocks])
 
-    def _per_head(self, what: str, fn: Callable[[Attention], torch.Tensor]) -> torch.Tensor:
-        """A per-head projection view, for attention whose q / k / v are linear maps of the stream."""
-        attn = self.blocks[0].attn
-        if not attn.per_head_projections:
-            # not AttributeError: a property raising it would read as "no attribute W_Q"
-            raise ValueError(
-                f"{what}: {type(attn).__name__}'s keys and values come out of a normed low-rank latent, so there "
-                "is no per-head linear map of the residual stream; read the projections on blocks[L].attn "
-                "(q_a_proj / q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj) or the hooks"
-            )
-        return self._per_layer(fn)
-
-    def _heads_in(self, linear: nn.Linear, n: int) -> torch.Tensor:
-        """[n*d_head, d_model] -> [n, d_model, d_head] (a view)."""
-        return einops.rearrange(linear.weight, "(head d_head) d_model -> head d_model d_head", head=n)
-
-    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """Repeat the kv-head axis (dim 1) for the query heads that share each kv head."""
-        return t.repeat_interleave(self.cfg.n_heads // self.cfg.n_kv_heads, dim=1)
-
     @property
     def W_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
-        return self._per_head("W_Q", lambda a: self._heads_in(a.q_proj, self.cfg.n_heads))
+        return self._per_layer(lambda a: a.W_Q)
 
     @property
     def W_K_grouped(self) -> Float[torch.Tensor, "n_layers n_kv_heads d_model d_head"]:
-        return self._per_head("W_K_grouped", lambda a: self._heads_in(a.k_proj, self.cfg.n_kv_heads))
+        return self._per_layer(lambda a: a.W_K_grouped)
 
     @property
     def W_V_grouped(self) -> Float[torch.Tensor, "n_layers n_kv_heads d_model d_head"]:
-        return self._per_head("W_V_grouped", lambda a: self._heads_in(a.v_proj, self.cfg.n_kv_heads))
+        return self._per_layer(lambda a: a.W_V_grouped)
 
     @property
     def W_K(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
-        return self._repeat_kv(self.W_K_grouped)
+        return self._per_layer(lambda a: a.W_K)
 
     @property
     def W_V(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
-        return self._repeat_kv(self.W_V_grouped)
+        return self._per_layer(lambda a: a.W_V)
 
     @property
     def W_O(self) -> Float[torch.Tensor, "n_layers n_heads d_head d_model"]:
-        c = self.cfg
-        return self._per_layer(
-            lambda a: einops.rearrange(a.o_proj.weight, "d_model (head d_head) -> head d_head d_model", head=c.n_heads)
-        )
-
-    def _bias(self, linear: nn.Linear, *shape: int) -> torch.Tensor:
-        """linear's bias viewed as `shape`, or zeros where it has none."""
-        if linear.bias is None:
-            return linear.weight.new_zeros(shape)
-        return linear.bias.view(shape)
+        return self._per_layer(lambda a: a.W_O)
 
     @property
     def b_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._per_head("b_Q", lambda a: self._bias(a.q_proj, self.cfg.n_heads, self.cfg.d_head))
+        return self._per_layer(lambda a: a.b_Q)
 
     @property
     def b_K(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._repeat_kv(self._per_head("b_K", lambda a: self._bias(a.k_proj, self.cfg.n_kv_heads, self.cfg.d_head)))
+        return self._per_layer(lambda a: a.b_K)
 
     @property
     def b_V(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._repeat_kv(self._per_head("b_V", lambda a: self._bias(a.v_proj, self.cfg.n_kv_heads, self.cfg.d_head)))
+        return self._per_layer(lambda a: a.b_V)
 
     @property
     def b_O(self) -> Float[torch.Tensor, "n_layers d_model"]:
-        return self._per_layer(lambda a: self._bias(a.o_proj, self.cfg.d_model))
+        return self._per_layer(lambda a: a.b_O)
 
     @property
     def QK(self) -> FactoredMatrix:
@@ -193,13 +192,11 @@ class WeightViews:
         return FactoredMatrix(self.W_V, self.W_O)
 
     # ---- mixtures -----------------------------------------------------------------------------------
-    def _per_moe_layer(self, what: str, fn: Callable[[SparseMoe], torch.Tensor]) -> torch.Tensor:
-        dense = self.cfg.dense_layer_indices
-        if dense:
-            raise ValueError(
-                f"{what} stacks one entry per layer, but blocks {dense} of this model are dense MLPs; "
-                f"read blocks[L].mlp per mixture layer ({self.cfg.moe_layer_indices})"
-            )
+    def _per_moe_layer(self, what: str, fn: Callable[[SparseMoe], torch.Tensor]) -> torch.Tensor | MixtureLayers:
+        """One stack over the blocks where every block is a mixture; else {mixture block index: tensor}
+        (a stack over the mixture layers alone would renumber them: W_in[1] would be block 2's)."""
+        if self.cfg.dense_layer_indices:
+            return MixtureLayers(what, {l: fn(self.blocks[l].mlp) for l in self.cfg.moe_layer_indices}, self.cfg.n_layers)
         return torch.stack([fn(block.mlp) for block in self.blocks])
 
     def _shared(self, what: str, fn: Callable[[GatedMlpPart], torch.Tensor]) -> torch.Tensor:

@@ -78,7 +78,7 @@ def test_usage_counts_by_hand(family_models, family, tokens, padded):
             for e in idx[r, p].tolist():
                 by_hand[e] += 1
         assert torch.equal(usage.counts[i], by_hand)
-        assert int(usage.counts[i].sum()) == usage.n_tokens * model.cfg.top_k[layer]
+        assert int(usage.counts[i].sum()) == usage.n_tokens * model.cfg.top_k_per_layer[layer]
         torch.testing.assert_close(usage.load[i], by_hand.float() / by_hand.sum())
         load = by_hand.double() / by_hand.sum()
         h_load = -sum(float(q) * math.log(float(q)) for q in load if q > 0)
@@ -143,7 +143,7 @@ def test_bias_changed_share_by_hand(family_models, tokens):
         grouped = scores.unflatten(-1, (cfg.n_group, -1))
         best_groups = grouped.topk(2, -1).values.sum(-1).topk(cfg.topk_group, -1).indices
         keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool).scatter_(-1, best_groups, True)
-        unbiased = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2).topk(cfg.top_k[layer], -1).indices
+        unbiased = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2).topk(cfg.top_k_per_layer[layer], -1).indices
         chosen = cache["expert_indices", layer]
         differs = [set(u) != set(c) for u, c in zip(unbiased.flatten(0, 1).tolist(), chosen.flatten(0, 1).tolist())]
         assert float(usage.bias_changed[i]) == pytest.approx(sum(differs) / len(differs))
@@ -281,7 +281,7 @@ def test_mean_ablation_uses_the_reference_mean(family_models, family, tokens):
 def test_force_route_sets_the_indices(family_models, family, tokens, with_weights):
     model = family_models[family]
     layer = moe_layers(model)[1]
-    k = model.cfg.top_k[layer]
+    k = model.cfg.top_k_per_layer[layer]
     forced = list(range(model.cfg.n_experts - k, model.cfg.n_experts))
     weights = [0.5 / (i + 1) for i in range(k)] if with_weights else None
     positions = [0, 3, 7, -1]

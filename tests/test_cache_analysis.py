@@ -208,7 +208,7 @@ def test_stack_activation(runs, family):
         close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
     assert cache.stack_activation("resid_pre", layer=2).shape[0] == 2
     close(cache.stack_activation("normalized", sublayer_type="ln2")[2], cache["blocks.2.ln2.hook_normalized"], 0)
-    if len(set(model.cfg.top_k)) > 1 and not model.cfg.dense_layer_indices:  # Hunyuan: top_k differs per layer
+    if len(set(model.cfg.top_k_per_layer)) > 1 and not model.cfg.dense_layer_indices:  # Hunyuan: top_k differs per layer
         with pytest.raises(ValueError, match="differ in shape"):
             cache.stack_activation("expert_indices")
 

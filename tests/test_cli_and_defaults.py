@@ -73,7 +73,7 @@ def test_other_family_defaults_inspect_and_verify(name, tmp_path, monkeypatch, c
     assert type(model).__name__ in out
     for layer in range(model.cfg.n_layers):
         row = out.split(f"layer {layer}\n")[1].splitlines()[0]
-        assert row.count(" E") == model.cfg.top_k[layer]  # one entry per slot, per-layer top_k honoured
+        assert row.count(" E") == model.cfg.top_k_per_layer[layer]  # one entry per slot, per-layer top_k honoured
     assert main(["verify", name]) == 0
     out = capsys.readouterr().out
     assert "float32: OK" in out and "bfloat16: OK" in out

@@ -184,7 +184,7 @@ def test_kept_groups_hold_fewer_experts_than_top_k(edited):
 
 def test_kept_groups_holding_exactly_top_k_experts_load(edited):
     folder = edited("solar_open", n_group=4, topk_group=2, num_experts_per_tok=4)
-    assert HookedTransformer.from_pretrained(folder, progress=False).cfg.top_k[0] == 4
+    assert HookedTransformer.from_pretrained(folder, progress=False).cfg.top_k_per_layer[0] == 4
 
 
 # ---- deep or self-referential structures -------------------------------------------------------------------------
@@ -257,3 +257,19 @@ def test_typed_reads():
     with pytest.raises(ValueError, match=r"e has 2 entries, expected one per layer \(3\)"):
         hf.per_layer("e", 3)
     assert hf.read == ["a", "b", "c", "d", "e", "f", "absent"]
+
+
+def test_top_k_is_one_int_and_the_per_layer_tuple_has_its_own_name():
+    """TransformerLens code does arithmetic with cfg.top_k: it is the mixture layers' k, an int, even with a
+    dense first block; each block's (0 for a dense one) is cfg.top_k_per_layer."""
+    import dataclasses
+
+    from moelens import HookedTransformer
+
+    cfg = HookedTransformer.from_pretrained("tiny-code-moe").cfg
+    assert cfg.moe_layers == (False, True, True, True)
+    assert type(cfg.top_k) is int and cfg.top_k == 2 and cfg.top_k * 3 == 6
+    assert cfg.top_k_per_layer == (0, 2, 2, 2)
+    uneven = dataclasses.replace(cfg, top_k_per_layer=(0, 2, 3, 2))  # Hunyuan's moe_topk may differ per layer
+    with pytest.raises(ValueError, match=r"different numbers of experts \(\{1: 2, 2: 3, 3: 2\}\).*top_k_per_layer\[L\]"):
+        uneven.top_k

@@ -114,7 +114,7 @@ def test_variants_are_what_they_claim(checkpoints):
     assert q("dense_block").moe_layers == (True, False, True)
     assert q("tied").tie_word_embeddings and not q("base").tie_word_embeddings
     hy = cfg["hunyuan_v1_moe", "base"]
-    assert len(set(hy.top_k)) == 3 and hy.tie_word_embeddings
+    assert len(set(hy.top_k_per_layer)) == 3 and hy.tie_word_embeddings
     assert cfg["hunyuan_v1_moe", "untied_biased"].qkv_bias and cfg["hunyuan_v1_moe", "untied_biased"].o_bias
     so = cfg["solar_open", "base"]
     assert so.n_group > 1 and so.topk_group > 1 and so.routed_scaling_factor != 1 and not so.norm_topk_prob

@@ -76,12 +76,12 @@ def test_float32_left_padded_and_fused_attention(ckpts, refs):
 def test_variants_are_what_they_claim(ckpts):
     cfg = {v: HookedTransformer.from_pretrained(p, progress=False).cfg for v, p in ckpts.items()}
     base = cfg["base"]
-    assert (base.d_head, base.d_rot, base.n_kv_heads, base.n_heads, base.top_k) == (32, D_ROT, 2, 4, (3, 3, 3))
+    assert (base.d_head, base.d_rot, base.n_kv_heads, base.n_heads, base.top_k_per_layer) == (32, D_ROT, 2, 4, (3, 3, 3))
     assert 2 * base.d_model == base.n_heads * base.d_head  # head_dim is its own size, as in MiniMax-M2
     assert not base.tie_word_embeddings and base.clip_qkv is None and base.mtp_layers == 0
     full = cfg["full_rotary_tied"]
     assert full.d_rot == full.d_head and full.n_kv_heads == full.n_heads and full.tie_word_embeddings
-    assert full.top_k == (1, 1, 1)
+    assert full.top_k_per_layer == (1, 1, 1)
     assert cfg["hub_config"].d_rot == D_ROT and cfg["hub_config"].rope.theta == 1000.0
     hub = json.loads((ckpts["hub_config"] / "config.json").read_text())
     assert "rope_parameters" not in hub and hub["rotary_dim"] == D_ROT and hub["use_qk_norm"] is True
@@ -185,7 +185,7 @@ def test_router_rule_by_hand(ckpts):
     unbiased scores over their sum; the bias changes the choice for many tokens (so the checkpoints test it)."""
     model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
     _, cache = model.run_with_cache(tokens())
-    k = model.cfg.top_k[0]
+    k = model.cfg.top_k_per_layer[0]
     for layer, block in enumerate(model.blocks):
         bias = block.mlp.router.e_score_correction_bias
         scores = torch.sigmoid(cache["router_logits", layer])

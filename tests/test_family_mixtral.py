@@ -54,7 +54,7 @@ def test_variants_are_what_they_claim(ckpts):
     cfg = {v: HookedTransformer.from_pretrained(p, progress=False).cfg for v, p in ckpts.items()}
     assert cfg["base"].n_kv_heads < cfg["base"].n_heads and cfg["base"].sliding_window is None
     assert cfg["sliding_window"].sliding_window == WINDOW < 40  # shorter than the tests' sequences
-    assert cfg["mha_tied"].tie_word_embeddings and cfg["mha_tied"].n_kv_heads == 4 and cfg["mha_tied"].top_k[0] == 3
+    assert cfg["mha_tied"].tie_word_embeddings and cfg["mha_tied"].n_kv_heads == 4 and cfg["mha_tied"].top_k_per_layer[0] == 3
     assert not cfg["base"].qkv_bias and cfg["base"].norm_topk_prob and cfg["base"].d_mlp == 0
     base = stored_keys(ckpts["base"])  # what transformers 5's save_pretrained writes: the Hub's spelling
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in base
@@ -223,7 +223,7 @@ def test_plan_counts_match_transformers_at_full_size():
 def test_config_defaults_and_checks():
     raw = {k: v for k, v in MIXTRAL_8X7B.items() if k not in ("rope_theta", "num_local_experts", "num_experts_per_tok")}
     cfg = HookedMixtral.config_from_hf(raw)  # transformers' defaults: theta 1e6, 8 experts, top-2
-    assert (cfg.rope.theta, cfg.n_experts, cfg.top_k[0]) == (1e6, 8, 2)
+    assert (cfg.rope.theta, cfg.n_experts, cfg.top_k_per_layer[0]) == (1e6, 8, 2)
     assert HookedMixtral.config_from_hf({**raw, "sliding_window": 4096}).sliding_window == 4096
     with pytest.raises(ValueError, match="sliding_window"):
         HookedMixtral.config_from_hf({**raw, "sliding_window": 0})

@@ -87,7 +87,7 @@ def test_variants_are_what_they_claim(ckpts):
     assert len(list(ckpts["sharded"].glob("*.safetensors"))) > 1
     keys = json.dumps(stored_keys(ckpts["fused"]))
     assert "experts.gate_up_proj" in keys and "experts.0." not in keys
-    assert cfg["base"].top_k == (3,) * 3 and cfg["base"].n_experts == 8 and cfg["base"].d_expert == 32
+    assert cfg["base"].top_k_per_layer == (3,) * 3 and cfg["base"].n_experts == 8 and cfg["base"].d_expert == 32
 
 
 def test_clip_qkv_clamps(ckpts, refs):

@@ -198,7 +198,7 @@ def test_plan_counts_match_transformers_at_full_size():
 
 def test_config_reads_and_refusals():
     cfg = HookedQwen3Moe.config_from_hf(dict(QWEN3_30B_A3B))
-    assert (cfg.d_head, cfg.n_experts, cfg.top_k[0], cfg.d_expert, cfg.d_mlp) == (128, 128, 8, 768, 6144)
+    assert (cfg.d_head, cfg.n_experts, cfg.top_k_per_layer[0], cfg.d_expert, cfg.d_mlp) == (128, 128, 8, 768, 6144)
     assert cfg.norm_topk_prob and all(cfg.moe_layers) and cfg.rope.theta == 1e6
     assert set(cfg.fields_ignored) == {"sliding_window", "max_window_layers"}
     with pytest.raises(ValueError, match="use_sliding_window"):

@@ -161,3 +161,43 @@ def test_site_hook_takes_the_tables_form_and_refuses_what_it_lacks():
         site_hook("blocks.L.mlp.experts.hook_post")
     with pytest.raises(TypeError, match="extra"):
         site_hook("blocks.L.attn.hook_q", DEFAULT, extra="x")
+
+
+# ---- the unweighted per-slot expert output, blocks.L.mlp.experts.hook_out ----------------------------------------
+@pytest.mark.parametrize("name", ["tiny-code-moe", "tiny-gpt-oss"])  # plain experts; biased clamped-SwiGLU ones
+# triton under TRITON_INTERPRET=1 (conftest): minutes on CPU, so marked slow
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_unweighted_expert_outputs_site(name, backend):
+    import torch
+
+    model = HookedTransformer.from_pretrained(name)
+    model.set_experts_backend(backend)
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(0))
+    layer = model.cfg.moe_layer_indices[0]
+    site = f"blocks.{layer}.mlp.experts.hook_out"
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens)
+        out = cache[site]
+        assert out.shape == (2, 5, model.cfg.top_k, model.cfg.d_model)
+        assert cache["expert_out", layer] is out  # its short name
+        # by hand: each slot's neurons through its expert's down projection, plus its bias
+        idx = cache["expert_indices", layer]
+        by_hand = torch.einsum("bpki,bpkim->bpkm", cache[f"blocks.{layer}.mlp.experts.hook_post"], model.W_out[layer][idx])
+        if model.blocks[layer].mlp.experts.spec.bias:
+            by_hand = by_hand + model.b_out[layer][idx]
+        torch.testing.assert_close(out, by_hand, rtol=1e-5, atol=1e-5)
+        # the weighted site is computed from it, bit for bit
+        assert torch.equal(out * cache["expert_weights", layer][..., None], cache["expert_outputs", layer])
+
+        def run(hook):
+            return model.run_with_hooks(tokens, fwd_hooks=[(site, hook)])
+
+        assert torch.equal(run(lambda t, hook: t), logits)  # a hook that changes nothing changes nothing
+        assert torch.equal(run(lambda t, hook: None), logits)
+        returned = run(lambda t, hook: t * 2)
+        in_place = run(lambda t, hook: t.mul_(2))
+        assert torch.equal(returned, in_place)  # editing in place means what returning the edit means
+        # downstream is computed from it: doubling every unweighted output doubles the weighted ones exactly
+        doubled_weighted = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.mlp.hook_expert_outputs", lambda t, hook: t * 2)])
+        assert torch.equal(returned, doubled_weighted)
+        assert not torch.equal(returned, logits)

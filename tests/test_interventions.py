@@ -64,7 +64,7 @@ def test_router_rules(family_models, family, tokens):
     _, cache = model.run_with_cache(tokens)
     for layer in moe_layers(model):
         logits, w, idx = cache["router_logits", layer], cache["expert_weights", layer], cache["expert_indices", layer]
-        k = model.cfg.top_k[layer]
+        k = model.cfg.top_k_per_layer[layer]
         router = model.blocks[layer].mlp.router
         if router.scoring == "sigmoid":  # MiniMax-M2's is one group of all experts, unscaled
             scores = logits.float().sigmoid()
@@ -112,7 +112,7 @@ def test_expert_ablation_touches_only_routed_tokens(checkpoints, family, dtype, 
 def test_replacing_router_logits_reroutes_and_reweights(family_models, family, tokens):
     model, forced = family_models[family], [5, 4, 2]  # within two of Solar's groups
     layer = moe_layers(model)[0]
-    k = model.cfg.top_k[layer]
+    k = model.cfg.top_k_per_layer[layer]
 
     def force(logits, hook):
         new = torch.full_like(logits, -10.0)
@@ -152,7 +152,7 @@ def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
     """Writing hook_expert_indices re-routes; the weights are read from the scores of the new experts."""
     model = family_models[family]
     layer = moe_layers(model)[0]
-    k = model.cfg.top_k[layer]
+    k = model.cfg.top_k_per_layer[layer]
     new = torch.arange(k)
     with model.hooks([(f"blocks.{layer}.mlp.hook_expert_indices", lambda idx, hook: new.expand_as(idx).contiguous())]):
         _, cache = model.run_with_cache(tokens)
@@ -255,7 +255,7 @@ def test_shapes_and_support_table(family_models, family, tokens):
     b, p = tokens.shape
     cfg = model.cfg
     for layer in range(cfg.n_layers):
-        k = cfg.top_k[layer]
+        k = cfg.top_k_per_layer[layer]
         assert cache[f"blocks.{layer}.attn.hook_pattern"].shape == (b, cfg.n_heads, p, p)
         if not model.blocks[layer].is_moe:
             assert cache[f"blocks.{layer}.mlp.hook_post"].shape == (b, p, cfg.d_mlp)
@@ -276,7 +276,7 @@ def test_shapes_and_support_table(family_models, family, tokens):
     assert ("blocks.L.mlp.hook_choice_scores" in names) == any(m.router.choice_bias for m in mlps)
     assert ("blocks.L.mlp.shared_expert.hook_out" in names) == has_shared_expert(model)
     row = {r.name: r for r in table.rows}["blocks.L.mlp.hook_expert_indices"]
-    top_k = sorted({cfg.top_k[layer] for layer in moe_layers(model)})
+    top_k = sorted({cfg.top_k_per_layer[layer] for layer in moe_layers(model)})
     assert row.shape == "[batch, pos, " + "|".join(str(k) for k in top_k) + "]"
     assert row.standard == "expert_indices"
     text = str(table)

@@ -102,7 +102,7 @@ def test_views_are_the_rows_tl_selects_with_torch_where(models, family, backend,
     model = models[family, backend]
     _, cache = model.run_with_cache(toks)
     for layer in moe_layers(model):
-        indices = cache["expert_indices", layer].reshape(-1, model.cfg.top_k[layer])
+        indices = cache["expert_indices", layer].reshape(-1, model.cfg.top_k_per_layer[layer])
         mask = torch.nn.functional.one_hot(indices, model.cfg.n_experts).permute(2, 1, 0)
         for expert in range(model.cfg.n_experts):
             idx, top_x = torch.where(mask[expert])
@@ -208,7 +208,7 @@ def test_per_slot_hook_runs_first_then_the_views_in_expert_and_site_order(models
 def test_an_expert_with_no_tokens_sees_an_empty_view(models, family, backend, toks):
     model = models[family, backend]
     layer = moe_layers(model)[0]
-    k = model.cfg.top_k[layer]
+    k = model.cfg.top_k_per_layer[layer]
     shapes = {}
 
     def route_to_first_experts(t, hook):  # every token to experts 0 .. k-1: the others get no rows

@@ -337,7 +337,7 @@ def test_get_neuron_results(dense_run):
     assert dense.shape == (2, 5, m.cfg.d_mlp, m.cfg.d_model)
     close(dense.sum(-2), cache["mlp_out", 1])
     slots = cache.get_neuron_results(0)  # per routing slot, weight included
-    assert slots.shape == (2, 5, m.cfg.top_k[0], m.cfg.d_expert, m.cfg.d_model)
+    assert slots.shape == (2, 5, m.cfg.top_k_per_layer[0], m.cfg.d_expert, m.cfg.d_model)
     close(slots.sum((-3, -2)), cache["routed_out", 0])
     close(slots.sum(-2), cache["expert_outputs", 0])
     shared = cache.get_neuron_results(0, shared=True)

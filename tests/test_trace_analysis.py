@@ -332,3 +332,20 @@ def test_a_part_without_footer_identity_is_checked_by_its_layers_and_token_windo
         Trace(hand)
     rewrite_part(hand, table)  # the rows as they were: accepted
     assert Trace(hand).n_tokens == len(ROWS)
+
+
+def test_result_classes_print_as_tables(hand):
+    """Selectivity, ConsecutiveRouting and SubsetLoad print (and repr, as a notebook shows them) as tables of
+    their numbers, not as dataclass reprs full of tensors."""
+    sub = trace_subset_load(hand, "file", layers=0)
+    cons = trace_consecutive(hand)
+    sel = trace_selectivity(hand, {10: "x", 11: "y", 12: "y"}, layers=[0])
+    for result in (sub, cons, sel):
+        for text in (str(result), repr(result)):
+            assert "tensor(" not in text and "=" not in text.split("\n")[0].split("(")[0], text
+            assert len(text.splitlines()) >= 3, text
+    # the rows hold the numbers of the hand-checked tests above
+    assert "E0 0.500, E1 0.375, E2 0.125" in str(sub)  # doc 0 at layer 0: counts [4, 3, 1, 0] of 8 slots
+    row = next(line for line in str(cons).splitlines() if line.startswith("all") and line.split()[1] == "0")
+    assert row.split()[2:5] == ["3", "0.667", "0.333"]  # 3 pairs, 2 of 3 same first choice, chance 3/9
+    assert f"{math.log(2):.4f}" in str(sel) and "E2" in str(sel)  # H(C) = ln 2; expert 2 (all y) is the most selective

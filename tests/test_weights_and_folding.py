@@ -86,38 +86,50 @@ def test_expert_views_reproduce_hooks(runs, family):
     model, _, cache = runs[family]
     cfg = model.cfg
     L, E, M, I, S = cfg.n_layers, cfg.n_experts, cfg.d_model, cfg.d_expert, cfg.d_shared
-    if cfg.dense_layer_indices:  # one stack per layer needs every layer to be a mixture
-        with pytest.raises(ValueError, match="dense MLPs"):
-            model.W_gate
-        return
+    layers = cfg.moe_layer_indices
+    if cfg.dense_layer_indices:
+        # a stack of the mixture layers alone would renumber them: {block index: tensor} for the mixtures
+        assert isinstance(model.W_gate, dict) and sorted(model.W_gate) == layers
+        with pytest.raises(KeyError, match="dense MLP"):
+            model.W_gate[cfg.dense_layer_indices[0]]
+        assert model.W_gate[-1] is not None and torch.equal(model.W_gate[-1], model.W_gate[L - 1])
+
+    def shape(view) -> tuple[int, ...]:
+        """A stack's shape, or for a per-mixture-layer dict (blocks, *each tensor's shape)."""
+        if isinstance(view, torch.Tensor):
+            return tuple(view.shape)
+        shapes = {tuple(t.shape) for t in view.values()}
+        assert len(shapes) == 1, shapes
+        return (L, *shapes.pop())
+
     with torch.no_grad():
         W_gate, W_in, W_out = model.W_gate, model.W_in, model.W_out
-        assert model.W_router.shape == (L, E, M)
-        assert W_gate.shape == W_in.shape == (L, E, M, I) and W_out.shape == (L, E, I, M)
+        assert shape(model.W_router) == (L, E, M)
+        assert shape(W_gate) == shape(W_in) == (L, E, M, I) and shape(W_out) == (L, E, I, M)
         shared = has_shared_expert(model)
         if shared:
-            assert model.W_shared_gate.shape == model.W_shared_in.shape == (L, M, S) and model.W_shared_out.shape == (L, S, M)
+            assert shape(model.W_shared_gate) == shape(model.W_shared_in) == (L, M, S) and shape(model.W_shared_out) == (L, S, M)
         else:
             with pytest.raises(ValueError, match="no shared expert"):
                 model.W_shared_out
         # biases where the model has them (gpt-oss), zeros otherwise; the views raise where there are none
-        if model.blocks[0].mlp.experts.spec.bias:
+        if model.blocks[layers[0]].mlp.experts.spec.bias:
             b_gate, b_in, b_out = model.b_gate, model.b_in, model.b_out
-            assert b_gate.shape == b_in.shape == (L, E, I) and b_out.shape == (L, E, M)
+            assert shape(b_gate) == shape(b_in) == (L, E, I) and shape(b_out) == (L, E, M)
         else:
             for view in ("b_gate", "b_in", "b_out"):
                 with pytest.raises(ValueError, match="no biases"):
                     getattr(model, view)
-            b_gate = b_in = W_gate.new_zeros(L, E, I)
-            b_out = W_gate.new_zeros(L, E, M)
-        if getattr(model.blocks[0].mlp.router, "bias", None) is not None:
+            b_gate = b_in = model.W_E.new_zeros(L, E, I)
+            b_out = model.W_E.new_zeros(L, E, M)
+        if getattr(model.blocks[layers[0]].mlp.router, "bias", None) is not None:
             b_router = model.b_router
-            assert b_router.shape == (L, E)
+            assert shape(b_router) == (L, E)
         else:
             with pytest.raises(ValueError, match="no bias"):
                 model.b_router
-            b_router = W_gate.new_zeros(L, E)
-        for l in range(L):
+            b_router = model.W_E.new_zeros(L, E)
+        for l in layers:
             x = cache["blocks.%d.ln2.hook_normalized" % l]
             close(x.float() @ model.W_router[l].float().T + b_router[l].float(), cache["router_logits", l])
             idx = cache["expert_indices", l]  # [b p k]: each slot through its expert's matrices
@@ -314,3 +326,32 @@ def test_fold_ln_reports_how_often_routing_changed(checkpoints, dtype):
         assert report.total > 0 and len(warned) == 1 and f"for {report.total} of" in str(warned[0].message)
     else:
         assert report.total == 0 and warned == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_attention_views_are_transformer_lens_s(runs, family):
+    """model.blocks[L].attn.W_Q and friends, TransformerLens's primary names: [n_heads d_model d_head] etc.,
+    the same as model.W_Q[L], and reproducing the block's own hooks."""
+    model, _, cache = runs[family]
+    cfg = model.cfg
+    H, D, M = cfg.n_heads, cfg.d_head, cfg.d_model
+    with torch.no_grad():
+        for l, block in enumerate(model.blocks):
+            attn = block.attn
+            assert torch.equal(attn.W_O, model.W_O[l]) and torch.equal(attn.b_O, model.b_O[l])
+            out = torch.einsum("bphd,hdm->bpm", cache["z", l], attn.W_O) + attn.b_O
+            close(out, cache["attn_out", l])
+            if not attn.per_head_projections:
+                for view in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_K_grouped"):
+                    with pytest.raises(ValueError, match=rf"{view}: .*latent"):
+                        getattr(attn, view)
+                continue
+            assert attn.W_Q.shape == attn.W_K.shape == attn.W_V.shape == (H, M, D)
+            assert attn.b_Q.shape == attn.b_K.shape == attn.b_V.shape == (H, D)
+            for view in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_K_grouped", "W_V_grouped"):
+                assert torch.equal(getattr(attn, view), getattr(model, view)[l]), view
+            # W_Q is a view of q_proj: TL code editing it in place edits the model
+            assert attn.W_Q.data_ptr() == attn.q_proj.weight.data_ptr()
+            x = cache["blocks.%d.ln1.hook_normalized" % l]
+            if "q" in attn.linear_hooks:
+                close(torch.einsum("bpm,hmd->bphd", x, attn.W_Q) + attn.b_Q, cache["q", l])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 
 from moelens.analysis.data import Data, Mask, hook_name, iter_batches, resolve_layers, run_sites
 
@@ -55,3 +55,20 @@ def coactivation(
     """counts[e, f] of real tokens routed to e at layer_a and f at layer_b (within layer_a when layer_b is None)."""
     pair = (layer_a, layer_a if layer_b is None else layer_b)
     return coactivations(model, data, [pair], attention_mask, batch_size)[pair]
+
+
+def coactivation_lift(counts: Int[torch.Tensor, "n_experts_a n_experts_b"]) -> Float[torch.Tensor, "n_experts_a n_experts_b"]:
+    """The normalised view of co-activation counts (of coactivation, coactivations or
+    moelens.traces.trace_coactivation): lift[e, f] = p(e at a, f at b) / (p(e at a) p(f at b)) over tokens, 1
+    where the two choices are independent, above 1 where they go together. Computed as counts * total /
+    (row sum * column sum), which is that ratio whatever each layer's top_k (a row sums to the expert's tokens
+    times layer b's k); within one layer the diagonal is 1 / p(e). NaN where an expert got no token (no rate
+    to compare with)."""
+    if counts.dim() != 2:
+        raise ValueError(f"coactivation_lift takes a [n_experts_a, n_experts_b] count matrix, got shape {tuple(counts.shape)}")
+    if counts.is_floating_point() or counts.is_complex() or (counts < 0).any():
+        raise ValueError("coactivation_lift takes counts: non-negative integers (coactivation's output)")
+    c = counts.double()
+    rows, cols = c.sum(1, keepdim=True), c.sum(0, keepdim=True)
+    lift = c * c.sum() / (rows * cols)  # 0 / 0 = NaN for an expert with no token
+    return lift.float()

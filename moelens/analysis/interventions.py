@@ -6,6 +6,8 @@ a one-liner that runs the input with and without them and returns an Interventio
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Literal
 
@@ -26,6 +28,33 @@ def _where(positions: Positions, new: torch.Tensor, old: torch.Tensor) -> torch.
     return torch.where(chosen, new.to(device=old.device, dtype=old.dtype).expand_as(old), old)
 
 
+def _number(what: str, value) -> float:
+    """`value` as a float, or a TypeError / ValueError naming `what` (a string, a bool or a NaN is no steering)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
+    if math.isnan(value) or value == math.inf:
+        raise ValueError(f"{what} must be a number or -inf (which turns the expert off), got {value}")
+    return float(value)
+
+
+def _expert_ids(what: str, experts, n_experts: int) -> torch.Tensor:
+    """One int or a sequence of ints in [0, n_experts) as a long tensor, or an error naming `what`."""
+    items = [experts] if not isinstance(experts, (Sequence, torch.Tensor)) or isinstance(experts, str) else experts
+    if isinstance(items, torch.Tensor):
+        if items.is_floating_point() or items.is_complex() or items.dtype == torch.bool:
+            raise TypeError(f"{what} must hold integer expert ids, got a {items.dtype} tensor")
+    elif not items or any(isinstance(e, bool) or not isinstance(e, numbers.Integral) for e in items):
+        raise TypeError(f"{what} must be an expert id (int) or a non-empty sequence of them, got {experts!r}")
+    ids = torch.as_tensor(items, dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError(f"{what} is empty")
+    if int(ids.min()) < 0 or int(ids.max()) >= n_experts:
+        raise IndexError(f"{what}: experts must lie in [0, {n_experts}), got {ids.tolist()}")
+    return ids
+
+
 def force_route_hooks(
     model,
     layers: Layers,
@@ -38,15 +67,19 @@ def force_route_hooks(
     Without ``weights`` each slot's weight is read from the router scores of its new expert, by the family's
     rule (renormalised where the family renormalises); with ``weights`` those are used as given.
     """
-    experts = torch.as_tensor(experts, dtype=torch.long)
-    weights = None if weights is None else torch.as_tensor(weights)
+    experts = _expert_ids("force_route: experts", experts, model.cfg.n_experts)
+    if weights is not None:
+        if isinstance(weights, str) or not isinstance(weights, (Sequence, torch.Tensor)):
+            raise TypeError(f"force_route: weights must be a sequence or tensor of floats, got {weights!r}")
+        try:
+            weights = torch.as_tensor(weights, dtype=torch.float32 if not isinstance(weights, torch.Tensor) else None)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"force_route: weights must be a sequence or tensor of floats, got {weights!r} ({err})") from None
     hooks: Hooks = []
     for layer in resolve_layers(model, layers):
-        k = model.cfg.top_k[layer]
+        k = model.cfg.top_k_per_layer[layer]
         if experts.shape[-1] != k:
             raise ValueError(f"layer {layer} routes to top_k={k} experts, got {experts.shape[-1]} to force")
-        if int(experts.min()) < 0 or int(experts.max()) >= model.cfg.n_experts:
-            raise IndexError(f"forced experts must lie in [0, {model.cfg.n_experts}), got {experts.tolist()}")
         hooks.append((hook_name(layer, "expert_indices"), lambda idx, hook: _where(positions, experts, idx)))
         if weights is not None:
             if weights.shape[-1] != k:
@@ -60,9 +93,8 @@ def steer_router_hooks(
 ) -> Hooks:
     """Add ``value`` to the router logit of ``expert`` (one or several) at these layers and positions; the
     choice and the weights then follow from the new logits."""
-    ids = torch.as_tensor([expert] if isinstance(expert, int) else list(expert), dtype=torch.long)
-    if int(ids.min()) < 0 or int(ids.max()) >= model.cfg.n_experts:
-        raise IndexError(f"experts must lie in [0, {model.cfg.n_experts}), got {ids.tolist()}")
+    ids = _expert_ids("steer_router: expert", expert, model.cfg.n_experts)
+    value = _number("steer_router: value", value)
     onehot = torch.zeros(model.cfg.n_experts).index_fill_(0, ids, 1.0)
 
     def steer(logits, hook):

@@ -117,7 +117,7 @@ def support_table(model) -> SupportTable:
         site = SITE_BY_NAME.get(pattern)  # None for a hook point not of the table (an SAE's)
         hp = model.hook_dict[first[pattern]]
         layout = hp.layout
-        top_k = {cfg.top_k[layer] for layer in layers} if "top_k" in layout else set()
+        top_k = {cfg.top_k_per_layer[layer] for layer in layers} if "top_k" in layout else set()
         rows.append(
             SupportRow(
                 name=pattern,

@@ -169,7 +169,7 @@ def record_launches(
     else:
         biases = (torch.empty(n_experts, 2 * d_expert, **meta), torch.empty(n_experts, d_model, **meta)) if bias else (None, None)
         experts = ExpertTensors(torch.empty(n_experts, 2 * d_expert, d_model, **meta), torch.empty(n_experts, d_model, d_expert, **meta), *biases)
-    hooks = ExpertHooks(*(HookPoint() for _ in range(4)))
+    hooks = ExpertHooks(*(HookPoint() for _ in range(5)))
     if hook_pre:
         hooks.pre.add_hook(lambda t, hook: t)
     log: list[Launch] = []

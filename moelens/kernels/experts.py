@@ -48,12 +48,13 @@ class ExpertHooks:
     pre: HookPoint
     pre_linear: HookPoint
     post: HookPoint
+    out: HookPoint  # per-slot expert outputs before the routing weight (experts.hook_out)
     outputs: HookPoint  # weighted per-slot outputs
     views: RoutedViews | None = None
 
     def hooked(self, site: str) -> bool:
-        """Whether the per-slot site ("pre", "pre_linear", "post") or one of its per-expert views has a hook."""
-        return getattr(self, site).has_hooks or (self.views is not None and self.views.hooked(site))
+        """Whether the per-slot site ("pre", "pre_linear", "post", "out") or one of its per-expert views has a hook."""
+        return getattr(self, site).has_hooks or (self.views is not None and site in self.views.points and self.views.hooked(site))
 
 
 def hooked(hook: HookPoint, t: torch.Tensor, batch_pos: tuple[int, int]) -> torch.Tensor:
@@ -67,7 +68,7 @@ def hooked_site(
     """The per-slot hook of `site` on a [T, k, n] tensor in slot order, then its per-expert views' hooks
     (experts in ascending order), which see the per-slot hook's result. (tensor, whether a hook changed it)."""
     t, changed = hooked_changed(getattr(hooks, site), t, batch_pos)
-    if hooks.views is None:
+    if hooks.views is None or site not in hooks.views.points:  # "out" has no per-expert views
         return t, changed
     out, viewed = hooks.views.run(site, t)
     return out, changed or viewed
@@ -266,6 +267,7 @@ def routed_experts_torch(
     down = linear(post, tensors.down, counts)
     if tensors.down_bias is not None:
         down = down + bias_rows(tensors.down_bias, sorted_experts)
+    down = hooked_sorted("out", down)  # the unweighted outputs; the weighted ones are computed from what it returns
     out = down * weights.reshape(-1)[order].unsqueeze(-1)
     weighted = hooked(hooks.outputs, out[unsort].view(T, k, -1), batch_pos)
     return weighted.sum(dim=1).to(x.dtype)

@@ -563,6 +563,15 @@ def routed_experts_triton(
     else:
         post = _GateUp.apply(x, W_gate_up, b_gate_up, layout, tile, k, False, experts, activation).view(T, k, -1)
     post = hooked_site(hooks, "post", post, batch_pos)[0]  # a replacement is what kernel 2 reads
-    weighted = _Down.apply(post.reshape(T * k, -1).contiguous(), W_down, b_down, weights.contiguous(), layout, tile, experts)
+    post = post.reshape(T * k, -1).contiguous()
+    if hooks.hooked("out"):
+        # kernel 2 with unit weights gives down (+ bias) rounded as the fused path rounds it, exactly (x * 1); the
+        # weights then multiply what the hook returns, in the promoted dtype, as the kernel's epilogue does
+        unit = torch.ones_like(weights, memory_format=torch.contiguous_format)
+        out = _Down.apply(post, W_down, b_down, unit, layout, tile, experts).to(post.dtype).view(T, k, -1)
+        out = hooked_site(hooks, "out", out, batch_pos)[0]
+        weighted = out * weights.unsqueeze(-1)
+    else:
+        weighted = _Down.apply(post, W_down, b_down, weights.contiguous(), layout, tile, experts)
     weighted = hooked(hooks.outputs, weighted.view(T, k, -1), batch_pos)
     return _Combine.apply(weighted.contiguous(), x.dtype)

@@ -37,7 +37,9 @@ def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) ->
         try:
             return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES, local_files_only=True))
         except Exception:
+            text = str(online_error).strip()
+            first = " ".join(text.split()) if text else type(online_error).__name__  # one line: commands print it
             raise FileNotFoundError(
                 f"{name!r} is not a local folder, and the Hub repo could not be fetched nor found in the local "
-                f"cache: {online_error}"
+                f"cache: {first}"
             ) from online_error

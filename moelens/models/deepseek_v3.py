@@ -139,7 +139,7 @@ def deepseek_mixture_fields(
     d_expert = hf.integer("moe_intermediate_size", moe_intermediate_size, at_least=1)
     routed = routed_fields(hf, moe_layers, n_experts, d_expert, num_experts_per_tok=num_experts_per_tok)
     n_group, topk_group = hf.integer("n_group", n_group, at_least=1), hf.integer("topk_group", topk_group, at_least=1)
-    SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k"]), n_group, topk_group)
+    SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k_per_layer"]), n_group, topk_group)
     return dict(
         **routed,
         d_mlp=hf.integer("intermediate_size", intermediate_size, at_least=1) if first_dense else 0,

@@ -53,7 +53,7 @@ class HookedHunyuanMoe(HookedTransformer):
             o_bias=bias,
             moe_layers=(True,) * n_layers,
             n_experts=n_experts,
-            top_k=hf.per_layer("moe_topk", n_layers, at_least=1, at_most=n_experts),
+            top_k_per_layer=hf.per_layer("moe_topk", n_layers, at_least=1, at_most=n_experts),
             d_expert=width,
             d_shared=width,
             norm_topk_prob=True,

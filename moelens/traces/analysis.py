@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 
+from moelens.analysis.difference import ExpertDelta, ranked_deltas
 from moelens.analysis.interventions import steer_router_hooks
 from moelens.traces.manifest import MANIFEST, read_manifest
 
@@ -197,6 +198,11 @@ class TraceExpertLoad:
         return "\n".join(lines)
 
 
+def _clip(text: str, width: int) -> str:
+    """text in at most `width` characters (its end kept: a path's file name says more than its start)."""
+    return text if len(text) <= width else "..." + text[-(width - 3):]
+
+
 def _entropy(p: torch.Tensor) -> torch.Tensor:
     return -torch.special.xlogy(p, p).sum(-1)
 
@@ -286,6 +292,22 @@ class SubsetLoad:
     counts: Int[torch.Tensor, "n_labels n_layers n_experts"]  # tokens of the subset routed to each expert
     load: Float[torch.Tensor, "n_labels n_layers n_experts"]  # counts / the subset's routing slots (sums to 1)
 
+    def __str__(self) -> str:
+        """Per subset and layer, its tokens and its three busiest experts with their load (1/E is balanced)."""
+        E = self.counts.shape[-1]
+        lines = [f"subset load: {len(self.labels)} subsets, layers {self.layers}, {E} experts (load: share of the "
+                 f"subset's routing slots; balanced 1/E = {1 / E:.3f})",
+                 f"{'subset':<24} {'tokens':>8} {'layer':>5}  busiest experts (load)"]
+        for i, label in enumerate(self.labels):
+            for j, layer in enumerate(self.layers):
+                load = self.load[i, j]
+                top = torch.argsort(-load, stable=True)[:3].tolist()
+                busiest = ", ".join(f"E{e} {float(load[e]):.3f}" for e in top)
+                lines.append(f"{_clip(label, 24):<24} {int(self.n_tokens[i]):>8} {layer:>5}  {busiest}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
 
 def trace_subset_load(
     trace: TraceLike,
@@ -325,6 +347,23 @@ class ConsecutiveRouting:
     chance_top1: Float[torch.Tensor, "n_labels n_layers"]
     uniform_top1: Float[torch.Tensor, "n_layers"]
     uniform_any: Float[torch.Tensor, "n_layers"]
+
+    def __str__(self) -> str:
+        """Per subset and layer: the pairs, the rates of a shared first choice and of a shared expert, beside
+        their chance and balanced-router rates."""
+        lines = ["consecutive tokens routed alike (same_top1: same first choice; same_any: top-k sets share an expert)",
+                 f"{'subset':<24} {'layer':>5} {'pairs':>8} {'same_top1':>9} {'chance':>7} {'uniform':>7} "
+                 f"{'same_any':>8} {'uniform':>7}"]
+        for i, label in enumerate(self.labels):
+            for j, layer in enumerate(self.layers):
+                lines.append(
+                    f"{_clip(label, 24):<24} {layer:>5} {int(self.n_pairs[i, j]):>8} {float(self.same_top1[i, j]):>9.3f} "
+                    f"{float(self.chance_top1[i, j]):>7.3f} {float(self.uniform_top1[j]):>7.3f} "
+                    f"{float(self.same_any[i, j]):>8.3f} {float(self.uniform_any[j]):>7.3f}"
+                )
+        return "\n".join(lines)
+
+    __repr__ = __str__
 
 
 def trace_consecutive(
@@ -435,6 +474,23 @@ class Selectivity:
     def normalized(self) -> Float[torch.Tensor, "n_layers"]:
         """I(E; C) / H(C): 0 when experts ignore the class, 1 when the expert choice determines it."""
         return self.mutual_information / self.class_entropy.clamp(min=1e-12)
+
+    def __str__(self) -> str:
+        """Per layer, I(E; C), H(C) and their ratio, then the most selective expert (largest KL) and its top
+        classes with their lift."""
+        shown = ", ".join(self.classes[:8]) + (f", ... ({len(self.classes)} in all)" if len(self.classes) > 8 else "")
+        lines = [f"selectivity of expert choice for token class ({shown}); nats, over routing slots",
+                 f"{'layer':>5} {'I(E;C)':>8} {'H(C)':>7} {'I/H':>6}  most selective expert: KL, top classes (share, lift)"]
+        for i, layer in enumerate(self.layers):
+            e = int(torch.argmax(self.expert_kl[i]))
+            top = "; ".join(f"{_clip(c.name, 16)} {c.share:.2f} x{c.lift:.2f}" for c in self.top_classes[i][e][:3])
+            lines.append(
+                f"{layer:>5} {float(self.mutual_information[i]):>8.4f} {float(self.class_entropy[i]):>7.4f} "
+                f"{float(self.normalized[i]):>6.3f}  E{e} {float(self.expert_kl[i, e]):.4f}: {top}"
+            )
+        return "\n".join(lines)
+
+    __repr__ = __str__
 
 
 def trace_selectivity(
@@ -654,15 +710,6 @@ def trace_top_tokens(
 # ---- paired corpora: SteerMoE's activation-rate difference -------------------------------------------
 
 
-@dataclass(frozen=True)
-class ExpertDelta:
-    layer: int
-    expert: int
-    rate_a: float  # share of corpus A's tokens routed to the expert
-    rate_b: float
-    delta: float  # rate_a - rate_b: above 0, the expert is more active on A
-
-
 def trace_activation_difference(
     trace_a: TraceLike, trace_b: TraceLike, layers: int | Sequence[int] | None = None
 ) -> list[ExpertDelta]:
@@ -676,12 +723,7 @@ def trace_activation_difference(
     layers = a.resolve_layers(layers)
     b.resolve_layers(layers)
     load_a, load_b = trace_expert_load(a, layers), trace_expert_load(b, layers)
-    rate_a, rate_b = load_a.rates, load_b.rates
-    deltas = [
-        ExpertDelta(layer, e, float(rate_a[i, e]), float(rate_b[i, e]), float(rate_a[i, e] - rate_b[i, e]))
-        for i, layer in enumerate(layers) for e in range(a.n_experts)
-    ]
-    return sorted(deltas, key=lambda d: (-abs(d.delta), d.layer, d.expert))
+    return ranked_deltas(layers, load_a.rates, load_b.rates)
 
 
 def delta_experts(

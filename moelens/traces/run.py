@@ -457,7 +457,7 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
             "config": jsonable(cfg),  # every field; the identity hashes those that define the model
             "layers": identity["settings"]["layers"],
             "n_experts": cfg.n_experts,
-            "top_k": {str(layer): cfg.top_k[layer] for layer in identity["settings"]["layers"]},
+            "top_k": {str(layer): cfg.top_k_per_layer[layer] for layer in identity["settings"]["layers"]},
             "columns": {f.name: str(f.type) for f in schema(router_logits)},
             "command": arguments,
             "created_at": _now(),

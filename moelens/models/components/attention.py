@@ -16,6 +16,7 @@ from torch import nn
 
 from moelens.config import MoeConfig
 from moelens.hooks.sites import site_hook
+from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary
 from moelens.models.context import LayerInputs
@@ -112,7 +113,7 @@ def attend(
     return z.transpose(1, 2)
 
 
-class Attention(nn.Module):
+class Attention(AttentionWeightViews, nn.Module):
     """Grouped-query attention with the rotary on q and k (Qwen2-MoE, Solar-Open, Mixtral)."""
 
     # hook_q / hook_k / hook_v are x @ W + b of the normed stream, so the weight views W_Q, W_K, W_V (and the

@@ -26,6 +26,7 @@ from torch import nn
 from moelens.config import RopeConfig
 from moelens.hooks.sites import site_hook
 from moelens.models.components.attention import attend, project_out, rows_contiguous
+from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.context import LayerInputs
 from moelens.models.mixers.base import StateBytes
 from moelens.state import KVState
@@ -50,7 +51,7 @@ def latent_softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
     return scale
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
     """MLA with TransformerLens's sites at their per-head meaning (q, k after decompression and before the
     rotary; rot_q, rot_k what enters the scores; v and z v_head_dim wide) plus the latents.
 

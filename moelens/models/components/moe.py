@@ -89,6 +89,7 @@ class Experts(nn.Module):
         self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre")
         self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear")
         self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", formula=self.spec.activation.formula)
+        self.hook_out = site_hook("blocks.L.mlp.experts.hook_out")
         self.views = ViewGroup(cfg.n_experts)  # not a module: the per-expert sites below, for a cheap hooked test
         for e in range(cfg.n_experts):
             self.add_module(str(e), ExpertSites(self.views, e))
@@ -268,7 +269,7 @@ class SparseMoe(nn.Module):
 
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__()
-        self.router = router(cfg, cfg.top_k[layer])
+        self.router = router(cfg, cfg.top_k_per_layer[layer])
         self.experts = Experts(cfg)
         self.hook_router_logits = site_hook("blocks.L.mlp.hook_router_logits")
         self.hook_router_scores = site_hook("blocks.L.mlp.hook_router_scores", self.router.scores_form)
@@ -280,7 +281,8 @@ class SparseMoe(nn.Module):
         self.hook_expert_outputs = site_hook("blocks.L.mlp.hook_expert_outputs")
         self.hook_routed_out = site_hook("blocks.L.mlp.hook_routed_out")
         self._expert_hooks = ExpertHooks(
-            self.experts.hook_pre, self.experts.hook_pre_linear, self.experts.hook_post, self.hook_expert_outputs
+            self.experts.hook_pre, self.experts.hook_pre_linear, self.experts.hook_post, self.experts.hook_out,
+            self.hook_expert_outputs,
         )
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
@@ -301,11 +303,11 @@ class SparseMoe(nn.Module):
     # TransformerLens's dense-MLP weights (block.mlp.W_in [d_model, d_mlp], ...): a mixture has one per expert
     _DENSE_WEIGHTS: ClassVar[dict[str, str]] = {
         "W_in": "the routed experts' up projections are experts.W_gate_up[:, d_expert:] ([n_experts, d_expert, "
-        "d_model]); model.W_in[L] ([n_experts, d_model, d_expert]) when every block is a mixture",
+        "d_model]); model.W_in[L] ([n_experts, d_model, d_expert])",
         "W_gate": "the routed experts' gate projections are experts.W_gate_up[:, :d_expert] ([n_experts, d_expert, "
-        "d_model]); model.W_gate[L] ([n_experts, d_model, d_expert]) when every block is a mixture",
+        "d_model]); model.W_gate[L] ([n_experts, d_model, d_expert])",
         "W_out": "the routed experts' down projections are experts.W_down ([n_experts, d_model, d_expert]); "
-        "model.W_out[L] ([n_experts, d_expert, d_model]) when every block is a mixture",
+        "model.W_out[L] ([n_experts, d_expert, d_model])",
         "b_in": "the routed experts' biases, where the family has them, are experts.b_gate_up ([n_experts, "
         "2 * d_expert], gate first)",
         "b_out": "the routed experts' output biases, where the family has them, are experts.b_down ([n_experts, d_model])",
