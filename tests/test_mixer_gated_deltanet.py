@@ -182,14 +182,14 @@ def test_uncached_forward_and_every_site_match_transformers(monkeypatch, family,
 
 @pytest.mark.parametrize("family,dtype", CASES)
 def test_cached_prefill_decode_and_continuation_match_transformers(monkeypatch, family, dtype):
-    """With a cache: a left-padded prefill of 70, three one-token decode steps (the recurrent form), then a
-    continuation of 27 tokens (the chunked form from the cached state and convolution window). Each output,
+    """With a cache: a left-padded prefill of 67, three one-token decode steps (the recurrent form), then a
+    continuation of 30 tokens (the chunked form from the cached state and convolution window). Each output,
     each site (state_in / state_out included) and the cached tensors equal transformers' bit for bit."""
     config, ref, model = build(family, DTYPES[dtype])
     recorder = TransformersRecorder(monkeypatch, family, ref)
     x, mask = stream(DTYPES[dtype])
     cache, state = DynamicCache(config=config), model.mixer.new_state()
-    spans = [(0, 70), (70, 71), (71, 72), (72, 73), (73, POS)]
+    spans = [(0, 67), (67, 68), (68, 69), (69, 70), (70, POS)]
     for i, (start, stop) in enumerate(spans):
         piece, piece_mask = x[:, start:stop], (mask[:, start:stop] if start == 0 else None)
         with torch.no_grad():
@@ -282,9 +282,9 @@ def test_float32_is_within_1e_5_of_a_float64_reference(family):
 
 # ---- cached forms against the uncached one ---------------------------------------------------------------
 # Relative to the output's largest value. The forms and the chunks' placement differ by rounding alone: in
-# float32 each is within 1e-5 of the float64 reference (test above); bfloat16 (8 bits of mantissa) rounds the
-# projections, the convolution and the read-out before the gated norm.
-NOISE = {"float32": 1e-5, "bfloat16": 2e-2}
+# float32 each is within 1e-5 of the float64 reference (test above); in bfloat16 by at most one bfloat16 step
+# (2^-8) of the largest output (measured: 3.7e-6 float32; 1.9e-4 and 0 bfloat16).
+NOISE = {"float32": 1e-5, "bfloat16": 2**-8}
 
 
 @pytest.mark.parametrize("family,dtype", CASES)
