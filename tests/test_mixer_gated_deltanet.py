@@ -448,6 +448,8 @@ def test_bad_configs_and_inputs_are_refused():
     x, mask = stream(torch.float32)
     with pytest.raises(ValueError, match="expected \\[batch pos d_model=64\\]"):
         model(x[..., :32], layer_inputs(mask, POS))
+    with pytest.raises(ValueError, match="at least one position"):
+        model(x[:, :0], layer_inputs(None, 0))
     with pytest.raises(ValueError, match="inputs.mask of shape \\(2, 99\\)"):
         model(x, layer_inputs(mask[:, 1:], POS))
     with pytest.raises(TypeError, match="inputs.state is a KVState"):

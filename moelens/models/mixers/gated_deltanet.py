@@ -222,9 +222,9 @@ class GatedDeltaNet(nn.Module):
         return out.to(new.dtype), kept
 
     def _check_inputs(self, x: torch.Tensor, inputs: LayerInputs) -> None:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
+        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] == 0:
             raise ValueError(f"Gated DeltaNet (layer {self.layer}): input of shape {tuple(x.shape)}, expected "
-                             f"[batch pos d_model={self.d_model}]")
+                             f"[batch pos d_model={self.d_model}] with at least one position")
         if inputs.mask is not None and inputs.mask.shape != x.shape[:2]:
             raise ValueError(f"Gated DeltaNet (layer {self.layer}): inputs.mask of shape {tuple(inputs.mask.shape)}, "
                              f"expected [batch pos] = {tuple(x.shape[:2])}")
