@@ -11,8 +11,8 @@ Both forms take q, k [batch pos k_head d_k], v [batch pos v_head d_v], g and bet
 state entering the first token [batch v_head d_k d_v] (float32), and return the outputs [batch pos v_head d_v]
 in q's dtype and the state after the last token (float32). Each key head serves v_head / k_head consecutive
 value heads. They compute in float32 whatever the inputs' dtype, in transformers' order of operations
-(torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule), so their results match it in float32 to the
-last bits and in bfloat16 bit for bit where the inputs are equal.
+(torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule), so on equal inputs their results equal
+transformers' bit for bit, in float32 and bfloat16 alike.
 """
 
 from __future__ import annotations
