@@ -24,7 +24,7 @@ from moelens.models.mixers.gated_deltanet import (
     SeparateProjectionsGatedDeltaNet,
 )
 from moelens.models.mixers.gated_norm import GatedRMSNorm
-from moelens.models.state import KVState, RecurrentState
+from moelens.state import KVState, RecurrentState
 
 D_MODEL, K_HEADS, V_HEADS, D_K, D_V, KERNEL, EPS = 64, 2, 4, 16, 8, 4, 1e-6
 SIZES = GatedDeltaNetSizes(D_MODEL, K_HEADS, V_HEADS, D_K, D_V, KERNEL, EPS)

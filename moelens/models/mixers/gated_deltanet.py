@@ -15,7 +15,7 @@ in_proj_qkvz and in_proj_ba, whose output rows are grouped per key head (FusedPr
 parameters carry transformers' names (conv1d, A_log, dt_bias, norm, out_proj and the projections above), so
 a family's site map maps checkpoint keys one to one.
 
-The state (moelens.models.state.RecurrentState): `conv`, the last linear_conv_kernel inputs of the convolution
+The state (moelens.state.RecurrentState): `conv`, the last linear_conv_kernel inputs of the convolution
 [batch conv_dim kernel] in the model's dtype (as transformers' cache keeps them: zeros before the first
 token), and `recurrent`, the delta rule's state [batch v_head d_k d_v], float32 whatever the model's dtype.
 A forward of several tokens runs the chunked form, from the cached state and convolution window when there
@@ -45,7 +45,7 @@ from moelens.models.context import LayerInputs
 from moelens.models.mixers.base import StateBytes
 from moelens.models.mixers.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from moelens.models.mixers.gated_norm import GatedRMSNorm
-from moelens.models.state import RecurrentState
+from moelens.state import RecurrentState
 
 
 @dataclass(frozen=True)
