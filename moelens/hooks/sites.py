@@ -64,6 +64,9 @@ _SCALE = ("batch pos 1", "RMS of the input (+ eps): the norm divides by it")
 _CLAMP = ", clamped to +-clip_qkv"
 _QK_NORM = "query after q_norm over all heads together{}; before the rotary"
 _K_NORM = "key after k_norm over all kv heads together{}; before the rotary"
+_MAMBA_HEADS = "batch pos mamba_head mamba_d_head"
+_MAMBA_GROUPS = "batch pos mamba_group mamba_d_state"
+_MAMBA_STATE = "batch mamba_head mamba_d_head mamba_d_state"
 
 # Every site some family has, in forward order.
 SITES: tuple[Site, ...] = (
@@ -134,6 +137,22 @@ SITES: tuple[Site, ...] = (
           }),
     _site("blocks.L.attn.hook_result", "batch pos head d_model", "each head's output after W_O (without b_O)",
           short="result", switch="set_use_attn_result"),
+    # Mamba-2 (Nemotron-H): the state-space mixer (moelens.models.mixers.mamba2), in forward order
+    _site("blocks.L.mixer.hook_gate", _MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm"),
+    _site("blocks.L.mixer.hook_x", _MAMBA_HEADS,
+          "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)"),
+    _site("blocks.L.mixer.hook_B", _MAMBA_GROUPS,
+          "B per group (what the state takes in): after the causal conv and SiLU (0 at padding)"),
+    _site("blocks.L.mixer.hook_C", _MAMBA_GROUPS,
+          "C per group (what the output reads of the state): after the causal conv and SiLU (0 at padding)"),
+    _site("blocks.L.mixer.hook_dt", "batch pos mamba_head", "time step per head: softplus(dt + dt_bias), clamped"),
+    _site("blocks.L.mixer.hook_state_in", _MAMBA_STATE,
+          "recurrent state the forward starts from (cached, or zeros), float32; an edit changes this and later "
+          + "forwards"),
+    _site("blocks.L.mixer.hook_y", _MAMBA_HEADS, "scan output per head, state read by C plus D * x, before the norm"),
+    _site("blocks.L.mixer.hook_state_out", _MAMBA_STATE,
+          "recurrent state after the last position, as cached, float32; an edit changes later forwards only"),
+    _site("blocks.L.mixer.hook_normed", _MAMBA_HEADS, "gated norm's output per head: out_proj's input"),
     _site("blocks.L.hook_attn_out", _RESID, "what attention adds to the residual stream", standard="attention_output",
           short="attn_out"),
     _site("blocks.L.hook_resid_mid", _RESID, "residual stream after the attention add", standard="layer_mid",
