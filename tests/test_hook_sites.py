@@ -17,6 +17,10 @@ SWITCHES = ("set_use_attn_result", "set_use_split_qkv_input", "set_use_attn_in",
 # every variant but those differing only in how the checkpoint is stored (same hook points)
 MODEL_KEYS = sorted(k for k in VARIANTS if k[1] not in ("sharded", "fused"))
 
+# Token-mixer sites no family builds yet: each mixer's own test (tests/test_mixer_<kind>.py) checks that its hook
+# points are these rows, with their layouts and meanings.
+AWAITING_FAMILY = {s.name for s in SITES if s.name.startswith("blocks.L.mixer.")}
+
 # a form's meaning fields, as the model fills them: (model, layer) -> value
 FIELDS = {"formula": lambda model, layer: model.blocks[layer].mlp.experts.spec.activation.formula}
 
@@ -70,6 +74,8 @@ def test_every_site_and_form_of_the_table_is_some_models(models):
         for name, forms in forms_used(model).items():
             used.setdefault(name, set()).update(forms)
     for site in SITES:
+        if site.name in AWAITING_FAMILY:
+            continue
         assert site.name in used, f"no family has {site.name}"
         unused = set(site.forms) - used[site.name]
         assert not unused, f"{site.name}: forms no family uses: {unused}"
