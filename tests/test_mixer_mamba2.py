@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
+from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
+from transformers.models.granitemoehybrid.configuration_granitemoehybrid import GraniteMoeHybridConfig
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
 
@@ -392,6 +394,38 @@ def test_editing_a_site_in_place_is_returning_the_edit(site, grad):
     for a, b in zip(returned, in_place):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert (returned[0] - plain[0]).abs().max() > 1e-4
+
+
+def test_granite_hybrid_mamba_layer_is_the_same_mixer_under_its_config_names():
+    """granitemoehybrid's Mamba layer (Granite-4.0) computes the same with its config's names: the width is
+    mamba_expand * hidden_size, the eps rms_norm_eps, the chunked form's clamp config.time_step_limit (here
+    biting: 0.01), the decode step unclamped. A left-padded prefill, decode steps and a continuation."""
+    gc = GraniteMoeHybridConfig(hidden_size=D_MODEL, mamba_n_heads=HEADS, mamba_d_head=D_HEAD, mamba_expand=1,
+                                mamba_n_groups=GROUPS, mamba_d_state=D_STATE, mamba_d_conv=D_CONV,
+                                mamba_chunk_size=CHUNK, time_step_limit=(0.01, math.inf), layer_types=["mamba"],
+                                num_attention_heads=2, num_key_value_heads=1, vocab_size=50, num_hidden_layers=1)
+    assert gc.hidden_act == "silu"  # the convolution's activation; the mixer has SiLU only
+    ref = granite.GraniteMoeHybridMambaLayer(gc, layer_idx=0).eval()
+    ref.load_state_dict(random_reference(seed=10).state_dict())
+    cfg = Mamba2Config(
+        d_model=gc.hidden_size, mamba_n_heads=gc.mamba_n_heads, mamba_d_head=gc.mamba_d_head,
+        mamba_n_groups=gc.mamba_n_groups, mamba_d_state=gc.mamba_d_state, mamba_d_conv=gc.mamba_d_conv,
+        mamba_chunk_size=gc.mamba_chunk_size, mamba_conv_bias=gc.mamba_conv_bias, mamba_proj_bias=gc.mamba_proj_bias,
+        mamba_norm_eps=gc.rms_norm_eps, mamba_time_step_limit=gc.time_step_limit,
+        mamba_decode_time_step_limit=(0.0, math.inf),
+    )
+    assert gc.mamba_expand * gc.hidden_size == HEADS * D_HEAD
+    mixer = Mamba2Mixer(cfg, layer=0)
+    mixer.load_state_dict(ref.state_dict())
+    root = Root(mixer)
+    cache, state = DynamicCache(config=gc), RecurrentState()
+    steps = [stream(LENGTH, torch.float32, 40)] + [stream(1, torch.float32, 41 + i) for i in range(4)]
+    steps.append(stream(7, torch.float32, 50))
+    with torch.no_grad():
+        for i, x in enumerate(steps):
+            mask = padding_mask() if i == 0 else None
+            torch.testing.assert_close(root(x, mask, state), ref(x, cache=cache, attention_mask=mask), atol=1e-5, rtol=0)
+            torch.testing.assert_close(state.recurrent, cache.layers[0].recurrent_states[0], atol=1e-5, rtol=0)
 
 
 def test_every_site_is_a_table_entry_and_has_its_layout():
