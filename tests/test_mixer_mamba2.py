@@ -292,9 +292,9 @@ def test_transformers_nemotron_h_clamps_dt_in_the_chunked_form_only():
     with torch.no_grad():
         whole = ref(x)
         cache = DynamicCache(config=ref.config)
-        stepwise = torch.cat([ref(x[:, :60], cache=cache)] + [ref(x[:, i : i + 1], cache=cache) for i in range(60, LENGTH)], 1)
+        stepwise = torch.cat([ref(x[:, :60], cache=cache)] + [ref(x[:, i, None], cache=cache) for i in range(60, LENGTH)], 1)
         state = RecurrentState()
-        mine = torch.cat([root(x[:, :60], None, state)] + [root(x[:, i : i + 1], None, state) for i in range(60, LENGTH)], 1)
+        mine = torch.cat([root(x[:, :60], None, state)] + [root(x[:, i, None], None, state) for i in range(60, LENGTH)], 1)
     assert (stepwise[:, 60:] - whole[:, 60:]).abs().max() > 1e-3
     torch.testing.assert_close(mine, stepwise, atol=1e-5, rtol=0)
 

@@ -8,7 +8,8 @@ output.
 Padding: a recurrent mixer cannot ignore a position, so, as transformers does, a padded position's input is
 zeroed before in_proj and its x, B and C are zeroed after the convolution: it adds nothing to the state
 (dt still decays it, which before a left-padded row's first real token is a decay of zeros), and, without
-projection biases, a left-padded row computes what it computes alone. Its outputs are meaningless.
+projection biases, a left-padded row computes what it computes alone. Its outputs are meaningless. The mask is
+applied whenever inputs.mask is given, a one-position forward included (transformers' model passes none there).
 
 Precision follows transformers: dt (softplus, clamp) in the model's dtype; the chunked scan in float32, its
 y float32 into the gated norm; the decode step's update in the model's dtype where transformers keeps it
@@ -199,7 +200,9 @@ class Mamba2Mixer(nn.Module):
         self.d_inner = h * p
         self.conv_dim = self.d_inner + 2 * g * n
         self.in_proj = nn.Linear(cfg.d_model, self.d_inner + self.conv_dim + h, bias=cfg.mamba_proj_bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim, bias=cfg.mamba_conv_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim, bias=cfg.mamba_conv_bias
+        )
         self.dt_bias = nn.Parameter(torch.ones(h))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, h + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(h))
@@ -229,7 +232,9 @@ class Mamba2Mixer(nn.Module):
         conv_dim = h * p + 2 * g * n
         return StateBytes(per_sequence=conv_dim * cfg.mamba_d_conv + h * p * n)
 
-    def forward(self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs) -> Float[torch.Tensor, "batch pos d_model"]:
+    def forward(
+        self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
         b, t, _ = x.shape
         h, p, g, n = self.n_heads, self.d_head, self.n_groups, self.d_state
         dtype = x.dtype
