@@ -69,6 +69,9 @@ _QK_NORM = "query after q_norm over all heads together{}; before the rotary"
 _K_NORM = "key after k_norm over all kv heads together{}; before the rotary"
 _PROBS = ("the router's distribution over the experts (float32, rows sum to 1): {}; observation only: "
           "routing does not read it, so editing it changes nothing downstream")
+_MAMBA_HEADS = "batch pos mamba_head mamba_d_head"
+_MAMBA_GROUPS = "batch pos mamba_group mamba_d_state"
+_MAMBA_STATE = "batch mamba_head mamba_d_head mamba_d_state"
 
 # Every site some family has, in forward order.
 SITES: tuple[Site, ...] = (
@@ -139,25 +142,43 @@ SITES: tuple[Site, ...] = (
           }),
     _site("blocks.L.attn.hook_result", "batch pos head d_model", "each head's output after W_O (without b_O)",
           short="result", switch="set_use_attn_result"),
-    # Gated DeltaNet (Qwen3-Next, Qwen3.5-MoE), moelens.models.mixers.gated_deltanet: linear attention with a
-    # recurrent state [d_k d_v] per value head; each key head serves v_head / k_head consecutive value heads
+    # Token mixers other than softmax attention, blocks.L.mixer.*, in forward order: Gated DeltaNet (Qwen3-Next,
+    # Qwen3.5-MoE; moelens.models.mixers.gated_deltanet: linear attention with a recurrent state [d_k d_v] per value
+    # head; each key head serves v_head / k_head consecutive value heads) is each shared site's default form,
+    # Mamba-2 (Nemotron-H; moelens.models.mixers.mamba2, the state-space scan) its "mamba2" form.
     _site("blocks.L.mixer.hook_q", "batch pos k_head d_k",
           "query per key head after the causal convolution and its SiLU, before the L2 norm"),
     _site("blocks.L.mixer.hook_k", "batch pos k_head d_k",
           "key per key head after the causal convolution and its SiLU, before the L2 norm"),
     _site("blocks.L.mixer.hook_v", "batch pos v_head d_v", "value per value head after the causal convolution and its SiLU"),
-    _site("blocks.L.mixer.hook_gate", "batch pos v_head d_v", "output gate per value head (transformers' z), before its SiLU"),
+    _site("blocks.L.mixer.hook_gate", "batch pos v_head d_v", "output gate per value head (transformers' z), before its SiLU",
+          variants={"mamba2": (_MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm")}),
+    _site("blocks.L.mixer.hook_x", _MAMBA_HEADS,
+          "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)"),
+    _site("blocks.L.mixer.hook_B", _MAMBA_GROUPS,
+          "B per group (what the state takes in): after the causal conv and SiLU (0 at padding)"),
+    _site("blocks.L.mixer.hook_C", _MAMBA_GROUPS,
+          "C per group (what the output reads of the state): after the causal conv and SiLU (0 at padding)"),
+    _site("blocks.L.mixer.hook_dt", "batch pos mamba_head", "time step per head: softplus(dt + dt_bias), clamped"),
     _site("blocks.L.mixer.hook_beta", "batch pos v_head", "write strength of each token's update: sigmoid(b)"),
     _site("blocks.L.mixer.hook_log_decay", "batch pos v_head",
           "log decay g = -exp(A_log) * softplus(a + dt_bias), float32: the state is multiplied by exp(g) before each "
           + "token's update"),
     _site("blocks.L.mixer.hook_state_in", "batch v_head d_k d_v",
-          "recurrent state the new tokens start from, float32 (zeros without a cached state)"),
+          "recurrent state the new tokens start from, float32 (zeros without a cached state)", variants={
+              "mamba2": (_MAMBA_STATE, "recurrent state the forward starts from (cached, or zeros), float32; an edit "
+                         + "changes this and later forwards"),
+          }),
     _site("blocks.L.mixer.hook_core_out", "batch pos v_head d_v", "read-out of the state per value head, before the gated norm"),
+    _site("blocks.L.mixer.hook_y", _MAMBA_HEADS, "scan output per head, state read by C plus D * x, before the norm"),
     _site("blocks.L.mixer.hook_state_out", "batch v_head d_k d_v",
-          "recurrent state after the last new token, float32: what the cache keeps for the next forward"),
+          "recurrent state after the last new token, float32: what the cache keeps for the next forward", variants={
+              "mamba2": (_MAMBA_STATE, "recurrent state after the last position, as cached, float32; an edit changes "
+                         + "later forwards only"),
+          }),
     _site("blocks.L.mixer.hook_z", "batch pos v_head d_v",
           "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)"),
+    _site("blocks.L.mixer.hook_normed", _MAMBA_HEADS, "gated norm's output per head: out_proj's input"),
     _site("blocks.L.hook_attn_out", _RESID, "what attention adds to the residual stream", standard="attention_output",
           short="attn_out"),
     _site("blocks.L.hook_resid_mid", _RESID, "residual stream after the attention add", standard="layer_mid",
