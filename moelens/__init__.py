@@ -23,6 +23,7 @@ from moelens.models import (
     HookedOlmoe,
     HookedQwen2Moe,
     HookedQwen3Moe,
+    HookedQwen3Next,
     HookedSolarOpen,
     HookedTransformer,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "HookedOlmoe",
     "HookedQwen2Moe",
     "HookedQwen3Moe",
+    "HookedQwen3Next",
     "HookedRootModule",
     "HookedSolarOpen",
     "HookedTransformer",

@@ -136,9 +136,13 @@ SITES: tuple[Site, ...] = (
               "sink": ("batch head query key", "attention probabilities of the keys; each row sums to 1 minus "
                        + "the sink's share (hook_sink_scores)"),
           }),
+    _site("blocks.L.attn.hook_attn_gate", "batch pos head d_head",
+          "each head's output gate (the second half of q_proj), before its sigmoid", short="attn_gate"),
     _site("blocks.L.attn.hook_z", "batch pos head d_head", "per-head outputs before the output projection",
           standard="attention_head_outputs", short="z", variants={
               "latent": ("batch pos head v_head_dim", "per-head outputs before the output projection"),
+              "gated": ("batch pos head d_head", "per-head outputs times sigmoid(hook_attn_gate), what the "
+                        + "output projection reads"),
           }),
     _site("blocks.L.attn.hook_result", "batch pos head d_model", "each head's output after W_O (without b_O)",
           short="result", switch="set_use_attn_result"),
@@ -179,9 +183,10 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.mixer.hook_z", "batch pos v_head d_v",
           "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)"),
     _site("blocks.L.mixer.hook_normed", _MAMBA_HEADS, "gated norm's output per head: out_proj's input"),
-    _site("blocks.L.hook_attn_out", _RESID, "what attention adds to the residual stream", standard="attention_output",
+    _site("blocks.L.hook_attn_out", _RESID, "what the token mixer (attention or another kind) adds to the residual stream",
+          standard="attention_output",
           short="attn_out"),
-    _site("blocks.L.hook_resid_mid", _RESID, "residual stream after the attention add", standard="layer_mid",
+    _site("blocks.L.hook_resid_mid", _RESID, "residual stream after the token mixer's add", standard="layer_mid",
           short="resid_mid"),
     _site("blocks.L.hook_mlp_in", _RESID, "residual stream entering ln2 and the MLP / mixture", short="mlp_in",
           switch="set_use_hook_mlp_in"),

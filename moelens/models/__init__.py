@@ -13,6 +13,7 @@ from moelens.models.mixtral import HookedMixtral
 from moelens.models.olmoe import HookedOlmoe
 from moelens.models.qwen2_moe import HookedQwen2Moe
 from moelens.models.qwen3_moe import HookedQwen3Moe
+from moelens.models.qwen3_next import HookedQwen3Next
 from moelens.models.solar_open import HookedSolarOpen
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "HookedQwen3Moe", "HookedSolarOpen", "HookedTransformer", "family_for",
     "HookedGlm4Moe",
     "HookedMiniMaxM2",
+    "HookedQwen3Next",
 ]

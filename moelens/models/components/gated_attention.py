@@ -1,0 +1,54 @@
+"""Attention with an output gate (Qwen3-Next, Qwen3.5): q_proj is twice as wide and gives each head its query
+and a gate; the heads' outputs are multiplied by sigmoid(gate) before the output projection. Queries and keys
+are normed per head before the rotary by zero-centred RMSNorms (weight 1 + w)."""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Float
+from torch import nn
+
+from moelens.config import MoeConfig
+from moelens.hooks.sites import site_hook
+from moelens.models.components.attention import Attention, SplitInputs, linear_per_head, project_out, split_inputs
+from moelens.models.components.norm import ZeroCenteredRMSNorm
+from moelens.models.context import LayerInputs
+
+
+class OutputGatedAttention(Attention):
+    """hook_q: each head's query half of q_proj (before the norm); hook_attn_gate: its gate half, before the
+    sigmoid; hook_z: the heads' outputs after the gate (what o_proj reads, so head results and W_O views
+    describe it)."""
+
+    def __init__(self, cfg: MoeConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.q_proj = nn.Linear(cfg.d_model, 2 * cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.q_norm = ZeroCenteredRMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+        self.k_norm = ZeroCenteredRMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+        self.hook_attn_gate = site_hook("blocks.L.attn.hook_attn_gate")
+        self.hook_z = site_hook("blocks.L.attn.hook_z", "gated")
+
+    def forward(
+        self, x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs, inputs: LayerInputs
+    ) -> Float[torch.Tensor, "batch pos d_model"]:
+        q, gate, k, v = self.project_gated(x)
+        z = self.heads(q, k, v, inputs)
+        return project_out(self, self.hook_z(z * torch.sigmoid(gate)))
+
+    def project(self, x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs):
+        q, _, k, v = self.project_gated(x)
+        return q, k, v
+
+    def project_gated(self, x: Float[torch.Tensor, "batch pos d_model"] | SplitInputs):
+        """Queries, gates [batch pos head d_head], keys and values [batch pos kv_head d_head], each hooked."""
+        xq, xk, xv = split_inputs(x)
+        b, p = xq.shape[:2]
+        q_and_gate = linear_per_head(self.q_proj, xq).view(b, p, self.n_heads, 2 * self.d_head)
+        q, gate = torch.chunk(q_and_gate, 2, dim=-1)
+        q, gate = self.hook_q(q), self.hook_attn_gate(gate)
+        k = self.hook_k(linear_per_head(self.k_proj, xk).view(b, p, self.n_kv_heads, self.d_head))
+        v = self.hook_v(linear_per_head(self.v_proj, xv).view(b, p, self.n_kv_heads, self.d_head))
+        return q, gate, k, v
+
+    def position(self, q, k, cos, sin):
+        return super().position(self.q_norm(q), self.k_norm(k), cos, sin)

@@ -1,0 +1,163 @@
+"""Qwen3-Next (HookedQwen3Next) against transformers' Qwen3NextForCausalLM: the hybrid layers (Gated DeltaNet and
+gated full attention) site by site in float32 and in bfloat16, left padding, prefill in the chunked form against
+token-by-token decode, greedy generation, the recurrent state as a site, the config's layer kinds, plan at full
+size from config alone."""
+
+import pytest
+import torch
+import family_harness as harness
+import tiny_qwen3_next as tiny_q3n
+from family_harness import MODEL_SITES, References, build_checkpoints, check_greedy_generation, left_padded, tokens
+
+from moelens import HookedTransformer
+from moelens.kv_cache import KVCache
+from moelens.models.components.gated_attention import OutputGatedAttention
+from moelens.models.mixers.gated_deltanet import FusedProjectionsGatedDeltaNet
+from moelens.models.qwen3_next import HookedQwen3Next
+from moelens.plan import plan
+from moelens.state import RecurrentState
+from moelens.verify import compare
+from test_plan import hf_weights
+
+VARIANTS = [v for (_, v) in tiny_q3n.VARIANTS]
+LINEAR_SITES = ("hook_resid_pre", "ln1.hook_normalized", "hook_attn_out", "ln2.hook_normalized", "hook_mlp_out",
+                "hook_resid_post")
+ATTENTION_SITES = LINEAR_SITES + ("attn.hook_k", "attn.hook_v", "attn.hook_z")
+ROUTER_SITES = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices", "mlp.hook_routed_out")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return build_checkpoints(tmp_path_factory, "qwen3_next", tiny_q3n.VARIANTS)
+
+
+@pytest.fixture(scope="module")
+def refs(ckpts):
+    return References(ckpts)
+
+
+def block_sites(model):
+    def sites(layer: int):
+        kind = model.cfg.layer_types[layer]
+        return (ATTENTION_SITES if kind == "full_attention" else LINEAR_SITES) + (
+            ROUTER_SITES if model.cfg.moe_layers[layer] else ())
+    return sites
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float32_every_site(ckpts, refs, variant):
+    model = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
+    assert type(model) is HookedQwen3Next
+    harness.check_report(compare(model, refs(variant), tokens(shape=(2, 80))), model, block_sites(model), 1e-5, MODEL_SITES)
+
+
+def test_the_layers_are_what_the_config_says(ckpts):
+    base = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
+    assert [type(b.token_mixer) for b in base.blocks] == [FusedProjectionsGatedDeltaNet] * 3 + [OutputGatedAttention]
+    assert [b.mixer_attribute for b in base.blocks] == ["mixer", "mixer", "mixer", "attn"]
+    assert base.cfg.d_rot == 4 and base.cfg.norm_topk_prob  # a quarter of head_dim 16; transformers' defaults
+    interval = HookedTransformer.from_pretrained(ckpts["interval"], progress=False)
+    assert interval.cfg.layer_types == ("linear_attention", "full_attention") * 2 + ("linear_attention",)
+    dense = HookedTransformer.from_pretrained(ckpts["dense_block"], progress=False)
+    assert dense.cfg.moe_layers == (True, False, True, True) and not dense.blocks[1].is_moe
+
+
+def test_bfloat16_routing_identical_and_close(ckpts, refs):
+    """The linear layers and the mixtures equal transformers' bit for bit in bfloat16; the gated attention's
+    output gate is the only place the op order differs (transformers multiplies the flat [batch pos heads*d]
+    output, moelens [batch pos head d]: the same elementwise products), so the whole model is bitwise too."""
+    model = HookedTransformer.from_pretrained(ckpts["base"], dtype=torch.bfloat16, progress=False)
+    report = compare(model, refs("base", torch.bfloat16), tokens(shape=(2, 80)))
+    assert report.index_mismatches == 0
+    assert report.max_logit_diff == 0.0, report
+
+
+def test_left_padded_batch_matches_transformers_padded_run(ckpts, refs):
+    """transformers zeroes padded positions' inputs to the linear layers (so the state of a left-padded row
+    starts from zeros at its first real token) and masks them in attention; moelens does the same."""
+    model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
+    toks, mask = left_padded(7, (3, 70), (0, 9, 30))
+    report = compare(model, refs("base"), toks, mask)
+    assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0, report
+
+
+def test_chunked_prefill_then_recurrent_decode_equals_one_forward(ckpts):
+    """A 70-token forward (the chunked form, two chunks of 64) against a 40-token prefill followed by 30 one-token
+    steps (the recurrent form), and against one multi-token step after the prefill (the chunked form from the cached
+    state, which transformers' cache does not offer)."""
+    model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
+    toks = tokens(11, (2, 70))
+    with torch.no_grad():
+        whole = model(toks)
+        cache = KVCache.for_model(model)
+        steps = [model(toks[:, :40], past_kv_cache=cache)]
+        steps += [model(toks[:, i : i + 1], past_kv_cache=cache) for i in range(40, 70)]
+        stepped = torch.cat(steps, dim=1)
+        cache = KVCache.for_model(model)
+        model(toks[:, :40], past_kv_cache=cache)
+        rest = model(toks[:, 40:], past_kv_cache=cache)
+    assert isinstance(cache.layers[0], RecurrentState) and cache.layers[0].length == 70
+    assert (stepped - whole).abs().max() <= 1e-5
+    assert (rest - whole[:, 40:]).abs().max() <= 1e-5
+
+
+def test_greedy_generation_equals_transformers(ckpts, refs):
+    model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
+    check_greedy_generation(model, refs("base"), tokens(4, (1, 12)), new=64)
+    toks, mask = left_padded(8, (2, 10), (0, 3))
+    check_greedy_generation(model, refs("base"), toks, mask, new=16)
+
+
+def test_the_state_handed_on_is_a_site_and_an_edit_there_is_what_later_tokens_see(ckpts):
+    """Halving blocks.0.mixer.hook_state_out after the prompt (in place) changes every later token exactly as a
+    decode from a cache holding the halved state does."""
+    model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
+    prompt, nxt = tokens(12, (1, 20)), tokens(13, (1, 1))
+
+    def halve(state, hook):
+        state.mul_(0.5)
+
+    with torch.no_grad():
+        edited = KVCache.for_model(model)
+        model.run_with_hooks(prompt, past_kv_cache=edited, fwd_hooks=[("blocks.0.mixer.hook_state_out", halve)])
+        by_hook = model(nxt, past_kv_cache=edited)
+        plain_cache, by_hand = KVCache.for_model(model), KVCache.for_model(model)
+        model(prompt, past_kv_cache=plain_cache)
+        plain = model(nxt, past_kv_cache=plain_cache)
+        model(prompt, past_kv_cache=by_hand)
+        by_hand.layers[0].recurrent = by_hand.layers[0].recurrent * 0.5
+        expected = model(nxt, past_kv_cache=by_hand)
+    assert torch.equal(by_hook, expected)
+    assert (by_hook - plain).abs().max() > 1e-4  # the edit mattered
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (dict(layer_types=["linear_attention"] * 3), "layer_types has 3 entries, expected one per layer \\(4\\)"),
+        (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "layer_types: unknown layer kinds"),
+        (dict(layer_types="full_attention"), "layer_types = 'full_attention'"),
+        (dict(full_attention_interval=0, layer_types=None), "full_attention_interval = 0"),
+    ],
+)
+def test_inconsistent_layer_kinds_are_refused_naming_the_field(edit, match):
+    raw = {**tiny_q3n.qwen3_next_config().to_dict(), **edit}
+    with pytest.raises(ValueError, match=match):
+        HookedQwen3Next.config_from_hf(raw)
+
+
+QWEN3_NEXT_80B = dict(  # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (the fields that size the model)
+    model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
+    decoder_sparse_step=1, full_attention_interval=4, max_position_embeddings=262144, partial_rotary_factor=0.25,
+    rope_theta=10000000, tie_word_embeddings=False,
+)
+
+
+def test_plan_at_full_size_counts_transformers_parameters():
+    p = plan(QWEN3_NEXT_80B, dtype="bfloat16", gpus=1, gpu_memory="141GB")
+    expected = hf_weights(QWEN3_NEXT_80B, torch.bfloat16)
+    assert p.parameters == sum(t.numel() for t in expected.values())
+    assert 79e9 < p.parameters < 82e9  # "80B"
