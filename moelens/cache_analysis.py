@@ -3,21 +3,27 @@
 Stacks put the component axis first: [component, batch, pos, d_model] (no batch axis after
 remove_batch_dim; an int pos_slice drops the pos axis, a slice / list / tensor keeps it).
 
-"Applying the norm" to a stack divides it by the RMS that the norm computed on the real stream during the run
-(its cached hook_scale, float32); the norm's weight is NOT applied, as in TransformerLens, where fold_ln has put
-it into the next weights. This is what makes the final norm linear in the components, so attributions add up.
-Direct logit attribution here stays exact without fold_ln too, because the token directions it uses
-(model.tokens_to_residual_directions) carry ln_final's weight.
+"Applying the norm" to a stack (apply_ln_to_stack, and apply_ln=True of the stacking methods) gives what the
+norm would output for each component: the component divided by the RMS the norm computed on the real stream
+during the run (its cached hook_scale, float32), times the norm's weight. Dividing by the one cached scale keeps
+the norm linear in the components, so normed components sum to the norm's output and attributions add up.
+The weight is 1 after fold_ln, which has moved it into the weights that read the stream, and this is then
+TransformerLens's folded arithmetic exactly; without fold_ln the weight is applied here, so that a normed stack
+pairs with the model's own reading weights either way. One convention, folded or not: a normed final stream
+(apply_ln_to_stack(layer=-1), either recompute_ln, or accumulated_resid(apply_ln=True)'s "final_post") dotted
+with model.tokens_to_residual_directions (TransformerLens's W_U column), or times model.W_U, is the model's
+logit; so is logit_attrs of an un-normalised decomposition, summed.
 
 As in TransformerLens, the stacking methods (accumulated_resid, decompose_resid, stack_head_results,
-get_full_resid_decomposition) default to apply_ln=False, and logit_attrs ALWAYS applies the final norm's cached
-scale itself (apply_ln_to_stack(layer=-1)): pass it an un-normalised stack (apply_ln=False), or the scale is
-applied twice. logit_attrs therefore needs ln_final.hook_scale in the cache (MissingHooksError otherwise).
+get_full_resid_decomposition) default to apply_ln=False, and logit_attrs ALWAYS applies the final norm itself
+(apply_ln_to_stack(layer=-1)): pass it an un-normalised stack (apply_ln=False), or the norm is applied twice.
+logit_attrs therefore needs ln_final.hook_scale in the cache (MissingHooksError otherwise).
 
 The logit lens is the exception, as in TransformerLens 3: apply_ln_to_stack(recompute_ln=True) (and
 accumulated_resid(apply_ln=True) up to the final stream, which uses it) puts each component through the final
-norm itself, its own RMS and the norm's weight: what the model would output if that component were the
-final stream, so `stack @ model.W_U` is that stream's logits.
+norm on its own, with its own RMS: what the model would output if that component were the final stream, so
+`stack @ model.W_U` is that stream's logits. Parts of a decomposition normed that way do not sum to the norm's
+output (each has its own RMS); on the whole final stream both recompute_ln values give the same result.
 
 project_output_onto (get_neuron_results, stack_neuron_results, get_full_resid_decomposition): a [d_model] or
 [d_model, n_outputs] matrix that every component is multiplied by, folded into the weights before the
@@ -103,8 +109,8 @@ class CacheAnalysis:
         "final_post" when layer is None / -1 / n_layers), as TransformerLens. incl_mid adds each resid_mid;
         mlp_input adds the resid_mid of `layer` itself. apply_ln, up to the final stream: each stream through
         the final norm with its own RMS and the norm's weight (apply_ln_to_stack(recompute_ln=True), the logit
-        lens, as TransformerLens 3); up to a block: divided by the cached scale of the norm reading the stream
-        there (that block's ln1, or ln2 with mlp_input), without its weight."""
+        lens, as TransformerLens 3); up to a block: the norm reading the stream there (that block's ln1, or ln2
+        with mlp_input) with its cached scale and its weight (apply_ln_to_stack)."""
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
         names, labels = [], []
         for l in range(layer + 1):
@@ -195,18 +201,21 @@ class CacheAnalysis:
         has_batch_dim: bool = True,
         recompute_ln: bool = False,
     ) -> Stack:
-        """Divide each component by the RMS its norm computed on the real stream (the cached hook_scale of
-        ln_final for layer None / -1 / n_layers, else of block `layer`'s ln1, or ln2 with mlp_input).
-        RMSNorm has no centering, so this is all the norm does apart from its weight, which is NOT applied
-        (fold_ln moves it into the next weights; tokens_to_residual_directions includes ln_final's).
+        """What the norm reading the stream at `layer` outputs for each component (ln_final for layer None / -1 /
+        n_layers, else block `layer`'s ln1, or ln2 with mlp_input): the component divided by the RMS the norm
+        computed on the real stream (its cached hook_scale), times the norm's weight. RMSNorm has no centering,
+        so this is all the norm does, and the normed components sum to its output. The weight is 1 after fold_ln
+        (TransformerLens's arithmetic exactly); without fold_ln it is applied here, so that the result pairs with
+        the model's reading weights (model.W_U and tokens_to_residual_directions for the final norm) folded or not.
         The result is float32 (the scale's dtype) for a lower-precision stack. pos_slice must be the one the
         stack was made with (it is applied to the scale only). batch_slice, as in TransformerLens, is applied
-        to the stack's batch axis (axis 1) when has_batch_dim, and to the scale (an int drops the axis).
+        to the stack's batch axis (axis 1) when has_batch_dim, and to the scale (an int drops the axis). The
+        stack's last axis must be d_model (the weight's).
 
         recompute_ln=True (TransformerLens 3's logit lens; only for the final norm, layer None / -1 /
         n_layers): each component goes through the final norm on its own, with its own RMS and the norm's
         weight, in the norm's own arithmetic (float32, cast back before the weight), instead of the cached
-        scale. No cache tensor is read; pos_slice is not needed."""
+        scale. No cache tensor is read; pos_slice is not needed. On the whole final stream both values agree."""
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
         if recompute_ln and layer != n:
             raise ValueError(
@@ -219,7 +228,32 @@ class CacheAnalysis:
             residual_stack = slice_pos(residual_stack, batch_slice, 1)
         if recompute_ln:
             return self._final_norm(residual_stack)
-        name = "ln_final.hook_scale" if layer == n else f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
+        name = self._scale_name(layer, mlp_input)
+        weight = self._norm_weight(name)
+        if residual_stack.shape[-1] != weight.shape[0]:
+            raise ValueError(
+                f"apply_ln_to_stack: the stack's last axis has {residual_stack.shape[-1]} entries, not d_model "
+                f"({weight.shape[0]}): the norm's weight ({name.removesuffix('hook_scale')}weight) scales residual "
+                "vectors (to norm a stack projected onto directions, pass apply_ln=True with project_output_onto)"
+            )
+        scaled = self._divide_by_scale(residual_stack, name, pos_slice, batch_slice)
+        return scaled * weight.to(scaled.device, scaled.dtype)
+
+    def _scale_name(self, layer: int, mlp_input: bool) -> str:
+        """The cached scale of the norm reading the stream at `layer` (a bound from _layer_bound)."""
+        if layer == self.model.cfg.n_layers:
+            return "ln_final.hook_scale"
+        return f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
+
+    def _norm_weight(self, scale_name: str) -> Float[torch.Tensor, "d_model"]:
+        """The factor the norm whose hook_scale is `scale_name` multiplies by (its effective_weight(), as it is
+        now: 1 after fold_ln)."""
+        return self.model.mod_dict[scale_name.removesuffix(".hook_scale")].effective_weight().detach()
+
+    def _divide_by_scale(
+        self, residual_stack: torch.Tensor, name: str, pos_slice: PosSlice, batch_slice: PosSlice = None
+    ) -> torch.Tensor:
+        """The stack divided by the cached scale `name` (any last axis: a projected stack too)."""
         self._require("apply_ln_to_stack", [name])
         scale = self._get(name, pos_slice)
         if batch_slice is not None:
@@ -232,13 +266,33 @@ class CacheAnalysis:
             )
         return residual_stack / scale
 
+    def _weighted_projection(
+        self, project: torch.Tensor | None, apply_ln: bool, layer: int, mlp_input: bool
+    ) -> torch.Tensor | None:
+        """project_output_onto with the norm's weight folded in where apply_ln will norm the projected stack
+        (whose last axis is no longer d_model, so the weight cannot be applied after the projection)."""
+        if project is None or not apply_ln:
+            return project
+        weight = self._norm_weight(self._scale_name(layer, mlp_input))
+        dtype = torch.promote_types(weight.dtype, project.dtype)
+        return weight.to(project.device, dtype)[:, None] * project.to(dtype)
+
+    def _apply_ln_projected(
+        self, stack: torch.Tensor, layer: int, mlp_input: bool, pos_slice: PosSlice, projected: bool
+    ) -> torch.Tensor:
+        """apply_ln of a stacking method: apply_ln_to_stack, or for a stack projected through
+        _weighted_projection (the weight already in) the division by the cached scale alone."""
+        if not projected:
+            return self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
+        return self._divide_by_scale(stack, self._scale_name(layer, mlp_input), pos_slice)
+
     def _final_norm(self, stack: torch.Tensor) -> torch.Tensor:
         """ln_final applied to every row of the last axis on its own: weight * x / sqrt(mean(x^2) + eps), in the
         norm's arithmetic (float32, cast back, then the weight), without running its hooks."""
         norm = self.model.ln_final
         x = stack.float()
         normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)).to(stack.dtype)
-        return norm.weight.detach().to(stack.device) * normed
+        return self._norm_weight("ln_final.hook_scale").to(stack.device) * normed
 
     # ---- attention heads ---------------------------------------------------------------------------
     def _head_result(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
@@ -434,11 +488,13 @@ class CacheAnalysis:
         hook_expert_weights and hook_expert_indices: zero where the token did not choose e). So the stack
         has n_experts * d_expert rows per mixture layer: memory grows fast (use neuron_slice, pos_slice).
         neuron_slice selects neuron indices within each MLP / expert (an int keeps the axis).
-        incl_remainder adds "remainder" (the stream entering `layer` minus the neurons); apply_ln divides
-        by the cached scale of block `layer`'s ln1 (ln_final for the last), as the other stacks.
+        incl_remainder adds "remainder" (the stream entering `layer` minus the neurons); apply_ln applies
+        block `layer`'s ln1 (ln_final for the last) as apply_ln_to_stack: cached scale and weight.
         project_output_onto: see the module docstring (the remainder is projected too)."""
         project, squeeze = _projection(project_output_onto, self.model.cfg.d_model)
         layer = self._layer_bound(layer)
+        projected = project is not None
+        project = self._weighted_projection(project, apply_ln, layer, False)
         parts, labels = [], []
         for l in range(layer):
             p, lab = self._mlp_neuron_parts(l, pos_slice, neuron_slice, project)
@@ -454,7 +510,7 @@ class CacheAnalysis:
             remainder = stream - stack.sum(0)
             stack, labels = torch.cat([stack, remainder[None].to(stack.dtype)]), labels + ["remainder"]
         if apply_ln:
-            stack = self.apply_ln_to_stack(stack, layer, pos_slice=pos_slice)
+            stack = self._apply_ln_projected(stack, layer, False, pos_slice, projected)
         stack = stack.squeeze(-1) if squeeze else stack
         return (stack, labels) if return_labels else stack
 
@@ -519,12 +575,14 @@ class CacheAnalysis:
         sum of its slots routed to e otherwise. expand_neurons=True (the default, as TransformerLens) has
         n_experts * d_expert rows per mixture layer, dense over all experts: for a real model pass
         expand_neurons=False or a pos_slice. Components are in the promoted dtype of the cached tensors;
-        apply_ln: as the other stacks (the cached scale, no weight). project_output_onto: see the module
+        apply_ln: as the other stacks (apply_ln_to_stack: the cached scale and the norm's weight). project_output_onto: see the module
         docstring (folded into the neurons' weights with expand_neurons; every component is projected)."""
         project, squeeze = _projection(project_output_onto, self.model.cfg.d_model)
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
         if mlp_input and layer == n:
             raise ValueError("mlp_input=True needs a block to input into: layer must be < n_layers")
+        projected = project is not None
+        project = self._weighted_projection(project, apply_ln, layer, mlp_input)
         what = "get_full_resid_decomposition"
         n_attn = layer + 1 if mlp_input else layer  # blocks whose heads are in
         self._require(what, ["hook_embed"] + [f"blocks.{l}.attn.hook_z" for l in range(n_attn)
@@ -547,7 +605,7 @@ class CacheAnalysis:
         labels += ["embed", "bias"]
         stack = _cat_promoted(parts)
         if apply_ln:
-            stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
+            stack = self._apply_ln_projected(stack, layer, mlp_input, pos_slice, projected)
         stack = stack.squeeze(-1) if squeeze else stack
         return (stack, labels) if return_labels else stack
 
@@ -634,11 +692,10 @@ class CacheAnalysis:
         """TransformerLens's logit_attrs: each component's direct contribution to a token's logit (or to the
         logit difference tokens - incorrect_tokens). Like TransformerLens it FIRST applies the final norm
         (apply_ln_to_stack(residual_stack, layer=-1, pos_slice, batch_slice, has_batch_dim): division by the
-        cached ln_final.hook_scale, which must be in the cache), so pass an un-normalised stack
-        (apply_ln=False, the default of every stacking method). It then dots each component with
-        model.tokens_to_residual_directions(tokens): W_U column times ln_final's weight, so the result is
-        exact whether or not the model was loaded with fold_ln (with fold_ln the weight is 1 and this is
-        TransformerLens's W_U column). The components of a full decomposition of the final stream
+        cached ln_final.hook_scale, which must be in the cache, then ln_final's weight, 1 after fold_ln), so pass
+        an un-normalised stack (apply_ln=False, the default of every stacking method). It then dots each
+        component with model.tokens_to_residual_directions(tokens) (TransformerLens's W_U column), so the result
+        is exact whether or not the model was loaded with fold_ln. The components of a full decomposition of the final stream
         (decompose_resid / get_full_resid_decomposition / accumulated_resid's "final_post") therefore sum to
         the model's logit (RMSNorm has no centering constant; the unembedding has no bias).
 
@@ -675,7 +732,7 @@ class CacheAnalysis:
         """Direct logit attribution of every routed expert of every layer: [n_layers, n_experts, batch, pos]
         (batch absent after remove_batch_dim, pos absent for an int pos_slice). Entry [l, e] is what expert
         e of block l wrote into the stream (its slots' weighted outputs), divided by the final norm's cached
-        scale and dotted with the token's direction (W_U column times ln_final's weight): it sums, with every
+        scale, times ln_final's weight and dotted with the token's direction (W_U column): it sums, with every
         other component's, to the logit. Zero where a token did not choose e, and for dense blocks. The
         shared expert is not in it (see get_full_resid_decomposition, "L{l}.shared"). Computed in float32."""
         cfg = self.model.cfg
@@ -686,6 +743,7 @@ class CacheAnalysis:
         scale = self._get("ln_final.hook_scale", pos_slice).float()  # [*rest, 1]
         rest = scale.shape[:-1]
         dirs = self._directions(tokens_or_logit_directions, incorrect_tokens, pos_slice, rest).float()
+        dirs = dirs * self._norm_weight("ln_final.hook_scale").float().to(dirs.device)  # what ln_final applies
         out = scale.new_zeros(cfg.n_layers, cfg.n_experts, *rest)
         for l, part in routed:
             outputs = self._get(part.slot_outputs.name, pos_slice).float()  # [*rest, k, d]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from moelens import defaults
 from moelens.analysis import plot_routing, routing_table
@@ -111,8 +113,9 @@ def inspect(args: argparse.Namespace) -> int:
     else:
         weights = "checkpoint weights"
     print(
-        f"{type(model).__name__} from {path}: {weights}, {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{cfg.n_layers} layers, {cfg.n_experts} experts, top-{top_k}"
+        f"{type(model).__name__} from {path}: {weights}, {sum(p.numel() for p in model.parameters()):,} parameters "
+        f"in all (embeddings included; cfg.n_params, TransformerLens's count without embeddings, norms and biases: "
+        f"{cfg.n_params:,}), {cfg.n_layers} layers, {cfg.n_experts} experts, top-{top_k}"
     )
     if model.tokenizer is None:
         try:
@@ -171,11 +174,22 @@ def trace(args: argparse.Namespace) -> int:
     set_threads(args)
 
     path = args.model or defaults.DEFAULT
+    placement = {"dtype": DTYPES[args.dtype], "device": args.device}
+    if args.data_parallel:  # this rank's replica, placed here; the trace deals the parts to the replicas
+        placement = {"model_name": path, "ranks_per_replica": args.ranks_per_replica}
+        path = replica_model(path, DTYPES[args.dtype], args.device, args.replica, args.devices_per_replica, args.ranks_per_replica)
+    elif args.replica != "device" or args.devices_per_replica != 1 or args.ranks_per_replica != 1:
+        raise ValueError("--replica, --devices-per-replica and --ranks-per-replica place the replicas of --data-parallel: add --data-parallel")
     summary = run_trace(  # loads the model itself, once the arguments and the device are checked
         path, [Path(p) for p in args.data], args.out, seq_len=args.seq_len, batch_size=args.batch_size,
         max_tokens=args.max_tokens, router_logits=args.router_logits, windows_per_part=args.windows_per_part,
-        dtype=DTYPES[args.dtype], device=args.device, command=args.argv, progress=args.progress,
+        command=args.argv, progress=args.progress, data_parallel=args.data_parallel, **placement,
     )
+    if args.data_parallel and dist.is_initialized():
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0  # rank 0 says what the trace did
     if summary.left_out:
         reasons: dict[str, list[str]] = {}
         for item in summary.left_out:
@@ -192,6 +206,49 @@ def trace(args: argparse.Namespace) -> int:
             f"parts written, {summary.parts_reused} kept from an earlier run"
         )
     return 0
+
+
+def replica_model(path: str, dtype: torch.dtype, device: str, replica: str, per_replica: int, ranks: int) -> HookedTransformer:
+    """This torchrun rank's replica of the model for a data-parallel trace: on one device (cuda: the rank's
+    LOCAL_RANK-th GPU; cpu); with replica "device-map", over per_replica GPUs of its own (GPUs
+    LOCAL_RANK * per_replica onwards), filled in order ("auto" device map); with "expert-parallel", its
+    experts sharded over its group of `ranks` consecutive ranks, each on its own device as for "device".
+    Joins torchrun's process group."""
+    from moelens.traces.run import check_device  # the trace extra (pyarrow), as in trace()
+
+    kind = torch.device(device).type
+    if (replica == "expert-parallel") != (ranks != 1):
+        raise ValueError(f"--ranks-per-replica {ranks} goes with --replica expert-parallel (and it with more than one rank)")
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise ValueError(f"--data-parallel runs one process per replica under torchrun ({', '.join(missing)} not set): "
+                             "torchrun --nproc_per_node N -m moelens trace ... --data-parallel")
+        if replica == "expert-parallel" and kind == "cuda":  # the experts' exchanges run on the GPUs
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:  # the trace's own exchanges are a few Python objects, over gloo whatever the devices
+            dist.init_process_group("gloo")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if replica == "expert-parallel":
+        placed = f"cuda:{local}" if kind == "cuda" else device
+        check_device(placed)
+        return HookedTransformer.from_pretrained(path, dtype=dtype, device=placed, expert_parallel=ranks, progress=False)
+    if replica == "device":
+        if per_replica != 1:
+            raise ValueError(f"--devices-per-replica {per_replica} goes with --replica device-map (one device per replica here)")
+        if kind == "cuda" and torch.device(device).index is not None and dist.get_world_size() > 1:
+            raise ValueError(f"--device {device} with --data-parallel: give --device cuda, and rank r of a node takes cuda:LOCAL_RANK")
+        placed = f"cuda:{local}" if kind == "cuda" else device
+        check_device(placed)
+        return HookedTransformer.from_pretrained(path, dtype=dtype, device=placed, progress=False)
+    if kind != "cuda" or torch.device(device).index is not None:
+        raise ValueError(f"--replica device-map spreads each replica over GPUs of its own: give --device cuda, got {device}")
+    gpus = [f"cuda:{local * per_replica + i}" for i in range(per_replica)]
+    for gpu in gpus:
+        check_device(gpu)
+    memory = {gpu: int(0.9 * torch.cuda.get_device_properties(gpu).total_memory) for gpu in gpus}
+    return HookedTransformer.from_pretrained(path, dtype=dtype, device_map="auto", max_memory=memory, progress=False)
 
 
 def trace_report(args: argparse.Namespace) -> int:
@@ -276,6 +333,13 @@ def build_parser() -> Parser:
     p.add_argument("--threads", type=positive_int, help="torch threads for the forward (default: torch's, one per "
                    "core; on a machine whose cores other work keeps busy, 1 is often several times faster)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--data-parallel", action="store_true", help="under torchrun: every process a replica of the model, "
+                   "each tracing its share of the parts; one manifest (rows equal to one process's)")
+    p.add_argument("--replica", choices=["device", "device-map", "expert-parallel"], default="device", help="with "
+                   "--data-parallel, what one replica is: one device (cuda: the process's LOCAL_RANK-th GPU), "
+                   "--devices-per-replica GPUs of its own, or --ranks-per-replica processes sharding its experts")
+    p.add_argument("--devices-per-replica", type=positive_int, default=1, help="GPUs of each replica with --replica device-map")
+    p.add_argument("--ranks-per-replica", type=positive_int, default=1, help="processes of each replica with --replica expert-parallel")
     p.set_defaults(run=trace)
     p = sub.add_parser("trace-report", help="an HTML report (or PNGs) of a trace: load, subsets, selectivity, top tokens")
     p.add_argument("trace", help="a trace folder written by moelens trace")

@@ -95,6 +95,7 @@ def generate(
     if return_type not in ("input", "tokens", "str"):
         raise ValueError(f"return_type must be 'input', 'tokens' or 'str', got {return_type!r}")
     _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+    model._check_not_on_meta()
     text_in = isinstance(input, (str, list))
     if text_in:
         if attention_mask is not None:

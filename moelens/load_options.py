@@ -68,7 +68,7 @@ class LoadOptions:
     expert_offload: str | None  # None, "cpu" or "disk"
     expert_cache_bytes: int | None  # None: one layer's experts
     expert_prefetch: bool | None  # None: on for "disk"
-    expert_parallel: bool
+    expert_parallel: bool | int  # True: over every rank; G: in groups of G consecutive ranks (each one model)
     expert_parallel_timeout: float  # seconds a rank waits for the others at an expert exchange
     expert_storage: str | None  # "fp8" / "mxfp4": routed experts kept as the checkpoint stores them
     experts_backend: str
@@ -142,8 +142,10 @@ def load_options(
         checkpoint_index=checkpoint_index, checkpoint_value=checkpoint_value, hf_model=hf_model,
     )
     for name, value in [("fold_ln", fold_ln), ("center_unembed", center_unembed), ("check_finite", check_finite),
-                        ("expert_parallel", expert_parallel), ("move_to_device", move_to_device)]:
+                        ("move_to_device", move_to_device)]:
         _flag(name, value)
+    if not (isinstance(expert_parallel, bool) or isinstance(expert_parallel, int) and expert_parallel >= 1):
+        raise TypeError(f"expert_parallel must be True, False or a number of ranks per expert-parallel group, got {expert_parallel!r}")
     for name, value in [("progress", progress), ("expert_prefetch", expert_prefetch),
                         ("default_prepend_bos", default_prepend_bos)]:
         _flag(name, value, none_too=True)

@@ -34,12 +34,13 @@ from moelens.dtypes import parse_dtype
 from moelens.families import family_for
 from moelens.loaders import read_config
 from moelens.loaders.errors import CheckpointError
-from moelens.loaders.files import read_json_object
+from moelens.loaders.files import CONFIG_MAX_BYTES, read_json_object
 from moelens.loaders.quantized import MXFP4_GROUP, SUPPORTED, Format, Fp8Blocks, stored_format
 from moelens.loaders.safetensors_files import INDEX_FILE, SafetensorsFiles
 from moelens.placement import parse_size
 from moelens.locate import check_hub_id, check_not_empty, resolve
 from moelens.stored_size import scale_bytes, stored_tensors
+from moelens.weights import hidden_weight_count
 
 COMPONENTS = (
     "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
@@ -99,11 +100,11 @@ def read_source(model: str | Path | dict, revision: str | None = None) -> Source
     if path.is_dir():
         return Source(read_config(path), str(path), path)
     if path.is_file():  # a config.json on its own
-        return Source(read_json_object(path), str(path), None)
+        return Source(read_json_object(path, CONFIG_MAX_BYTES), str(path), None)
     check_hub_id(name, "no checkpoint folder or config file")  # a mistyped name or path never goes to the Hub
     config = hub_config(name, revision)
     # the snapshot folder the config sits in: weights already in the cache for that commit are there too
-    return Source(read_json_object(config), f"{name} (Hub)", config.parent)
+    return Source(read_json_object(config, CONFIG_MAX_BYTES), f"{name} (Hub)", config.parent)
 
 
 def hub_config(repo: str, revision: str | None = None) -> Path:
@@ -860,6 +861,9 @@ class Plan:
     # a config with a quantization_config: the checkpoint as stored, and the placements of both run-time modes
     # (plan_stored); {"error": ...} for a format moelens does not read; None for an unquantized config
     stored: dict | None = None
+    # TransformerLens's n_params (the loaded model's cfg.n_params): the weight matrices outside the embedding and
+    # unembedding, no norms or biases; `parameters` counts everything, embeddings included
+    n_params: int = 0
 
     def to_json(self) -> dict:
         out = {
@@ -868,6 +872,7 @@ class Plan:
             "model_class": self.model_class,
             "dtype": self.dtype,
             "parameters": self.parameters,
+            "n_params": self.n_params,
             "bytes": self.bytes,
             "components": {k: dataclasses.asdict(v) for k, v in self.components.items()},
             "per_layer": [dataclasses.asdict(layer) for layer in self.per_layer],
@@ -952,6 +957,7 @@ def plan(
         model_class=family.__name__,
         dtype=str(dtype).removeprefix("torch."),
         parameters=sum(c.parameters for c in components.values()),
+        n_params=hidden_weight_count(meta_tensors(family, cfg)[0]),
         bytes=sum(c.bytes for c in components.values()),
         components=components,
         per_layer=layers,
@@ -979,9 +985,11 @@ def _text(p: Plan) -> list[str]:
     c = p.config
     lines = [
         f"{p.where}: {p.model_class} ({p.family}), {c['n_layers']} layers, {c['n_experts']} experts, top-{c['top_k']}",
-        f"{p.parameters:,} parameters ({human_count(p.parameters)}), {human(p.bytes)} in {p.dtype}"
+        f"{p.parameters:,} parameters in all ({human_count(p.parameters)}, embeddings included), {human(p.bytes)} in {p.dtype}"
         + (" (routers kept float32)" if c["router_in_float32"] and p.dtype != "float32" else "")
         + (" (embedding tied to the unembedding, counted once)" if c["tie_word_embeddings"] else ""),
+        f"cfg.n_params {p.n_params:,} ({human_count(p.n_params)}): TransformerLens's count, the weight matrices "
+        "without the embedding, unembedding, norms and biases",
     ]
     if p.on_disk is None:
         lines.append("on disk: no safetensors files here (counts are from config.json)")
@@ -1048,6 +1056,11 @@ def _modes_text(p: Plan) -> list[str]:
         "dequantized": f"every weight dense in {p.dtype} (dequantized at load; expert_storage 'dequantized', the default)",
         "stored": f"the routed experts kept as stored ({method}; expert_storage 'stored'), the rest in {p.dtype}",
     }
+    stored_experts = human(s["components"]["routed_experts"]["bytes"])
+    experts_are = {  # what the offloaded experts' bytes are, beside what the files hold
+        "dequantized": f"dequantized in {p.dtype}; {stored_experts} as stored in the files",
+        "stored": f"as stored in the files, {method}",
+    }
     lines = []
     for mode, title in titles.items():
         m = s["modes"][mode]
@@ -1056,7 +1069,8 @@ def _modes_text(p: Plan) -> list[str]:
             if mode == "stored" else ""
         )
         chosen = " [this plan's placement]" if mode == s["expert_storage"] else ""
-        lines += ["", f"with {title}: weights {human(m['weights'])}{extra}{chosen}", *_placement_text(m["placement"])]
+        lines += ["", f"with {title}: weights {human(m['weights'])}{extra}{chosen}",
+                  *_placement_text(m["placement"], experts_are[mode])]
     return lines
 
 
@@ -1072,7 +1086,8 @@ def _runs(layers: list[LayerCount]):
     return [(first, last, layer) for first, last, layer, _ in runs]
 
 
-def _placement_text(placement: dict) -> list[str]:
+def _placement_text(placement: dict, experts_are: str = "") -> list[str]:
+    """experts_are: what an offload's routed-expert bytes are (dequantized or as stored), for a quantized checkpoint."""
     lines = [
         f"placement on {_devices_text(placement['devices'])}, cpu memory {human(placement['cpu']['memory'])} "
         f"(each budget {1 - placement['headroom']:.0%} of memory)"
@@ -1080,7 +1095,7 @@ def _placement_text(placement: dict) -> list[str]:
     if not placement["options"]:
         lines.append("  nothing fits:")
     for i, option in enumerate(placement["options"]):
-        lines.append(f"  {'recommended: ' if i == 0 else 'also fits:   '}{_describe(option)}")
+        lines.append(f"  {'recommended: ' if i == 0 else 'also fits:   '}{_describe(option, experts_are)}")
     for r in placement["rejected"]:
         lines.append(f"  does not fit: {r['kind']}: {r['reason']}")
     return lines
@@ -1093,7 +1108,7 @@ def _devices_text(devices: list[dict]) -> str:
     return ", ".join(f"{d['device']} ({human(d['memory'])})" for d in devices)
 
 
-def _describe(o: dict) -> str:
+def _describe(o: dict, experts_are: str = "") -> str:
     if o["kind"] == "one_device":
         return f"one device: everything on {o['device']} ({human(o['bytes'])} of {human(o['budget'])})"
     if o["kind"] == "device_map":
@@ -1113,7 +1128,7 @@ def _describe(o: dict) -> str:
     cache, moved = o["expert_cache"], o["moved_per_forward"]
     return (
         f"expert offload: {human(o['device_bytes'])} on {o['device']} (all but the routed experts, with activations "
-        f"and KV cache), routed experts ({human(o['offloaded_bytes'])}) on {o['experts_on']}\n"
+        f"and KV cache), routed experts ({human(o['offloaded_bytes'])}{', ' + experts_are if experts_are else ''}) on {o['experts_on']}\n"
         f"{'':16}expert cache on {o['device']}: {cache['experts']} of {cache['of']} experts ({human(cache['bytes'])}, "
         f"{cache['fraction']:.0%}); peak on {o['device']} {human(o['peak_bytes'])}\n"
         f"{'':16}moved per forward: prefill <= {human(moved['prefill_max'])}; decode step <= "

@@ -14,7 +14,6 @@ from functools import partial
 import torch
 
 from moelens.experts.spec import ExpertTensors
-from moelens.experts.stored import StoredExperts
 from moelens.families import family_for
 from moelens.fold import untie
 from moelens.kernels.expert_parallel import ExpertExchange, ExpertShard, expert_range
@@ -28,7 +27,7 @@ from moelens.loaders.expert_reader import ExpertReader
 from moelens.loaders.files import brief
 from moelens.loaders.quantized import stored_format
 from moelens.loaders.safetensors_files import SafetensorsFiles
-from moelens.loaders.stored_experts import ExpertLayers, check_stored_as, stored_layer_bytes, warn_not_finite
+from moelens.loaders.stored_experts import ExpertLayers, check_stored_as, stored_layer_bytes
 from moelens.locate import resolve  # also pretrained.resolve, for callers that import it from here
 from moelens.placement import device_of, parse_device_map
 from moelens.plan import auto_device_map
@@ -121,19 +120,18 @@ def load(cls, options: LoadOptions):
         # default: on for "disk", where benchmarks/bench_offload.py measured it paying; "cpu" is unmeasured
         # on a GPU, and on the CPU itself there is nothing to move
         prefetch = expert_offload == "disk" if options.expert_prefetch is None else options.expert_prefetch
-        offloaded = offload_experts(model, files, keys, expert_offload, cache, device_for, prefetch)
+        offloaded = offload_experts(model, files, keys, expert_offload, cache, device_for, prefetch, options.check_finite)
     elif options.expert_parallel:
-        offloaded = shard_experts(model, files, keys, device, options.expert_parallel_timeout)
+        group = None if options.expert_parallel is True else options.expert_parallel
+        offloaded = shard_experts(model, files, keys, device, options.expert_parallel_timeout, group, options.check_finite)
     elif options.expert_storage:
-        offloaded = keep_experts_stored(model, files, keys, device_for, read=not on_meta)
+        offloaded = keep_experts_stored(model, files, keys, device_for, read=not on_meta, check_finite=options.check_finite)
     materialize(model, device_for)
     model.tie_weights()
     if on_meta:
         slot_map(model, keys)  # every parameter has its tensor (the shapes were checked above)
     else:
         fill(model, files, keys, progress=options.progress, check_finite=options.check_finite, offloaded=offloaded)
-        if options.expert_storage and options.check_finite:
-            warn_not_finite(held_stored_experts(model), dtype, folder)
         if placed is not None and placed["unembed"] != placed["embed"] and model.unembed.weight is model.embed.weight:
             untie(model, placed["unembed"])  # a tied head on another device: a copy of its own there
         model.process_weights_(fold_ln=options.fold_ln, center_unembed=options.center_unembed)  # moelens.fold; no-op by default
@@ -207,39 +205,33 @@ def dense_slots(model, reader: ExpertReader, layer: int) -> dict[str, torch.Tens
     }
 
 
-def keep_experts_stored(model, files, keys, device_for, read: bool = True) -> dict[str, torch.Tensor]:
+def keep_experts_stored(model, files, keys, device_for, read: bool = True, check_finite: bool = True) -> dict[str, torch.Tensor]:
     """expert_storage without offload or expert parallelism: every mixture layer's routed experts read as
     stored onto the layer's device (moelens.experts.stored); returns their dense slots' meta tensors for fill().
-    read=False (device='meta'): nothing is read or attached."""
+    read=False (device='meta'): nothing is read or attached. check_finite: each expert checked as it is read."""
     reader = expert_reader(model, files, keys)
-    layers = ExpertLayers(reader, model.cfg.expert_spec())
+    layers = ExpertLayers(reader, model.cfg.expert_spec(), check_finite)
     slots: dict[str, torch.Tensor] = {}
     for layer, block in mixture_layers(model):
         if read:
             stored = layers.layer(layer, range(model.cfg.n_experts))
             block.mlp.experts.attach_stored(stored.to(device_for(f"blocks.{layer}.mlp.experts")))
         slots.update(dense_slots(model, reader, layer))
+    layers.warn_found()
     return slots
 
 
-def held_stored_experts(model) -> dict[int, StoredExperts]:
-    """Every mixture layer's stored experts this process holds (resident, in host memory, or this rank's)."""
-    held = {}
-    for layer, block in mixture_layers(model):
-        experts = block.mlp.experts
-        for stack in (experts.stored, experts.host, None if experts.shard is None else experts.shard.tensors):
-            if isinstance(stack, StoredExperts):
-                held[layer] = stack
-    return held
-
-
-def offload_experts(model, files, keys, mode, cache: ExpertCache, device_for, prefetch: bool = False) -> dict[str, torch.Tensor]:
+def offload_experts(
+    model, files, keys, mode, cache: ExpertCache, device_for, prefetch: bool = False, check_finite: bool = True
+) -> dict[str, torch.Tensor]:
     """Attach to every mixture layer's routed experts (built "offloaded") an expert store, all sharing one
     cache (each layer's entries on that layer's device); returns their slots for fill(): host tensors ("cpu":
     filled now, pinned when a layer runs on CUDA) or meta tensors ("disk": shape-checked; read when routed to).
-    prefetch: each layer loads ahead the experts it predicts for the next one (link_prefetch)."""
+    prefetch: each layer loads ahead the experts it predicts for the next one (link_prefetch). check_finite:
+    experts read here (stored host stacks) are checked now, experts read from disk the first time each is read
+    (fill() checks dense host stacks)."""
     reader = expert_reader(model, files, keys)
-    layers = ExpertLayers(reader, model.cfg.expert_spec())  # the cache holds stored bytes where experts are kept so
+    layers = ExpertLayers(reader, model.cfg.expert_spec(), check_finite)  # the cache holds stored bytes where experts are kept so
     slots: dict[str, torch.Tensor] = {}
     stores: dict[int, OffloadedExperts] = {}
     for layer, block in mixture_layers(model):
@@ -265,6 +257,8 @@ def offload_experts(model, files, keys, mode, cache: ExpertCache, device_for, pr
         read_into = None if mode == "cpu" else lambda e, out, layer=layer: layers.read_into(layer, e, out)
         stores[layer] = OffloadedExperts(layer, model.cfg.n_experts, source, cache, device, mode, template, wrap, read_into)
         block.mlp.experts.attach_store(stores[layer], None if mode == "disk" else host)
+    layers.warn_found()
+    layers.warn_each_read = True  # from here, experts read from disk when routed to
     if prefetch:
         cache.enable_prefetch()
         link_prefetch(model, stores)
@@ -286,16 +280,20 @@ def route(router, x: torch.Tensor) -> torch.Tensor:
     return router.choose(router.choice_scores(router.scores(router.logits(x))))
 
 
-def shard_experts(model, files, keys, device: torch.device, timeout_s: float) -> dict[str, torch.Tensor]:
+def shard_experts(
+    model, files, keys, device: torch.device, timeout_s: float, ranks_per_group: int | None = None,
+    check_finite: bool = True,
+) -> dict[str, torch.Tensor]:
     """Expert parallelism: give every mixture layer (built "sharded") only this rank's experts
     (kernels.expert_parallel), read expert by expert from the checkpoint's files; returns meta slots for the
     full stacks, so that fill() checks their shapes and reads nothing of the other ranks' experts. The layers
-    exchange through one ExpertExchange (checked fingerprints, timeout_s)."""
-    exchange = ExpertExchange.create(device, timeout_s)
+    exchange through one ExpertExchange (checked fingerprints, timeout_s), over every rank, or over this rank's
+    group of ranks_per_group consecutive ranks. check_finite: this rank's experts are checked as they are read."""
+    exchange = ExpertExchange.create(device, timeout_s, ranks_per_group)
     rank, world = exchange.rank, exchange.world
     lo, hi = expert_range(model.cfg.n_experts, world, rank)
     reader = expert_reader(model, files, keys)
-    layers = ExpertLayers(reader, model.cfg.expert_spec())  # as stored, where the experts are kept so
+    layers = ExpertLayers(reader, model.cfg.expert_spec(), check_finite)  # as stored, where the experts are kept so
     slots: dict[str, torch.Tensor] = {}
     for layer, block in mixture_layers(model):
         stacks = layers.layer(layer, range(lo, hi))  # more ranks than experts leave some with none
@@ -303,4 +301,5 @@ def shard_experts(model, files, keys, device: torch.device, timeout_s: float) ->
             layer, model.cfg.n_experts, stacks.to(device), rank=rank, world=world, exchange=exchange
         ))
         slots.update(dense_slots(model, reader, layer))
+    layers.warn_found()
     return slots

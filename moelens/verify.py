@@ -6,14 +6,17 @@ module's input or output corresponds to which moelens hook is read from the fami
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from moelens.models.base import HookedTransformer
 from moelens.positions import positions_from_mask
 from moelens.pretrained import resolve
+from moelens.reference_copy import fp8_blocks, write_dequantized_copy
 from moelens.sitemap import Reference
 
 
@@ -30,13 +33,15 @@ class VerifyReport:
     max_logit_diff: float
     sites: list[SiteDiff] = field(default_factory=list)
     index_mismatches: int = 0  # tokens whose chosen expert set differs
+    reference: str = "transformers' own load of the checkpoint"
 
     def worst(self) -> float:
         return max([self.max_logit_diff] + [s.max_abs_diff for s in self.sites])
 
     def __str__(self) -> str:
         w = max(len(s.site) for s in self.sites) if self.sites else 10
-        lines = [f"dtype {self.dtype}: max |logit diff| = {self.max_logit_diff:.3g}", f"{'site':<{w}}  max |diff|"]
+        lines = [f"reference: {self.reference}", f"dtype {self.dtype}: max |logit diff| = {self.max_logit_diff:.3g}",
+                 f"{'site':<{w}}  max |diff|"]
         lines += [f"{s.site:<{w}}  {s.max_abs_diff:.3g}  {s.note}" for s in self.sites]
         lines.append(f"tokens routed to a different expert set: {self.index_mismatches}")
         return "\n".join(lines)
@@ -129,12 +134,28 @@ def load_reference(path, dtype: torch.dtype = torch.float32):
         ) from err
 
 
+FP8_REFERENCE = (
+    "transformers on a float32 copy of the checkpoint whose fp8 blocks are dequantized as the format says "
+    "(transformers' own fp8 dequantization misreads a dimension its block size does not divide)"
+)
+
+
 def verify(path, dtype: torch.dtype = torch.float32, tokens: torch.Tensor | None = None, seed: int = 0, seq_len: int = 24) -> VerifyReport:
-    """Load `path` with moelens and with transformers and compare them on random tokens (2 x seq_len)."""
+    """Load `path` with moelens and with transformers and compare them on random tokens (2 x seq_len). For a
+    block-fp8 checkpoint transformers loads a dequantized float32 copy of it (moelens.reference_copy), written
+    to a temporary folder: as much disk as the dense weights in float32."""
     path = resolve(path)
     model = HookedTransformer.from_pretrained(path, dtype=dtype, progress=False)
-    hf_model = load_reference(path, dtype)
+    fmt = fp8_blocks(Path(path))
+    if fmt is None:
+        hf_model, reference = load_reference(path, dtype), VerifyReport.reference
+    else:
+        with tempfile.TemporaryDirectory(prefix="moelens-verify-") as tmp:
+            hf_model = load_reference(write_dequantized_copy(Path(path), Path(tmp), fmt), dtype)
+        reference = FP8_REFERENCE
     if tokens is None:
         gen = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, model.cfg.d_vocab, (2, seq_len), generator=gen)
-    return compare(model, hf_model, tokens)
+    report = compare(model, hf_model, tokens)
+    report.reference = reference
+    return report

@@ -43,6 +43,15 @@ if TYPE_CHECKING:
     from moelens.models.components.parts import GatedMlpPart
 
 
+EMBEDDING_PARAMETERS = ("embed.weight", "unembed.weight")
+
+
+def hidden_weight_count(params: dict[str, torch.Tensor]) -> int:
+    """TransformerLens's n_params of a model's named parameters: the weight matrices (2 or more dims) outside the
+    embedding and unembedding; no biases, norms or correction-bias buffers. moelens's cfg.n_params."""
+    return sum(t.numel() for name, t in params.items() if t.dim() >= 2 and name not in EMBEDDING_PARAMETERS)
+
+
 class MixtureLayers(dict):
     """A mixture weight view (W_router, W_gate, W_in, W_out, their biases, the shared expert's) of a model with
     dense blocks: {block index: that block's tensor} for the mixture blocks only, so that view[L] is block L's,
@@ -114,17 +123,17 @@ class WeightViews:
     def tokens_to_residual_directions(
         self, tokens: int | str | Int[torch.Tensor, "..."]
     ) -> Float[torch.Tensor, "... d_model"]:
-        """The residual direction whose dot product with the final norm's *unweighted* output (x / rms)
-        gives each token's logit: W_U[:, token] * ln_final.weight. With fold_ln the weight is already in
-        W_U (and ln_final.weight is 1), so this equals TransformerLens's W_U[:, token]; without it, this
-        keeps direct logit attribution exact."""
+        """TransformerLens's W_U[:, token]: the direction whose dot product with the final norm's output gives
+        the token's logit. The norm's weight is not in it (with fold_ln it is in W_U, and ln_final.weight is
+        1): the ActivationCache's normed stacks carry it (apply_ln_to_stack), so they pair with this and with
+        W_U alike, folded or not."""
         if isinstance(tokens, str):
             ids = self.to_tokens(tokens).flatten()  # type: ignore[attr-defined]
             if ids.numel() != 1:
                 raise ValueError(f"{tokens!r} is {ids.numel()} tokens, not one")
             tokens = ids[0]
         tokens = torch.as_tensor(tokens, device=self.unembed.weight.device)
-        return self.unembed.weight[tokens] * self.ln_final.weight.to(self.unembed.weight.dtype)
+        return self.unembed.weight[tokens].clone()  # its own tensor: an in-place edit must not reach the model
 
     # ---- attention: each block's views (moelens.models.components.attention_views), stacked ---------------
     def _per_layer(self, fn: Callable[[Attention], torch.Tensor]) -> torch.Tensor:

@@ -192,6 +192,20 @@ def test_config_invalid_json(ckpt):
     refused(ckpt, "config.json", "not valid JSON")
 
 
+def test_config_past_16_mib_is_refused_before_it_is_read(ckpt):
+    """A config.json of valid JSON padded past 16 MiB loaded (read and parsed whole): refused naming the file and
+    its size, from the size alone (a sparse 300 MB one too), and by plan's config reader as well."""
+    path = ckpt / "config.json"
+    text = json.dumps({**json.loads(path.read_text()), "padding": "x" * 2**24})
+    path.write_text(text)
+    refused(ckpt, path, f"is {len(text):,} bytes", "at most 16,777,216 bytes")
+    with open(path, "r+b") as f:
+        f.truncate(300 * 2**20)  # no data written: a read would be what makes it cost 300 MB
+    refused(ckpt, path, f"is {300 * 2**20:,} bytes")
+    with pytest.raises(CheckpointError, match=f"is {300 * 2**20:,} bytes"):
+        moelens.plan.plan(str(path))
+
+
 def test_config_not_an_object(ckpt):
     (ckpt / "config.json").write_text("[1, 2, 3]")
     refused(ckpt, "config.json", "JSON object")
@@ -612,6 +626,27 @@ def test_nan_and_inf_weights_warn(ckpt):
     assert f"{EXPERT_KEY!r} in model.safetensors: 0 NaN and 1 Inf of 2048" in message
     _, caught = _checkpoint_warnings(ckpt, check_finite=False)
     assert caught == []
+
+
+def test_nan_experts_read_from_disk_warn_as_the_resident_load_does(ckpt):
+    """An expert offloaded to disk is checked the first time it is read (here when a forward routes to it),
+    with the resident load's warning, once: not loaded silently into NaN logits."""
+    rewrite(ckpt, lambda t: t[EXPERT_KEY].__setitem__((1, 2), float("nan")))
+    _, resident = _checkpoint_warnings(ckpt)
+    assert len(resident) == 1 and f"{EXPERT_KEY!r} in model.safetensors: 1 NaN and 0 Inf" in resident[0]
+    to_expert_3 = [("blocks.1.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, 3))]
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    for check_finite in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = HookedTransformer.from_pretrained(
+                ckpt, progress=False, expert_offload="disk", expert_cache_bytes=0, expert_prefetch=False,
+                check_finite=check_finite,
+            )
+            for _ in range(2):  # read twice (a one-expert cache), warned about once
+                assert model.run_with_hooks(tokens, fwd_hooks=to_expert_3).isnan().all()
+        messages = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+        assert messages == (resident if check_finite else [])
 
 
 def test_overflow_in_the_cast_warns(ckpt):

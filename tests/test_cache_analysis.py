@@ -141,11 +141,10 @@ def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     stack, labels = cache.get_full_resid_decomposition(layer=2, mlp_input=True, expand_neurons=False, return_labels=True)
     assert labels[3 * model.cfg.n_heads - 1] == f"L2H{model.cfg.n_heads - 1}" and "L2.E0" not in labels
     close(stack.sum(0), cache["resid_mid", 2])
-    # an int pos_slice drops the pos axis; apply_ln divides by ln2's cached scale
+    # an int pos_slice drops the pos axis; apply_ln applies ln2: its cached scale and its weight
     stack = cache.get_full_resid_decomposition(layer=1, mlp_input=True, pos_slice=-1, apply_ln=True, return_labels=False)
     assert stack.shape[1:] == (2, model.cfg.d_model)
-    normed = stack.sum(0) * model.blocks[1].ln2.weight
-    close(normed, cache["blocks.1.ln2.hook_normalized"][:, -1])
+    close(stack.sum(0), cache["blocks.1.ln2.hook_normalized"][:, -1])
     stack = cache.get_full_resid_decomposition(pos_slice=slice(3, 7), return_labels=False)
     close(stack.sum(0), cache["resid_post", -1][:, 3:7])
 
@@ -173,7 +172,7 @@ def test_accumulated_resid(runs, family):
     close(stack[1], by_hand)
     # and through ln1 of a block
     stack = cache.accumulated_resid(layer=2, apply_ln=True)
-    close(stack[-1] * model.blocks[2].ln1.weight, cache["blocks.2.ln1.hook_normalized"])
+    close(stack[-1], cache["blocks.2.ln1.hook_normalized"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -234,7 +233,7 @@ def test_head_results(runs, family):
     assert labels[-1] == "remainder" and len(labels) == 2 * cfg.n_heads + 1
     close(stack.sum(0), cache["resid_pre", 2])
     normed = cache.stack_head_results(layer=2, apply_ln=True, pos_slice=0)
-    close(normed, stack[:-1, :, 0] / cache["blocks.2.ln1.hook_scale"][:, 0])
+    close(normed, stack[:-1, :, 0] / cache["blocks.2.ln1.hook_scale"][:, 0] * model.blocks[2].ln1.weight.detach())
     fresh = model.run_with_cache(torch.zeros(1, 3, dtype=torch.long), names_filter=lambda n: n.endswith("hook_z"))[1]
     fresh.compute_head_results()
     assert fresh["blocks.0.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)
@@ -270,7 +269,8 @@ def test_logit_attrs_sum_to_logits(runs, toks, family):
     close(cache.logit_attrs(acc, toks)[-1], logits.gather(-1, toks[..., None])[..., 0])
     # a stack normalised already is normalised again (TransformerLens's semantics): not the logits
     twice = cache.logit_attrs(cache.get_full_resid_decomposition(apply_ln=True, return_labels=False), toks)
-    close(twice, attrs / cache["ln_final.hook_scale"][..., 0])
+    scale, weight = cache["ln_final.hook_scale"], model.ln_final.weight.detach()
+    close(twice, (stack / scale**2 * weight**2 * model.unembed.weight[toks].detach()).sum(-1))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -7,11 +7,14 @@ and a rank that stalls one naming the timeout and the layer."""
 import os
 import socket
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from test_quantized_checkpoints import quantize_folder
 
 import tiny
 import tiny_deepseek_v3
@@ -24,6 +27,7 @@ import tiny_qwen3_moe
 from moelens import HookedTransformer
 from moelens.kernels import expert_parallel
 from moelens.kernels.expert_parallel import ExpertParallelError, content_hash, expert_range
+from moelens.loaders.errors import CheckpointWarning
 from moelens.loaders.expert_reader import ExpertReader
 
 pytestmark = pytest.mark.slow  # processes of 2 to 4 ranks, each loading every family: a minute or more
@@ -290,6 +294,49 @@ def test_ranks_that_diverge_raise_on_every_rank_naming_what_differed(tmp_path):
         assert "layer 0's gate_up exchange (the check before it) failed on rank" in message, message
         if rank != 1:  # the others waited the timeout for rank 1, then gave up; rank 1 woke to a closed group
             assert "expert_parallel_timeout=2 s" in message and TIMEOUT_S <= seconds < STALL_S, (message, seconds)
+
+
+def nan_worker(rank: int, world: int, port: int, paths: dict[str, str], out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(THREADS)
+    results = {}
+    for name, path in paths.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            HookedTransformer.from_pretrained(path, progress=False, expert_parallel=True, expert_storage=STORAGE[name])
+        results[name] = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+STORAGE = {"dense": None, "fp8": "fp8"}
+
+
+def test_each_rank_checks_the_experts_it_holds_for_nan(tmp_path):
+    """check_finite under expert parallelism: experts 3 and 6 of layer 1 hold a NaN; rank 0 (experts 0..3)
+    warns about expert 3 and rank 1 (4..7) about expert 6, each with the resident load's wording."""
+    folders = {"dense": tiny.build_qwen2_moe(tmp_path / "dense", seed=0)}
+    folders["fp8"] = tiny_qwen3_moe.build_qwen3_moe(tmp_path / "fp8", seed=0)
+    quantize_folder(folders["fp8"], (16, 16))
+    poisoned = {  # what each rank must name
+        "dense": ["'model.layers.1.mlp.experts.3.up_proj.weight' in model.safetensors: 1 NaN",
+                  "'model.layers.1.mlp.experts.6.up_proj.weight' in model.safetensors: 1 NaN"],
+        "fp8": ["layer 1 expert 3 W_gate_up:", "layer 1 expert 6 W_gate_up:"],
+    }
+    for name, folder in folders.items():
+        tensors = load_file(folder / "model.safetensors")
+        for e in (3, 6):
+            key = f"model.layers.1.mlp.experts.{e}.up_proj.weight" + ("_scale_inv" if name == "fp8" else "")
+            tensors[key][0, 0] = float("nan")
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    mp.spawn(nan_worker, args=(2, free_port(), {n: str(f) for n, f in folders.items()}, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, parts in poisoned.items():
+            messages = results[name]
+            assert len(messages) == 1 and "hold NaN or Inf values" in messages[0], (rank, name, messages)
+            assert parts[rank] in messages[0] and parts[1 - rank] not in messages[0], (rank, name, messages)
+            assert "(from_pretrained(check_finite=False) skips this check)" in messages[0]
 
 
 def test_content_hash_sees_every_bit_and_ignores_nothing(monkeypatch):

@@ -7,6 +7,7 @@ the bytes held are the files' stored bytes, counted from the checkpoint itself."
 import os
 import shutil
 import socket
+import warnings
 
 import pytest
 import tiny
@@ -21,7 +22,7 @@ from test_quantized_checkpoints import quantize_folder
 
 from moelens import HookedTransformer
 from moelens.experts.stored import StoredExperts
-from moelens.loaders.errors import CheckpointError
+from moelens.loaders.errors import CheckpointError, CheckpointWarning
 
 TOKENS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
 FP8_CODES = {torch.float8_e4m3fn}
@@ -184,6 +185,65 @@ def test_model_to_moves_stored_experts_and_never_casts_them(ckpts):
     assert held(model)[0].device.type == "meta"
 
 
+@pytest.mark.parametrize("mode", [None, "disk"])
+@pytest.mark.parametrize("name", ["qwen3_fp8_partial", "gpt_oss_mxfp4"])
+def test_dtype_moves_keep_the_dense_models_bits(ckpts, name, mode):
+    """Loaded in bfloat16, then moved to float32, back, through float16 and to float32 again: the dense
+    model's weights keep every move's rounding (bfloat16 values in float32, then float16's rounding of
+    them), so stored experts, resident or read from disk into a one-expert cache, must be made through the
+    same roundings, not dequantized afresh in the new dtype (which differed by 0.0102 / 0.0012 in the
+    float32 logits). Offloaded dense experts follow the same moves (they failed on a dtype mismatch)."""
+    storage = CASES[name][1]
+    offload = {} if mode is None else {"expert_offload": mode, "expert_cache_bytes": 0, "expert_prefetch": False}
+    dense = load(ckpts[name], dtype=torch.bfloat16)
+    models = [load(ckpts[name], dtype=torch.bfloat16, expert_storage=storage, **offload)]
+    if mode is not None:
+        models.append(load(ckpts[name], dtype=torch.bfloat16, **offload))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float32):
+        dense.to(dtype)
+        for model in models:
+            model.to(dtype)
+            assert_same_run(model, dense)
+    if mode is None:  # tensors() too: the dense model's stacks
+        layer = dense.cfg.moe_layer_indices[0]
+        ours, theirs = models[0].blocks[layer].mlp.experts.tensors(), dense.blocks[layer].mlp.experts.tensors()
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ours.present(), theirs.present(), strict=True))
+
+
+# layer 0's expert 3 poisoned in its stored form: an infinite fp8 block scale, an MXFP4 exponent byte of 255
+POISON = {
+    "qwen3_fp8_partial": ("model.layers.0.mlp.experts.3.up_proj.weight_scale_inv", (0, 0), float("inf")),
+    "gpt_oss_mxfp4": ("model.layers.0.mlp.experts.gate_up_proj_scales", (3, 0, 0), 255),
+}
+
+
+@pytest.mark.parametrize("name", list(POISON))
+def test_nan_stored_experts_read_from_disk_warn_as_resident_ones_do(ckpts, name, tmp_path):
+    """check_finite for experts kept stored and offloaded to disk: each is checked (dequantized) the first
+    time it is read, here when a forward routes to it, with the resident load's warning, once."""
+    storage = CASES[name][1]
+    folder = shutil.copytree(ckpts[name], tmp_path / name)
+    key, index, value = POISON[name]
+    tensors = load_file(folder / "model.safetensors")
+    tensors[key][index] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    def warned(**kwargs) -> list[str]:
+        to_expert_3 = [("blocks.0.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, 3))]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = load(folder, dtype=torch.bfloat16, expert_storage=storage, **kwargs)
+            for _ in range(2):  # read twice from disk (a one-expert cache), warned about once
+                model.run_with_hooks(TOKENS[:1, :4], fwd_hooks=to_expert_3)
+        return [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+
+    resident = warned()
+    assert len(resident) == 1 and "layer 0 expert 3 W_gate_up:" in resident[0] and "once dequantized" in resident[0]
+    assert warned(expert_offload="disk", expert_cache_bytes=0, expert_prefetch=False) == resident
+    assert warned(expert_offload="cpu", expert_cache_bytes=0, expert_prefetch=False) == resident
+    assert warned(expert_offload="disk", expert_cache_bytes=0, expert_prefetch=False, check_finite=False) == []
+
+
 # ---- refusals: each names what is at fault ---------------------------------------------------------------------
 
 
@@ -277,6 +337,10 @@ def ep_worker(rank: int, world: int, port: int, cases: dict[str, tuple[str, str]
         shard = model.blocks[model.cfg.moe_layer_indices[0]].mlp.experts.shard
         held_dtypes = sorted(str(t.dtype) for t in shard.tensors.tensors) if isinstance(shard.tensors, StoredExperts) else None
         results[name] = observe(model) | {"held": (shard.tensors.n_experts, held_dtypes)}
+        moved = HookedTransformer.from_pretrained(
+            path, progress=False, dtype=torch.bfloat16, expert_parallel=True, expert_storage=storage
+        ).to(torch.float32)
+        results[name]["moved"] = moved(TOKENS)  # the dense model's bits after a dtype move (bfloat16's rounding kept)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -287,6 +351,8 @@ def test_expert_parallel_ranks_hold_stored_experts(ckpts, tmp_path):
     torch.set_num_threads(1)  # CPU GEMMs round by thread count: the ranks run on one thread each
     try:
         reference = {name: observe(load(path)) for name, (path, _) in cases.items()}
+        for name, (path, _) in cases.items():
+            reference[name]["moved"] = load(path, dtype=torch.bfloat16).to(torch.float32)(TOKENS)
     finally:
         torch.set_num_threads(threads)
     mp.spawn(ep_worker, args=(2, free_port(), cases, str(tmp_path)), nprocs=2, start_method="spawn")
@@ -297,5 +363,6 @@ def test_expert_parallel_ranks_hold_stored_experts(ckpts, tmp_path):
             n, dtypes = got["held"]
             assert n == 4 and dtypes is not None and ("torch.float8_e4m3fn" in dtypes or "torch.uint8" in dtypes), (rank, name, dtypes)
             assert torch.equal(got["logits"], ref["logits"]) and torch.equal(got["rerouted"], ref["rerouted"]), (rank, name)
+            assert torch.equal(got["moved"], ref["moved"]), (rank, name)
             different = [hook for hook, t in ref["cache"].items() if not torch.equal(got["cache"][hook], t)]
             assert got["cache"].keys() == ref["cache"].keys() and different == [], (rank, name, different)

@@ -193,7 +193,7 @@ CASES = {
         fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=32, d_vocab=96, norm_eps=1e-06,
             rope=RopeConfig(theta=1000.0, partial_rotary_factor=0.5), max_position_embeddings=256, moe_layers=(True,
             True, True), n_experts=8, top_k_per_layer=(3, 3, 3), d_expert=32, norm_topk_prob=True),
-        read=["attention_bias", "attn_type_list", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+        read=["attention_bias", "attn_type_list", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "layer_types",
             "max_position_embeddings", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
             "num_key_value_heads", "num_local_experts", "num_mtp_modules", "partial_rotary_factor", "qk_norm_type",
             "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "scoring_func",

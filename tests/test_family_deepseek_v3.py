@@ -268,6 +268,15 @@ def test_plain_q_checkpoint_with_a_bottleneck_tensor_is_refused(broken):
         HookedTransformer.from_pretrained(folder, progress=False)
 
 
+@pytest.mark.parametrize("first_dense", [3, 5])
+def test_first_k_dense_replace_at_or_past_the_layer_count_is_named(broken, first_dense):
+    """All 3 blocks dense: it failed as the dense blocks' "missing" tensors; now the field is named."""
+    folder = broken()
+    tiny.edit_config(folder, first_k_dense_replace=first_dense)
+    with pytest.raises(CheckpointError, match=rf"first_k_dense_replace = {first_dense} makes all 3 blocks .* dense MLPs"):
+        HookedTransformer.from_pretrained(folder, progress=False)
+
+
 def test_config_refusals():
     raw = tiny_ds.deepseek_v3_config().to_dict()
     for change, message in (

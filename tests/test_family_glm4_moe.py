@@ -219,6 +219,7 @@ def test_config_refusals():
         ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ({"use_qk_norm": "yes"}, "use_qk_norm"),
         ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
+        ({"first_k_dense_replace": 3}, "first_k_dense_replace = 3 makes all 3 blocks"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.3}}, "even"),
     ):
         with pytest.raises(ValueError, match=message):

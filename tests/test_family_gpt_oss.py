@@ -2,6 +2,7 @@
 generation, the sinks, the sliding layers, the clamped SwiGLU, the stored expert layouts, errors, the full-size
 parameter count and the embedded default."""
 
+import json
 import shutil
 
 import pytest
@@ -211,6 +212,33 @@ def test_missing_sinks_and_expert_bias_name_their_keys(ckpts, tmp_path):
 def test_config_refusals(ckpts, change, message):
     with pytest.raises(ValueError, match=message):
         HookedGptOss.config_from_hf({**config_json(ckpts["base"]), **change})
+
+
+def with_config(ckpts, tmp_path, **changes):
+    """A copy of the base checkpoint whose config.json has `changes` (None: the field written as null)."""
+    folder = shutil.copytree(ckpts["base"], tmp_path / "edited")
+    (folder / "config.json").write_text(json.dumps({**config_json(folder), **changes}))
+    return folder
+
+
+def test_layer_types_null_is_transformers_alternating_default(ckpts, tmp_path):
+    """layer_types null: transformers' GptOssConfig makes it sliding, full, sliding, ... (was refused here)."""
+    folder = with_config(ckpts, tmp_path, layer_types=None)
+    model = HookedTransformer.from_pretrained(folder, progress=False)
+    assert model.cfg.attention_windows == (WINDOW, None, WINDOW)
+    report = compare(model, load_reference(folder), tokens())
+    assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0, report
+
+
+@pytest.mark.parametrize("layer_types", [None, ["full_attention"] * 3])
+def test_sliding_window_null_is_refused_naming_it(ckpts, tmp_path, layer_types):
+    """sliding_window null was read as a 128-token window; transformers cannot run that config (with sliding
+    layers or without): refused, naming the field."""
+    folder = with_config(ckpts, tmp_path, sliding_window=None, layer_types=layer_types)
+    with pytest.raises(Exception):  # noqa: B017 (transformers raises a TypeError or a ValueError: it fails either way)
+        load_reference(folder)(tokens())
+    with pytest.raises(CheckpointError, match="sliding_window = null: gpt-oss's attention needs a window length"):
+        HookedTransformer.from_pretrained(folder, progress=False)
 
 
 def test_triton_backend_computes_the_clamped_biased_experts_and_auto_uses_torch(ckpts):

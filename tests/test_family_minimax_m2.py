@@ -11,7 +11,7 @@ import torch
 import family_harness as harness
 import tiny_minimax_m2 as tiny_mm
 from family_harness import (
-    MODEL_SITES, References, build_checkpoints, check_bit_exact, check_greedy_generation, copy_checkpoint,
+    MODEL_SITES, References, build_checkpoints, check_bit_exact, check_greedy_generation, config_json, copy_checkpoint,
     left_padded, rewrite_tensors, stored_keys, tokens,
 )
 from safetensors import safe_open
@@ -146,6 +146,27 @@ def test_rotary_turns_the_first_rotary_dim_dims_as_transformers(ckpts, refs, dty
         assert torch.equal(rot_k[..., D_ROT:], cache["k", layer][..., D_ROT:])
         assert not torch.allclose(rot_q[..., :D_ROT], cache["q", layer][..., :D_ROT])
     assert len(seen) == model.cfg.n_layers
+
+
+@pytest.mark.parametrize("rotary_dim", [130, 0, 7])
+def test_rotary_dim_overridden_by_partial_rotary_factor_loads_as_transformers(ckpts, tmp_path, rotary_dim):
+    """rope_parameters.partial_rotary_factor wins over rotary_dim in transformers, which then loads whatever
+    rotary_dim says (it was refused here as out of range or odd): the factor is used, the same logits as
+    transformers', and rotary_dim is reported unused."""
+    folder = copy_checkpoint(ckpts, tmp_path)
+    tiny.edit_config(folder, rotary_dim=rotary_dim)
+    model = HookedTransformer.from_pretrained(folder, progress=False)
+    assert model.cfg.rope.partial_rotary_factor == config_json(folder)["rope_parameters"]["partial_rotary_factor"]
+    assert "rotary_dim" in model.cfg.fields_ignored
+    report = compare(model, load_reference(folder), tokens())
+    assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0, report
+
+
+def test_layer_types_of_full_attention_load_as_transformers(ckpts, tmp_path):
+    folder = copy_checkpoint(ckpts, tmp_path)
+    tiny.edit_config(folder, layer_types=["full_attention"] * 3)
+    report = compare(HookedTransformer.from_pretrained(folder, progress=False), load_reference(folder), tokens())
+    assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0, report
 
 
 def test_rotary_dim_matters(ckpts):
@@ -356,6 +377,8 @@ def test_published_fp8_config_is_read(ckpts, tmp_path):
     ({"attn_type_list": [1, 0, 1]}, r"attn_type_list .*\[1\]"),
     ({"attn_type_list": [1, 2, 1]}, "attn_type_list"),
     ({"rotary_dim": 130}, "rotary_dim = 130"),
+    ({"layer_types": ["sliding_attention"] + ["full_attention"] * 61}, r"layer_types lists 'sliding_attention' at layers \[0\]"),
+    ({"layer_types": ["full_attention"] * 61}, "layer_types = .*a list of 62 entries"),
     ({"rotary_dim": 7}, "7 rotated dimensions; the rotary needs an even number"),
     ({"num_experts_per_tok": 257}, "num_experts_per_tok"),
     ({"num_mtp_modules": -1}, "num_mtp_modules"),

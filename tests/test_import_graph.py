@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "moelens"
 # Imported inside a function on purpose: they import optional dependencies (triton; pyarrow, the trace extra).
-OPTIONAL_MODULES = {"moelens.kernels.triton_experts", "moelens.traces.run"}
+OPTIONAL_MODULES = {"moelens.kernels.triton_experts", "moelens.traces.run", "moelens.traces.parts"}
 
 
 def module_name(path: Path) -> str:

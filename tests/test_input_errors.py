@@ -228,3 +228,24 @@ def test_cli_process_exits_without_traceback(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
     assert "--top" in done.stderr
+
+
+# ---- a model on the meta device ------------------------------------------------------------------------------
+META_CALLS = {
+    "forward": lambda m: m(TOKENS),
+    "run_with_cache": lambda m: m.run_with_cache(TOKENS),
+    "start_at_layer": lambda m: m(torch.zeros(2, 4, m.cfg.d_model), start_at_layer=1),
+    "generate": lambda m: m.generate(TOKENS, max_new_tokens=2, do_sample=False),
+}
+
+
+@pytest.mark.parametrize("call", list(META_CALLS))
+@pytest.mark.parametrize("how", ["moved", "loaded"])
+def test_a_model_on_meta_says_its_weights_are_on_meta(text_model, call, how):
+    """Was torch's "Tensor.item() cannot be called on meta tensors" from deep in the forward."""
+    if how == "moved":
+        model = HookedTransformer.from_pretrained(text_model.name_or_path, progress=False).to("meta")
+    else:
+        model = HookedTransformer.from_pretrained(text_model.name_or_path, progress=False, device="meta")
+    with pytest.raises(RuntimeError, match=r"this model's weights are on the meta device .*Load it again"):
+        META_CALLS[call](model)

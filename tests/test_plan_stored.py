@@ -20,7 +20,7 @@ from test_quantized_checkpoints import quantize_fp8, quantized_key
 from moelens import HookedTransformer
 from moelens.cli import main
 from moelens.loaders.quantized import Fp8Blocks, stored_format
-from moelens.plan import plan
+from moelens.plan import human, plan
 
 H200 = "141GB"
 
@@ -410,3 +410,16 @@ def test_kimi_k2_is_read_as_deepseek_v3():
 
     with pytest.raises(CheckpointError, match="model_type 'kimi_k2' is not supported"):
         plan(dict(KIMI_K2), cpu_memory="1GB")
+
+
+def test_offload_line_states_the_stored_size_beside_the_dequantized_one():
+    """DeepSeek-V3 on one H200, dequantized at load: the experts offloaded to the CPU are 1.31 TB in bfloat16,
+    but its fp8 files hold 654.07 GB of them; the offload line says both, and the stored mode's says 'as stored'."""
+    p = plan(dict(DEEPSEEK_V3), gpus=1, gpu_memory=H200, cpu_memory="2TB")
+    matrices = 58 * 256 * 3  # routed experts' gate, up and down of 58 mixture layers
+    dense = matrices * 2048 * 7168 * 2  # bfloat16
+    stored = matrices * (2048 * 7168 + 16 * 56 * 4)  # a byte per weight, a float32 scale per 128 x 128 block
+    text = str(p)
+    assert f"routed experts ({human(dense)}, dequantized in bfloat16; {human(stored)} as stored in the files) on cpu" in text
+    assert f"routed experts ({human(stored)}, as stored in the files, fp8) on cpu" in text
+    assert (human(dense), human(stored)) == ("1.31 TB", "654.07 GB")

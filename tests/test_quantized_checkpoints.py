@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import tiny
 import tiny_deepseek_v3
+import tiny_gpt_oss
 import tiny_minimax_m2
 import tiny_mixtral
 import tiny_qwen3_moe
@@ -512,6 +513,40 @@ def test_fp8_weight_of_a_module_not_listed_loads(qwen):
     load(qwen)
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    return tiny_gpt_oss.to_mxfp4(tiny_gpt_oss.build_gpt_oss(tmp_path_factory.mktemp("mxfp4") / "gpt_oss", seed=24))
+
+
+def not_converted(folder, patterns):
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = patterns
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+# gpt-oss's published list: attention, routers, embedding and head stay bfloat16, the experts are MXFP4
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+@pytest.mark.parametrize("listed", ["model.layers.*.mlp.experts", "experts", "gate_up_proj", "model.layers.1"])
+def test_mxfp4_experts_listed_as_not_converted_are_refused_as_fp8_weights_are(gpt_oss_mxfp4, tmp_path, listed):
+    """MXFP4 experts whose module (or weight) modules_to_not_convert names loaded; fp8 refuses the same
+    contradiction, and now MXFP4 does, with the same wording."""
+    load(not_converted(shutil.copytree(gpt_oss_mxfp4, tmp_path / "published"), GPT_OSS_NOT_CONVERTED))
+    folder = not_converted(shutil.copytree(gpt_oss_mxfp4, tmp_path / "ckpt"), [*GPT_OSS_NOT_CONVERTED, listed])
+    refused(folder, "model.safetensors", "_blocks' is stored as MXFP4 blocks, but config.json's modules_to_not_convert lists",
+            f"lists {listed!r}, which names 'model.layers.")
+
+
+@pytest.mark.parametrize("case", ["fp8", "mxfp4"])
+def test_an_invalid_regular_expression_in_modules_to_not_convert_is_named(qwen, gpt_oss_mxfp4, tmp_path, case):
+    """transformers matches each entry as a regular expression; an invalid one was skipped here."""
+    folder = qwen if case == "fp8" else shutil.copytree(gpt_oss_mxfp4, tmp_path / "gpt_oss")
+    not_converted(folder, ["lm_head", "model.layers.[0"])
+    refused(folder, "config.json", "modules_to_not_convert entry 'model.layers.[0' is not a valid regular expression")
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", None])
 def test_unknown_quant_method(qwen, method):
     tiny.edit_config(qwen, quantization_config={"quant_method": method, "bits": 4})
@@ -575,3 +610,26 @@ def test_format_is_read_from_config():
     assert fmt == Fp8Blocks((128, 128), "ue8m0", ())
     assert fmt.scale_shape((576, 7168)) == (5, 56) and fmt.scale_shape((8, 192, 200)) == (8, 2, 2)
     assert stored_format({"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}}, path) == Mxfp4(("router",))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_verify_compares_partial_blocks_with_a_correct_reference(partial, name, capsys):
+    """`moelens verify` of a correctly loaded checkpoint whose blocks some dimension does not divide: transformers
+    reads a float32 copy dequantized as the format says (its own dequantization misreads or refuses these, see
+    test_partial_cases_are_ones_transformers_misreads), so verify agrees and exits 0."""
+    from moelens.cli import main
+    from moelens.reference_copy import by_the_format
+    from moelens.verify import FP8_REFERENCE, verify
+
+    folder, block, _ = partial[name]
+    report = verify(folder, torch.float32)
+    assert report.reference == FP8_REFERENCE
+    assert report.index_mismatches == 0 and report.worst() <= 1e-5, report
+    assert main(["verify", str(folder), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert f"reference: {FP8_REFERENCE}" in out and "float32: OK" in out
+    # the copy's dequantization is the format's, written out independently here
+    stored = load_file(folder / "model.safetensors")
+    key = next(k for k in stored if k + "_scale_inv" in stored)
+    assert torch.equal(by_the_format(stored[key], stored[key + "_scale_inv"], block),
+                       by_hand(stored[key], stored[key + "_scale_inv"], block))

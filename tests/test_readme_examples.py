@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -271,3 +272,18 @@ def test_docs_and_scripts_speak_of_the_project():
         for n, line in enumerate(path.read_text().split("\n"), 1) if PROCESS_WORDS.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+def test_the_first_example_moves_exactly_the_tokens_routed_to_the_ablated_expert():
+    """README's first block ablates one expert of the last block: the change it prints is non-zero at the
+    tokens routed to that expert and exactly zero elsewhere (and some token is routed to it)."""
+    first = PYTHON[0]
+    expert = int(re.search(r"masked_fill\(chosen == (\d+), 0\)", first.code).group(1))
+    layer = int(re.search(r"blocks\.(\d+)\.mlp\.hook_expert_weights", first.code).group(1))
+    names: dict = {}
+    exec(compile(first.code, first.id, "exec"), names)  # noqa: S102 (README's own example)
+    assert layer == names["model"].cfg.n_layers - 1  # the last block: no later block spreads the change
+    change = (names["ablated"] - names["logits"]).abs().amax(-1)
+    routed = (names["chosen"] == expert).any(-1)
+    assert routed.any() and not routed.all(), f"the example's prompt routes {routed.sum()} tokens to expert {expert}"
+    assert torch.equal(change != 0, routed), (change, routed)

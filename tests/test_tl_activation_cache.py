@@ -282,9 +282,10 @@ def test_accumulated_resid_apply_ln_recomputes_the_final_norm(ioi):
     torch.testing.assert_close(scaled, by_hand, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(scaled[-1], cache["ln_final.hook_normalized"][:, -1], rtol=0, atol=1e-6)
     torch.testing.assert_close(scaled[-1] @ model.W_U, model(tokens)[:, -1], rtol=1e-5, atol=1e-5)
-    # a block's input: its ln1's cached scale, as before
+    # a block's input: its ln1's cached scale, then its weight (1 after fold_ln, as in TransformerLens)
     mid = cache.accumulated_resid(layer=2, pos_slice=-1, apply_ln=True)
-    torch.testing.assert_close(mid, cache.accumulated_resid(layer=2, pos_slice=-1) / cache["scale", 2, "ln1"][:, -1])
+    expected = cache.accumulated_resid(layer=2, pos_slice=-1) / cache["scale", 2, "ln1"][:, -1] * model.blocks[2].ln1.weight
+    torch.testing.assert_close(mid, expected)
     with pytest.raises(ValueError, match="recompute_ln=True.*layer must be None, -1 or 4, got 2"):
         cache.apply_ln_to_stack(accumulated_residual, layer=2, pos_slice=-1, recompute_ln=True)
 

@@ -171,3 +171,54 @@ def test_one_target_per_position(runs):
     close(cache.logit_attrs(full, per_pos), cache.logit_attrs(full, per_pos[None]), 0)  # TL's [1, pos] form
     with pytest.raises(ValueError, match="match"):
         cache.logit_attrs(full, torch.tensor([1, 2, 3]))
+
+
+# ---- one convention for the final norm's weight: every TransformerLens pairing gives the model's logit ----------
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["unfolded", "folded"])
+def trained(request):
+    """The trained default (its ln_final weight averages about 2, so a weight applied twice or not at all
+    shows), folded and not, on "import numpy as", with " np" - " pd" as the logit difference."""
+    model = HookedTransformer.from_pretrained("tiny-code-moe", progress=False, fold_ln=request.param)
+    with torch.no_grad():
+        logits, cache = model.run_with_cache("import numpy as")
+    right, wrong = model.to_single_token(" np"), model.to_single_token(" pd")
+    return model, logits, cache, right, wrong, request.param
+
+
+def test_every_transformer_lens_pairing_gives_the_logit_difference(trained):
+    """The pairings of TransformerLens's tutorials, against the model's own logits: a normed final stream
+    (accumulated_resid(apply_ln=True), apply_ln_to_stack with either recompute_ln) dotted with
+    tokens_to_residual_directions or times W_U; a decomposition through apply_ln_to_stack (cached scale),
+    logit_attrs or project_output_onto, summed; expert_logit_attribution with the rest."""
+    model, logits, cache, right, wrong, folded = trained
+    weight = model.ln_final.weight.detach()
+    assert torch.all(weight == 1) if folded else (weight - 1).abs().mean() > 0.5
+    true_diff = (logits[0, -1, right] - logits[0, -1, wrong]).item()
+    assert abs(true_diff) > 1  # a difference a doubled or missing weight would move
+    direction = model.tokens_to_residual_directions(right) - model.tokens_to_residual_directions(wrong)
+    torch.testing.assert_close(direction, (model.W_U[:, right] - model.W_U[:, wrong]).detach(), rtol=0, atol=0)
+    with torch.no_grad():
+        lens = cache.accumulated_resid(layer=-1, incl_mid=True, pos_slice=-1, apply_ln=True)
+        close(lens[-1, 0] @ direction, torch.tensor(true_diff))
+        close(lens[-1, 0] @ model.W_U, logits[0, -1])  # TL's docstring example: the normed stream @ W_U
+        final = cache["resid_post", -1][None, :, -1]
+        for recompute in (False, True):
+            normed = cache.apply_ln_to_stack(final, -1, pos_slice=-1, recompute_ln=recompute)
+            close(normed[0, 0] @ direction, torch.tensor(true_diff))
+            close(normed[0, 0] @ model.W_U, logits[0, -1])
+        decomposition = cache.decompose_resid(layer=-1, pos_slice=-1)
+        parts = cache.apply_ln_to_stack(decomposition, -1, pos_slice=-1)
+        close((parts[:, 0] @ direction).sum(), torch.tensor(true_diff))
+        close(cache.logit_attrs(decomposition, right, wrong, pos_slice=-1).sum(), torch.tensor(true_diff))
+        full = cache.get_full_resid_decomposition(pos_slice=-1, expand_neurons=False)
+        close(cache.apply_ln_to_stack(full, -1, pos_slice=-1).sum(0)[0] @ direction, torch.tensor(true_diff))
+        projected = cache.get_full_resid_decomposition(pos_slice=-1, apply_ln=True, project_output_onto=direction)
+        close(projected.sum(0)[0], torch.tensor(true_diff))
+        # expert_logit_attribution plus every other part of the decomposition
+        experts = cache.expert_logit_attribution(right, pos_slice=-1, incorrect_tokens=wrong).sum()
+        labels = cache.get_full_resid_decomposition(pos_slice=-1, expand_neurons=False, return_labels=True)[1]
+        rest = [i for i, label in enumerate(labels) if not (label.startswith("L") and ".E" in label)]
+        others = cache.logit_attrs(full[rest], right, wrong, pos_slice=-1).sum()
+        close(experts + others, torch.tensor(true_diff))

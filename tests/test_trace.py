@@ -1,5 +1,6 @@
 """moelens trace: windows, schema, equality with run_with_cache, resume after a crash, refusal of other inputs."""
 
+import hashlib
 import json
 import math
 import os
@@ -385,6 +386,100 @@ def test_a_folder_with_foreign_files_is_refused(model, tmp_path):
         trace(model, token_docs(1), tmp_path / "t", progress=False)
 
 
+def test_a_users_tmp_files_in_a_folder_without_manifest_are_refused_not_deleted(model_path, tmp_path, capsys):
+    """Files ending in .tmp are not a killed run's leftovers unless the trace can prove it wrote them: the run
+    refuses the folder with one line naming them, leaves them as they were, and leaves no trace.lock."""
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "notes.tmp").write_text("my notes")
+    (out / "part-000000.parquet.tmp").write_text("mine too")
+    err = cli_error(capsys, ["trace", str(model_path), "--data", str(write_corpus(tmp_path)), "--out", str(out), "--seq-len", "16", "--no-progress"])
+    assert "notes.tmp" in err and "holds files but no manifest.json" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.tmp", "part-000000.parquet.tmp"]
+    assert (out / "notes.tmp").read_text() == "my notes" and (out / "part-000000.parquet.tmp").read_text() == "mine too"
+
+
+def test_a_users_files_in_a_trace_folder_are_left_alone_on_resume(model, corpus, reference, tmp_path):
+    out = tmp_path / "t"
+    started(model, corpus, out)
+    mine = {"notes.tmp": "my notes", "part-1.parquet": "not a part name", "rank-x.json.tmp": "mine", "README": "hello"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    summary = trace(model, corpus, out, **RESUME)
+    assert summary.parts_reused >= 1 and read(out).equals(reference)
+    assert {name: (out / name).read_text() for name in mine} == mine
+
+
+def test_a_manifest_temporary_left_by_a_kill_in_the_first_manifest_write_is_taken_as_the_runs(model, tmp_path):
+    """What a run killed inside its first manifest write leaves (a beginning of a manifest) is the trace's own."""
+    docs = token_docs(3)
+    whole = tmp_path / "whole"
+    trace(model, docs, whole, seq_len=16, progress=False)
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "trace.lock").touch()
+    (out / "manifest.json.tmp").write_bytes((whole / "manifest.json").read_bytes()[:40])
+    trace(model, docs, out, seq_len=16, progress=False)
+    assert read(out).equals(read(whole)) and not (out / "manifest.json.tmp").exists()
+
+
+def write_corpus(tmp_path: Path) -> Path:
+    folder = tmp_path / "small_corpus"
+    folder.mkdir(exist_ok=True)
+    (folder / "a.txt").write_text("one small document " * 5)
+    return folder
+
+
+def change_after_listing(monkeypatch, edit):
+    """Run edit() right after the trace has hashed its data files, before it reads them to trace them."""
+    real = trace_module.describe_files
+
+    def describe(*args, **kwargs):
+        described = real(*args, **kwargs)
+        edit()
+        return described
+
+    monkeypatch.setattr(trace_module, "describe_files", describe)
+
+
+@pytest.mark.parametrize("name", ["doc2.txt", "lines.jsonl"])
+def test_a_file_changed_between_its_hash_and_its_reading_stops_the_trace_naming_it(model, corpus, tmp_path, monkeypatch, name):
+    """The manifest must describe what was traced: a file whose bytes as read are not those hashed at the
+    start stops the run, naming it, and no recorded part holds windows of it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in sorted(corpus.iterdir()):
+        (data / f.name).write_text(f.read_text())
+    (data / "lines.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(4)))
+    target = data / name
+    before = target.read_text()
+    after = before.replace("a", "b", 1) if "a" in before else before.replace("line", "lime", 1)
+    assert len(after) == len(before) and after != before  # same size: only the hash can tell
+    change_after_listing(monkeypatch, lambda: target.write_text(after))
+    out = tmp_path / "t"
+    with pytest.raises(ValueError, match=f"{target} changed while being traced"):
+        trace(model, data, out, **RESUME)
+    manifest = json.loads((out / "manifest.json").read_text())
+    first_doc = next(f["first_doc"] for f in manifest["data"]["files"] if f["path"] == str(target))
+    assert not manifest["complete"] and all(p["docs"][1] < first_doc for p in manifest["parts"].values())
+    assert sorted(p.name for p in out.glob("*.parquet")) == sorted(p["file"] for p in manifest["parts"].values())
+    monkeypatch.undo()
+    target.write_text(before)  # as hashed: the run goes on, tracing again what the stopped run dropped
+    whole = tmp_path / "whole"
+    trace(model, data, whole, **RESUME)
+    trace(model, data, out, **RESUME)
+    assert read(out).equals(read(whole))
+
+
+def test_a_change_in_the_part_of_a_file_that_max_tokens_leaves_unread_is_caught(model, tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    big = tmp_path / "data" / "big.txt"
+    big.write_text("lorem ipsum dolor sit amet\n" * 10_000)  # 270 KB: read in pieces, and only its start is traced
+    change_after_listing(monkeypatch, lambda: big.write_text("lorem ipsum dolor sit amet\n" * 9_999 + "lorem ipsum dolor sit amen\n"))
+    with pytest.raises(ValueError, match="big.txt changed while being traced"):
+        trace(model, tmp_path / "data", tmp_path / "t", seq_len=16, max_tokens=64, progress=False)
+
+
 # ---- CLI and placement -------------------------------------------------------------------------------
 
 
@@ -438,6 +533,125 @@ def test_under_torch_distributed_rank_0_writes(model, tmp_path):
     finally:
         dist.destroy_process_group()
     assert summary.n_tokens == sum(len(d) for d in token_docs(3)) and read(tmp_path / "t").num_rows > 0
+
+
+DATA_PARALLEL = textwrap.dedent("""
+    import sys, time, torch, torch.distributed as dist
+    from moelens.traces import parts, trace
+    rank, world, model_path, corpus, out, store, slow, group = sys.argv[1:]
+    rank, world, group = int(rank), int(world), int(group)
+    real = parts.PartWriter.commit
+    def commit(self):  # says which parts this rank writes; slowed down on the rank that is to be killed
+        if int(slow) == rank:
+            time.sleep(0.5)
+        committed = real(self)
+        print("wrote", self.final.name, flush=True)
+        return committed
+    parts.PartWriter.commit = commit
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    model = model_path
+    if group > 1:  # each replica: its experts sharded over `group` ranks
+        from moelens import HookedTransformer
+        model = HookedTransformer.from_pretrained(model_path, expert_parallel=group, progress=False)
+    summary = trace(model, corpus, out, seq_len=32, batch_size=3, windows_per_part=4, progress=False, data_parallel=True,
+                    ranks_per_replica=group, model_name=model_path if group > 1 else None)
+    print("summary", summary.parts_written, summary.parts_reused, summary.n_tokens, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def launch(world: int, model_path, corpus, out: Path, store: Path, slow: int = -1, group: int = 1) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", DATA_PARALLEL, str(rank), str(world), str(model_path), str(corpus), str(out), str(store),
+                              str(slow), str(group)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            for rank in range(world)]
+
+
+def parts_written(output: str) -> list[int]:
+    return [int(line.split("part-")[1][:6]) for line in output.splitlines() if line.startswith("wrote")]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # each about 35 s on 2 shared cores
+def test_a_data_parallel_trace_deals_parts_to_ranks_and_equals_one_process(model_path, corpus, reference, tmp_path, world):
+    out = tmp_path / "t"
+    procs = launch(world, model_path, corpus, out, tmp_path / "store")
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, [o[1][-2000:] for o in outputs]
+    manifest = json.loads((out / "manifest.json").read_text())
+    n_parts = len(manifest["parts"])
+    assert n_parts >= 2 * world and manifest["complete"]
+    for rank, (stdout, _) in enumerate(outputs):  # part k is traced by rank k % world, and only there
+        assert parts_written(stdout) == list(range(rank, n_parts, world))
+    assert read(out).equals(reference)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(p["file"] for p in manifest["parts"].values()), "manifest.json", "trace.lock"])
+
+
+@pytest.mark.slow
+def test_replicas_that_are_expert_parallel_groups_trace_as_one_process(model_path, corpus, reference, tmp_path):
+    """4 ranks: 2 replicas, each one model whose experts are sharded over 2 ranks; the first rank of each
+    replica writes its parts."""
+    out = tmp_path / "t"
+    procs = launch(4, model_path, corpus, out, tmp_path / "store", group=2)
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [o[1][-2000:] for o in outputs]
+    n_parts = len(json.loads((out / "manifest.json").read_text())["parts"])
+    assert [parts_written(stdout) for stdout, _ in outputs] == [list(range(0, n_parts, 2)), [], list(range(1, n_parts, 2)), []]
+    assert read(out).equals(reference)
+
+
+@pytest.mark.slow
+def test_the_command_under_torchrun_traces_data_parallel(model_path, corpus, reference, tmp_path):
+    """README's launch, on CPU: torchrun starts two processes, each a replica on the CPU."""
+    out = tmp_path / "t"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "moelens",
+                          "trace", str(model_path), "--data", str(corpus), "--out", str(out), "--seq-len", "32", "--batch-size", "3",
+                          "--windows-per-part", "4", "--no-progress", "--data-parallel"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("traced ") == 1  # rank 0 alone says what the trace did
+    assert read(out).equals(reference)
+
+
+def test_data_parallel_without_torchrun_is_one_line(model_path, corpus, tmp_path, capsys):
+    argv = ["trace", str(model_path), "--data", str(corpus), "--out", str(tmp_path / "t"), "--no-progress"]
+    assert "runs one process per replica under torchrun" in cli_error(capsys, [*argv, "--data-parallel"])
+    assert "add --data-parallel" in cli_error(capsys, [*argv, "--replica", "device-map"])
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_killed_replica_s_parts_are_traced_again_on_resume(model_path, corpus, reference, tmp_path, world):
+    """Rank 1 is killed once its journal records a part (rank 0 then stops too, as torchrun stops every rank);
+    the same command again keeps every finished part, traces the rest, and gives one process's rows."""
+    out = tmp_path / "t"
+    procs = launch(world, model_path, corpus, out, tmp_path / "store1", slow=1)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "rank-00001.json").exists():
+            assert procs[1].poll() is None, procs[1].communicate()[1][-2000:]
+            time.sleep(0.02)
+        procs[1].send_signal(signal.SIGKILL)
+        for p in procs[:1] + procs[2:]:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    journal = json.loads((out / "rank-00001.json").read_text())["parts"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert journal and not manifest["complete"]
+    procs = launch(world, model_path, corpus, out, tmp_path / "store2")
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, [o[1][-2000:] for o in outputs]
+    again = {k for stdout, _ in outputs for k in parts_written(stdout)}
+    assert again and not again & {int(k) for k in journal}  # rank 1's finished parts are kept, the rest traced
+    assert read(out).equals(reference) and json.loads((out / "manifest.json").read_text())["complete"]
+    assert not list(out.glob("rank-*.json"))
 
 
 # ---- the data folder: the trace's own folder inside it, symlinks, FIFOs ----------------------------------
@@ -495,6 +709,36 @@ def test_a_damaged_part_is_found_named_and_traced_again(model, corpus, reference
     assert read(out).equals(reference)
     assert Trace(out).n_tokens == reference.num_rows // len(model.cfg.moe_layer_indices)
     assert trace(model, corpus, out, **RESUME).already_complete
+
+
+def forge_part(out: Path, index: int, source: Path) -> None:
+    """Copy source over part index of the trace in out, and make the manifest's size and sha256 match it."""
+    part = out / f"part-{index:06d}.parquet"
+    part.write_bytes(source.read_bytes())
+    edit_manifest(out, lambda m: m["parts"][str(index)].update(size=part.stat().st_size, sha256=hashlib.sha256(part.read_bytes()).hexdigest()))
+
+
+@pytest.mark.parametrize("source", ["another model", "other data"])
+def test_a_part_copied_from_another_trace_with_a_forged_hash_is_refused_and_traced_again(model, model_path, tmp_path, capsys, source):
+    """A part copied from another model's (or other data's) trace, the manifest's size and sha256 edited to
+    match it: Trace(), trace-report and a re-run all see that it is not this trace's part."""
+    docs, kwargs = token_docs(6), dict(seq_len=16, batch_size=2, windows_per_part=3, progress=False)
+    out, other = tmp_path / "t", tmp_path / "other"
+    trace(model, docs, out, **kwargs)
+    reference = read(out)
+    if source == "another model":
+        other_model = HookedTransformer.from_pretrained(default_checkpoint("tiny-olmoe", root=tmp_path / "cache"), progress=False)
+        trace(other_model, docs, other, **kwargs)
+    else:
+        trace(model, token_docs(6, seed=1), other, **kwargs)
+    forge_part(out, 0, other / "part-000000.parquet")
+    with pytest.raises(ValueError, match="part-000000.parquet"):
+        Trace(out)
+    err = cli_error(capsys, ["trace-report", str(out), "--out", str(tmp_path / "r.html")])
+    assert "part-000000.parquet" in err
+    summary = trace(model, docs, out, **kwargs)
+    assert not summary.already_complete and len(summary.redone) == 1 and "part-000000.parquet" in summary.redone[0]
+    assert read(out).equals(reference) and Trace(out).complete
 
 
 def test_a_part_recorded_without_a_hash_is_checked_by_its_rows_and_then_hashed(model, corpus, reference, tmp_path):
@@ -614,6 +858,17 @@ def test_a_folder_named_like_a_temporary_file_is_one_line(model_path, corpus, tm
     err = cli_error(capsys, ["trace", str(model_path), "--data", str(corpus), "--out", str(out), "--seq-len", "32",
                              "--batch-size", "3", "--windows-per-part", "4", "--no-progress"])
     assert f"out: {out / 'part-000001.parquet.tmp'} is a folder, not a temporary file of a trace" in err
+
+
+def test_a_folder_named_like_a_part_is_one_line_and_left_alone(model_path, corpus, tmp_path, capsys):
+    out = tmp_path / "t"
+    started(str(model_path), corpus, out)
+    (out / "part-000009.parquet").mkdir()
+    (out / "part-000009.parquet" / "mine.txt").write_text("mine")
+    err = cli_error(capsys, ["trace", str(model_path), "--data", str(corpus), "--out", str(out), "--seq-len", "32",
+                             "--batch-size", "3", "--windows-per-part", "4", "--no-progress"])
+    assert f"out: {out / 'part-000009.parquet'} is a folder, not a part of a trace" in err
+    assert (out / "part-000009.parquet" / "mine.txt").read_text() == "mine"
 
 
 # ---- a long document in bounded pieces, through trace() ----------------------------------------------------

@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import re
+import struct
 from pathlib import Path
 
 import pyarrow as pa
@@ -43,6 +44,20 @@ ROWS = [
 ]
 
 
+def token_windows_sha256(rows) -> str:
+    """The manifest's data_sha256 of these rows' windows, as moelens defines it: per window, int64 doc, start,
+    length, then its token ids as int64."""
+    windows: list[list] = []
+    for doc, start, pos, token, _ in rows:
+        if pos == 0:
+            windows.append([doc, start, []])
+        windows[-1][2].append(token)
+    digest = hashlib.sha256()
+    for doc, start, tokens in windows:
+        digest.update(struct.pack("<3q", doc, start, len(tokens)) + struct.pack(f"<{len(tokens)}q", *tokens))
+    return digest.hexdigest()
+
+
 def write_trace(folder: Path, rows, logits=None, files=None, model_id="m", complete=True) -> Path:
     """A trace folder as moelens.traces.run writes it: one part and its manifest."""
     folder.mkdir(parents=True)
@@ -61,8 +76,8 @@ def write_trace(folder: Path, rows, logits=None, files=None, model_id="m", compl
         "settings": {"seq_len": 3, "router_logits": logits is not None, "windows_per_part": 8, "max_tokens": None, "layers": [0, 1]},
         "data": {"kind": "files", "files": files} if files else {"kind": "iterable", "type": "builtins.list"},
         "config": {"router_scoring": "softmax"}, "layers": [0, 1], "n_experts": 4, "top_k": {"0": 2, "1": 2},
-        "parts": {"0": {"file": "part-000000.parquet", "first_window": 0, "windows": 3, "tokens": len(rows), "rows": table.num_rows,
-                        "data_sha256": "0" * 64, "size": part.stat().st_size, "sha256": hashlib.sha256(part.read_bytes()).hexdigest()}},
+        "parts": {"0": {"file": "part-000000.parquet", "first_window": 0, "windows": sum(row[2] == 0 for row in rows), "tokens": len(rows), "rows": table.num_rows,
+                        "data_sha256": token_windows_sha256(rows), "size": part.stat().st_size, "sha256": hashlib.sha256(part.read_bytes()).hexdigest()}},
         "complete": complete,
     }
     if complete:
@@ -291,6 +306,32 @@ def test_the_readme_queries_run_and_give_the_hand_numbers(hand, tmp_path):
     diff = duckdb.sql(sub(diff_q)).fetchall()
     ours = [(d.layer, d.expert, d.delta) for d in trace_activation_difference(hand, b)]
     assert sorted((layer, e, round(d, 6)) for layer, e, d in diff) == sorted((layer, e, round(d, 6)) for layer, e, d in ours)
+
+
+def rewrite_part(folder: Path, table: pa.Table) -> None:
+    """Replace the part's rows (no footer identity, as an earlier moelens wrote parts), with a manifest whose
+    size and sha256 match the new file."""
+    part = folder / "part-000000.parquet"
+    pq.write_table(pa.Table.from_arrays(table.columns, schema=schema(False)), part)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["parts"]["0"].update(size=part.stat().st_size, sha256=hashlib.sha256(part.read_bytes()).hexdigest())
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_part_without_footer_identity_is_checked_by_its_layers_and_token_windows(hand, tmp_path):
+    table = pq.read_table(hand / "part-000000.parquet")
+    layer = table["layer"].to_numpy().copy()
+    layer[-1] = 5  # one row of a layer the manifest does not record
+    rewrite_part(hand, table.set_column(4, "layer", pa.array(layer, pa.int16())))
+    with pytest.raises(ValueError, match=r"part-000000.parquet holds rows of layers \{0: 6, 1: 5, 5: 1\}"):
+        Trace(hand)
+    token = table["token"].to_numpy().copy()
+    token[0], token[1] = 11, 11  # the first token, at both layers: other windows on the same layers
+    rewrite_part(hand, table.set_column(3, "token", pa.array(token, pa.int32())))
+    with pytest.raises(ValueError, match="part-000000.parquet holds other token windows"):
+        Trace(hand)
+    rewrite_part(hand, table)  # the rows as they were: accepted
+    assert Trace(hand).n_tokens == len(ROWS)
 
 
 def test_result_classes_print_as_tables(hand):

@@ -86,3 +86,25 @@ def test_top_tokens_print_one_line_each_with_newlines_shown(hand):
     top = trace_top_tokens(hand, layer=0, expert=3, k=2, decode=lambda ids: "".join(text[i] for i in ids))
     lines = str(top).splitlines()
     assert len(lines) == 3 and lines[1].endswith("[[b]]a\\n") and "\\t" not in lines[1]
+
+
+def test_folder_and_file_names_with_dollars_are_drawn_as_text(tmp_path, capsys):
+    """A folder named like "$\\foo$" made matplotlib's mathtext raise ParseFatalException, and "$x^2$" was
+    drawn as math: data labels are plain text."""
+    from test_trace_analysis import ROWS, write_trace
+
+    files = [{"path": "/corpus/$\\foo$/x.txt", "size": 1, "sha256": "0", "first_doc": 0, "n_docs": 1},
+             {"path": "/corpus/$x^2$/y.jsonl", "size": 1, "sha256": "1", "first_doc": 1, "n_docs": 1}]
+    dollars = write_trace(tmp_path / "dollars", ROWS, files=files)
+    assert main(["trace-report", str(dollars), "--out", str(tmp_path / "r.html")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "r_files" / "subset_load.png").read_bytes().startswith(PNG)
+    fig = plot_subset_load(trace_subset_load(dollars, by="folder"))
+    fig.canvas.draw()
+    labels = fig.axes[0].get_yticklabels()
+    assert [t.get_text() for t in labels] == ["$\\foo$ (4 tok)", "$x^2$ (2 tok)"]
+    assert not any(t.get_parse_math() for t in labels)
+    sel = trace_selectivity(dollars, {10: "$\\foo$", 11: "$x^2$", 12: "$x^2$"})
+    fig = plot_selectivity(sel)
+    fig.canvas.draw()
+    labels = fig.axes[0].get_xticklabels()
+    assert sorted(t.get_text() for t in labels) == ["$\\foo$", "$x^2$"] and not any(t.get_parse_math() for t in labels)

@@ -1,6 +1,7 @@
 """What a trace reads, without a model: folders (symlinks, FIFOs, the output folder), long files and JSONL
 lines read in bounded pieces, and long documents tokenized in pieces into exactly the whole document's tokens."""
 
+import hashlib
 import json
 import os
 import random
@@ -356,3 +357,25 @@ def test_a_cut_a_token_spans_is_not_taken_and_a_tokenizer_that_reaches_far_is_re
     near_start = MoeTokenizer(CharTokens(lambda i: i < 10), None, None, None)  # depends on where the text starts
     with pytest.raises(tokenize.TokenizerLocality, match="a token spans a newline cut"):
         list(DocumentTokenizer(near_start, piece_chars=30, context_chars=4).ids(text.replace(" ", "_")))
+
+
+def test_a_long_jsonl_line_changed_between_its_two_scans_is_named(tmp_path, monkeypatch):
+    """A long line is scanned (checked), then read again for its text: the second reading must see the bytes
+    the first one did, or the file and line are named."""
+    monkeypatch.setattr(jsonl, "LONG_LINE", 16)
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "short"}\n{"text": "' + "abcd " * 40 + '", "id": 1}\n')
+    documents = iter(FileDocuments([path]))
+    assert "".join(next(documents)) == "short"
+    long = next(documents)  # scanned once, whole; its text not read yet
+    path.write_text('{"text": "short"}\n{"text": "' + "abcd " * 40 + '", "id": 2}\n')  # same size, after the text
+    with pytest.raises(ValueError, match=f"{path}:2 changed while being traced"):
+        "".join(long)
+
+
+def test_a_file_read_to_its_end_must_have_the_hash_given(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("some text")
+    assert list(FileDocuments([path], [hashlib.sha256(b"some text").hexdigest()])) == ["some text"]
+    with pytest.raises(ValueError, match=f"{path} changed while being traced"):
+        list(FileDocuments([path], [hashlib.sha256(b"other text").hexdigest()]))

@@ -177,3 +177,23 @@ def test_a_damaged_installation_names_the_missing_file(tmp_path, monkeypatch):
     monkeypatch.setitem(defaults.TRAINED, NAME, tmp_path.name)
     with pytest.raises(FileNotFoundError, match="model.safetensors missing"):
         defaults.default_checkpoint(NAME)
+
+
+def test_inspect_and_plan_label_both_parameter_counts(model, capsys):
+    """cfg.n_params is TransformerLens's count (the weight matrices, without the embedding, unembedding, norms
+    and biases); inspect and plan print it beside the total with embeddings, each labelled. Both by hand from
+    the file's tensor shapes."""
+    with safe_open(FOLDER / "model.safetensors", framework="pt") as f:
+        shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
+    total = sum(math.prod(shape) for shape in shapes.values())
+    hidden = sum(math.prod(shape) for key, shape in shapes.items()
+                 if len(shape) >= 2 and not key.startswith(("model.embed_tokens.", "lm_head.")))
+    assert model.cfg.n_params == hidden < total
+    assert main(["inspect", "--prompt", "import os"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"{total:,} parameters in all (embeddings included; cfg.n_params, TransformerLens's count without " \
+           f"embeddings, norms and biases: {hidden:,})" in header
+    assert main(["plan", NAME]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(f"{total:,} parameters in all (2.05M, embeddings included)")
+    assert lines[2].startswith(f"cfg.n_params {hidden:,} (1.53M): TransformerLens's count")

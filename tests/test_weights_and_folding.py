@@ -53,8 +53,9 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
             check_qkv_views(model, cache, attn)
         close(model.W_E[toks], cache["hook_embed"], 0)
         close(cache["ln_final.hook_normalized"] @ model.W_U, logits)
-        # the token direction carries the final norm's weight: x / rms . direction is the logit
-        normed = cache["resid_post", -1] / cache["ln_final.hook_scale"]
+        # the token direction is TransformerLens's W_U column: the final norm's output . direction is the logit
+        close(model.tokens_to_residual_directions(toks), model.W_U.T[toks], 0)
+        normed = cache["resid_post", -1] / cache["ln_final.hook_scale"] * model.ln_final.weight
         close((normed * model.tokens_to_residual_directions(toks)).sum(-1), logits.gather(-1, toks[..., None])[..., 0])
 
 

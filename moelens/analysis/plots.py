@@ -18,6 +18,9 @@ from moelens.analysis.usage import ExpertUsage
 if TYPE_CHECKING:  # annotations only: moelens.traces builds on moelens.analysis, never the reverse
     from moelens.traces.analysis import Selectivity, SubsetLoad
 
+# Labels that come from data (file and folder names, tokens, class names) are text: a "$" in them must not
+# start matplotlib's mathtext ("$x^2$" drawn as math, "$\\foo$" a ParseFatalException).
+AS_TEXT = {"parse_math": False}
 MAX_ANNOTATED_CELLS = 600  # beyond this the numbers would overlap; the colors still tell the story
 
 
@@ -88,7 +91,7 @@ def plot_routing(table: RoutingTable, path: str | Path | None = None, n_experts:
     image = ax.imshow(top, aspect="auto", cmap=_expert_colors(n_experts), vmin=-0.5, vmax=n_experts - 0.5,
                       interpolation="nearest")
     ax.set_xticks(range(n_layers), [str(layer) for layer in table.layers])
-    ax.set_yticks(range(n_tok), [f"{pos} {tok!r}" for pos, tok in enumerate(table.str_tokens)], fontsize=8)
+    ax.set_yticks(range(n_tok), [f"{pos} {tok!r}" for pos, tok in enumerate(table.str_tokens)], fontsize=8, **AS_TEXT)
     ax.set_xlabel("layer")
     ax.set_title("top-1 expert per token (weight below)")
     if top.size <= MAX_ANNOTATED_CELLS:
@@ -118,7 +121,7 @@ def plot_subset_load(load: SubsetLoad, path: str | Path | None = None):
         if n_experts <= 64:
             ax.set_xticks(range(n_experts))
     names = _without_common_folder(load.labels)
-    axes[0].set_yticks(range(n_labels), [f"{name} ({int(n)} tok)" for name, n in zip(names, load.n_tokens)], fontsize=8)
+    axes[0].set_yticks(range(n_labels), [f"{name} ({int(n)} tok)" for name, n in zip(names, load.n_tokens)], fontsize=8, **AS_TEXT)
     fig.colorbar(image, ax=list(axes), label="share of the subset's routing slots")
     if path is not None:
         fig.savefig(path, dpi=120)
@@ -154,7 +157,7 @@ def plot_selectivity(selectivity: Selectivity, path: str | Path | None = None, m
         image = ax.imshow(lift, aspect="auto", cmap="RdBu_r", vmin=-4, vmax=4, interpolation="nearest")
         mi, share = float(selectivity.mutual_information[i]), float(selectivity.normalized[i])
         ax.set_title(f"layer {layer}: I = {mi:.3f} nats ({share:.1%} of H)", fontsize=9)
-        ax.set_xticks(range(len(shown)), [selectivity.classes[j] for j in shown.tolist()], rotation=60, ha="right", fontsize=8)
+        ax.set_xticks(range(len(shown)), [selectivity.classes[j] for j in shown.tolist()], rotation=60, ha="right", fontsize=8, **AS_TEXT)
     axes[0].set_yticks(range(n_experts), [f"E{e}" for e in range(n_experts)])
     axes[0].set_ylabel("expert")
     fig.colorbar(image, ax=list(axes), label="log2 p(class | expert) / p(class)")

@@ -10,7 +10,7 @@ import torch
 @dataclass(frozen=True)
 class LayerSummary:
     """One mixture layer over the prompt: how many tokens each expert got, how spread each token's router
-    probabilities are (mean entropy of the router's `probabilities` of its scores, in nats), and the mean
+    probabilities are (mean entropy of hook_router_probs, the router's distribution over the experts, in nats), and the mean
     factor of the shared-expert gate (its sigmoid) where the family gates its shared expert (Qwen2-MoE), else None."""
 
     load: torch.Tensor  # [n_experts] tokens routed to each expert
@@ -63,7 +63,7 @@ def routing_table(model, prompt: str | torch.Tensor, top_next: int = 5) -> Routi
     if tokens.shape[0] != 1:
         raise ValueError(f"routing_table takes one prompt, got tokens of shape {tuple(tokens.shape)}")
     layers = model.cfg.moe_layer_indices
-    names = [f"blocks.{i}.mlp.hook_{what}" for i in layers for what in ("expert_indices", "expert_weights", "router_scores")]
+    names = [f"blocks.{i}.mlp.hook_{what}" for i in layers for what in ("expert_indices", "expert_weights", "router_probs")]
     # each layer's shared-expert gate, where its shared expert has one (Qwen2-MoE's sigmoid)
     gated = {i: [p.gate for p in model.blocks[i].mlp.parts() if p.kind == "shared" and p.gate is not None] for i in layers}
     gates = {i: found[0] for i, found in gated.items() if found}
@@ -71,7 +71,7 @@ def routing_table(model, prompt: str | torch.Tensor, top_next: int = 5) -> Routi
     logits, cache = model.run_with_cache(tokens, names_filter=names)
     indices, weights, summaries = [], [], []
     for layer in layers:
-        probs = model.blocks[layer].mlp.router.probabilities(cache["router_scores", layer][0].double()).double()
+        probs = cache["router_probs", layer][0].double()
         entropy = float(-(probs * probs.clamp_min(1e-300).log()).sum(-1).mean())
         load = torch.bincount(cache["expert_indices", layer][0].flatten(), minlength=model.cfg.n_experts)
         gate = float(gates[layer].scale(cache[gates[layer].hook.name][0].float()).mean()) if layer in gates else None

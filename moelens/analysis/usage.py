@@ -60,9 +60,9 @@ def expert_usage(
 ) -> ExpertUsage:
     """Count which experts the real tokens of ``data`` are routed to (see moelens.analysis.data for ``data``).
 
-    Routing entropy uses each token's router probabilities (the router's ``probabilities``): sigmoid scores
-    (Solar) are normalised to sum to one, logit scores (gpt-oss) go through a softmax over all experts, so the
-    number is comparable across families. ``bias_changed`` compares the chosen experts
+    Routing entropy uses each token's router probabilities (``hook_router_probs``, one distribution over the
+    experts for every family: sigmoid scores (Solar) normalised to sum to one, logit scores (gpt-oss) through a
+    softmax over all experts), so the number is comparable across families. ``bias_changed`` compares the chosen experts
     with the model's own choice rule (groups included) applied to the scores without the correction bias.
     """
     layers = resolve_layers(model, layers)
@@ -73,17 +73,17 @@ def expert_usage(
     changed = torch.zeros(n, dtype=torch.long)
     n_tokens = 0
     for tokens, valid in iter_batches(model, data, attention_mask, batch_size):
-        cache = run_sites(model, tokens, valid, layers, ("expert_indices", "router_scores"))
+        cache = run_sites(model, tokens, valid, layers, ("expert_indices", "router_probs") + (("router_scores",) if biased else ()))
         n_tokens += int(valid.sum())
         for i, layer in enumerate(layers):
             indices = cache[hook_name(layer, "expert_indices")][valid]  # [tokens top_k]
             router = model.blocks[layer].mlp.router
-            scores = cache[hook_name(layer, "router_scores")][valid].float()
+            probs = cache[hook_name(layer, "router_probs")][valid]
             counts[i] += torch.bincount(indices.flatten(), minlength=E).cpu()
-            entropy_sum[i] += entropy(router.probabilities(scores)).double().sum().cpu()
+            entropy_sum[i] += entropy(probs).double().sum().cpu()
             if biased:
                 # The router's own choice rule (groups, top-k) on the unbiased scores: what the bias changed.
-                unbiased = router.choose(scores)
+                unbiased = router.choose(cache[hook_name(layer, "router_scores")][valid].float())
                 differs = (unbiased.sort(-1).values != indices.sort(-1).values).any(-1)
                 changed[i] += int(differs.sum())
     if n_tokens == 0:

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 from jaxtyping import Int
 
+from moelens.experts.rounding import Rounding, cast_through
 from moelens.experts.spec import ExpertSpec, ExpertTensors
 from moelens.sitemap import Layout
 
@@ -55,10 +56,17 @@ class StoredPart:
 
 class StoredExperts:
     """A stack of experts as stored: `tensors` are the parts' stored tensors, flat in part order, each with
-    the expert axis first; one expert's are `expert(e)` (what caches hold and readers return)."""
+    the expert axis first; one expert's are `expert(e)` (what caches hold and readers return).
 
-    def __init__(self, spec: ExpertSpec, parts: Sequence[StoredPart], tensors: Sequence[torch.Tensor]) -> None:
-        self.spec, self.parts, self.tensors = spec, tuple(parts), tuple(tensors)
+    rounding (moelens.experts.rounding): the roundings the model's dense weights went through since the load
+    (its dtype, then each dtype move's that rounded); empty until the model first moves to another dtype.
+    dequantize makes the dense weights in the first and casts them through the rest, so that they stay the
+    dense model's bits under every move."""
+
+    def __init__(
+        self, spec: ExpertSpec, parts: Sequence[StoredPart], tensors: Sequence[torch.Tensor], rounding: Rounding = ()
+    ) -> None:
+        self.spec, self.parts, self.tensors, self.rounding = spec, tuple(parts), tuple(tensors), tuple(rounding)
         if sum(p.n_tensors for p in self.parts) != len(self.tensors):
             raise ValueError(f"{len(self.parts)} stored parts need {sum(p.n_tensors for p in self.parts)} tensors, got {len(self.tensors)}")
         missing = set(spec.param_names) - {p.param for p in self.parts}
@@ -100,17 +108,40 @@ class StoredExperts:
         """The experts `ids` (positions in this stack), stacked in that order: stored bytes copied, nothing
         dequantized."""
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
-        return StoredExperts(self.spec, self.parts, [_select(t, ids) for t in self.tensors])
+        return StoredExperts(self.spec, self.parts, [_select(t, ids) for t in self.tensors], self.rounding)
 
     def to(self, device: torch.device | str) -> StoredExperts:
-        return StoredExperts(self.spec, self.parts, [t.to(device) for t in self.tensors])
+        return StoredExperts(self.spec, self.parts, [t.to(device) for t in self.tensors], self.rounding)
 
     def pin_memory(self) -> StoredExperts:
-        return StoredExperts(self.spec, self.parts, [t.pin_memory() for t in self.tensors])
+        return StoredExperts(self.spec, self.parts, [t.pin_memory() for t in self.tensors], self.rounding)
+
+    def with_rounding(self, rounding: Rounding) -> StoredExperts:
+        """The same stored tensors, dequantized through `rounding`."""
+        return StoredExperts(self.spec, self.parts, self.tensors, rounding)
+
+    def _steps(self, dtype: torch.dtype) -> list[torch.dtype]:
+        """The dtypes dequantize(dtype) makes the weights in, then casts them to. The formats compute float32
+        values and cast them once, so a first float32 step is the format's own and is left out."""
+        rounding = self.rounding[1:] if self.rounding[:1] == (torch.float32,) else self.rounding
+        return [*rounding, dtype] if rounding[-1:] != (dtype,) else list(rounding)
+
+    def dequantizes_directly(self, dtype: torch.dtype) -> bool:
+        """Whether dequantize(dtype) is the formats' dequantization into dtype, with no rounding before it (what
+        the Triton kernels compute in their tiles)."""
+        return self._steps(dtype) == [dtype]
 
     def dequantize(self, dtype: torch.dtype) -> ExpertTensors:
         """The spec's dense stacks in `dtype` (new tensors, on this stack's device): each part dequantized by
-        its format into dtype, mapped by its layout and written into its rows, as the load's fill() does."""
+        its format, mapped by its layout and written into its rows, as the load's fill() does, in the dtype
+        the model was loaded in and cast through its later roundings (see rounding), then to dtype."""
+        first, *later = self._steps(dtype)
+        dense = self._dequantize_into(first)
+        if not later:
+            return dense
+        return ExpertTensors(*(None if t is None else cast_through(t, (first, *later[:-1]), later[-1]) for t in dense))
+
+    def _dequantize_into(self, dtype: torch.dtype) -> ExpertTensors:
         E = self.n_experts
         out = {name: torch.empty((E, *shape[1:]), dtype=dtype, device=self.device) for name, shape in self.spec.shapes().items()}
         start = 0

@@ -44,6 +44,9 @@ class Site:
     aliases: tuple[str, ...] = ()  # further names the cache and get_act_name accept
     switch: str | None = None  # the model method that creates the site (TransformerLens's set_use_*); None: built in
     rows_of: str | None = None  # a per-expert view: the per-slot site whose rows routed to expert E it shows
+    # an observation site: computed for its hooks only, read by nothing downstream, so an edit (returned or in
+    # place) reaches later hooks on it and the cache but changes no other site; no gradient reaches it
+    observed: bool = False
 
     @property
     def per_expert(self) -> bool:
@@ -64,6 +67,8 @@ _SCALE = ("batch pos 1", "RMS of the input (+ eps): the norm divides by it")
 _CLAMP = ", clamped to +-clip_qkv"
 _QK_NORM = "query after q_norm over all heads together{}; before the rotary"
 _K_NORM = "key after k_norm over all kv heads together{}; before the rotary"
+_PROBS = ("the router's distribution over the experts (float32, rows sum to 1): {}; observation only: "
+          "routing does not read it, so editing it changes nothing downstream")
 
 # Every site some family has, in forward order.
 SITES: tuple[Site, ...] = (
@@ -150,10 +155,24 @@ SITES: tuple[Site, ...] = (
     # a mixture block: the router
     _site("blocks.L.mlp.hook_router_logits", "batch pos n_experts", "router logits, before scoring",
           standard="router_logits", short="router_logits"),
+    # hook_router_scores is what the family's rule computes from the logits (its form says which); hook_router_probs
+    # is one distribution over the experts for every family, for analyses that compare families
     _site("blocks.L.mlp.hook_router_scores", "batch pos n_experts",
-          "softmax / sigmoid scores of every expert (float32)", short="router_scores", variants={
+          "softmax of the logits over all experts (float32): the scores the top-k is taken on, a distribution",
+          short="router_scores", variants={
+              "sigmoid": ("batch pos n_experts", "sigmoid of each logit (float32): each expert's own score in (0, 1), "
+                          "not a distribution over the experts (hook_router_probs is)"),
               "top_k_logits": ("batch pos n_experts",
                                "the logits the top-k is taken on (a softmax over the chosen k gives the weights)"),
+          }),
+    _site("blocks.L.mlp.hook_router_probs", "batch pos n_experts",
+          _PROBS.format("hook_router_scores renormalised to sum to 1 (the softmax of the logits)"),
+          short="router_probs", observed=True, variants={
+              "sigmoid": ("batch pos n_experts", _PROBS.format("the sigmoid scores (hook_router_scores) divided by "
+                                                               "their sum")),
+              "softmax_of_logits": ("batch pos n_experts", _PROBS.format(
+                  "softmax of the logits (hook_router_scores) over all experts; the weights are a softmax over the "
+                  "chosen k only")),
           }),
     _site("blocks.L.mlp.hook_choice_scores", "batch pos n_experts",
           "scores the top-k is taken on (scores + correction bias)", short="choice_scores"),

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from jaxtyping import Float, Int
 
+from moelens.experts.rounding import Rounding
 from moelens.experts.spec import ExpertSpec, ExpertTensors
 from moelens.experts.stored import StoredExperts
 from moelens.kernels.experts import ExpertHooks, check_indices, grouped_linear, routed_experts_torch
@@ -203,10 +204,15 @@ class ExpertExchange:
         self.failed: str | None = None
 
     @classmethod
-    def create(cls, device: torch.device, timeout_s: float) -> ExpertExchange:
+    def create(cls, device: torch.device, timeout_s: float, ranks_per_group: int | None = None) -> ExpertExchange:
         """Join (or initialise, see init_process_group) the default group and make this model's groups: a
-        collective call, which every rank makes in the same order (from_pretrained does)."""
+        collective call, which every rank makes in the same order (from_pretrained does). ranks_per_group: the
+        model spans only this rank's group of that many consecutive ranks (ranks [g*G, (g+1)*G): one model
+        per group, as the replicas of a data-parallel trace are); None: every rank."""
         rank, world = init_process_group(device)
+        size = world if ranks_per_group is None else ranks_per_group
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
+            raise ValueError(f"expert_parallel={ranks_per_group!r} ranks per group: the {world} ranks must be whole groups of a positive size")
         # the new groups' rendezvous waits at most the timeout too, and loading takes each rank its own time:
         # meet on the default group (its own timeout) first
         if dist.get_backend() == "nccl":
@@ -215,14 +221,22 @@ class ExpertExchange:
             dist.barrier()
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            check_group = dist.new_group(backend="gloo", timeout=timeout)
-            group = check_group if dist.get_backend() == "gloo" else dist.new_group(timeout=timeout)
+            if size == world:
+                check_group = dist.new_group(backend="gloo", timeout=timeout)
+                group = check_group if dist.get_backend() == "gloo" else dist.new_group(timeout=timeout)
+            else:  # every rank makes every group (new_group is collective), and keeps its own
+                for first in range(0, world, size):
+                    ranks = list(range(first, first + size))
+                    checks = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                    data = checks if dist.get_backend() == "gloo" else dist.new_group(ranks, timeout=timeout)
+                    if rank in ranks:
+                        check_group, group = checks, data
         except RuntimeError as err:
             raise ExpertParallelError(
                 f"expert_parallel: rank {rank} could not set up the model's exchange group with the other ranks within "
                 f"expert_parallel_timeout={timeout_s:g} s ({err})"
             ) from err
-        return cls(rank, world, timeout_s, group, check_group)
+        return cls(rank % size, size, timeout_s, group, check_group)
 
     def all_gather(self, tensor: torch.Tensor, layer: int, what: str, group=None) -> list[torch.Tensor]:
         """Every rank's `tensor` (equal shapes), or ExpertParallelError naming the layer (and the timeout, when
@@ -304,6 +318,14 @@ class ExpertShard:
         self._position: Int[torch.Tensor, "E_local"] | None = None
         self._call = {"tokens": 0, "hooks": 0}  # this call's, for the fingerprints of its two GEMMs
         self._check_down = True  # whether the down projection's exchange is checked too (see BETWEEN_GEMMS)
+
+    def follow_dtype(self, dtype: torch.dtype, rounding: Rounding) -> None:
+        """The model moved to dtype (moelens.experts.rounding): stored experts dequantize through its
+        roundings, dense ones are cast to it, as the model's parameters are."""
+        if isinstance(self.tensors, StoredExperts):
+            self.tensors = self.tensors.with_rounding(rounding)
+        else:
+            self.tensors = ExpertTensors(*(None if t is None else t.to(dtype) for t in self.tensors))
 
     def __call__(
         self,

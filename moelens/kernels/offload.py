@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 
+from moelens.experts.rounding import Rounding, cast_through
 from moelens.experts.spec import ExpertSpec, ExpertTensors
 from moelens.experts.stored import StoredExperts
 from moelens.kernels.experts import ExpertHooks, Executor, check_indices, routed_experts, routed_experts_torch
@@ -417,7 +418,11 @@ class OffloadedExperts:
     wrap: stacked expert tensors (in the template's order, an expert axis first) -> ExpertTensors, or
     StoredExperts where the experts are kept as stored (the cache then holds and moves the stored bytes, and
     the layer dequantizes each expert it computes with). read_into (optional): writes expert e into the given
-    tensors straight from its source, without source's intermediate tensors."""
+    tensors straight from its source, without source's intermediate tensors.
+
+    rounding (moelens.experts.rounding; set by the layer when the model moves to another dtype): the slots
+    hold experts as loaded, and an expert computed with is made in the model's dtype through the roundings
+    the model's dense weights went through, so that it has their bits."""
 
     def __init__(
         self, layer: int, n_experts: int, source: Callable[[int], ExpertWeights], cache: ExpertCache, device: torch.device,
@@ -429,6 +434,7 @@ class OffloadedExperts:
         self.template = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in template)
         self.expert_nbytes = weights_nbytes(self.template)
         self.wrap, self.read_into = wrap, read_into
+        self.rounding: Rounding = ()
         self.next: OffloadedExperts | None = None  # the layer to prefetch for (prefetch_next)
         self.predict: Callable[[torch.Tensor], torch.Tensor] | None = None
         cache.register(self)
@@ -456,10 +462,21 @@ class OffloadedExperts:
         for into, t in zip(slot, weights):
             into.copy_(t, non_blocking=True)
 
+    def stack(self, tensors: ExpertWeights, dtype: torch.dtype) -> ExpertTensors | StoredExperts:
+        """Tensors stacked over experts as the slots hold them, for a forward in dtype: StoredExperts that
+        dequantize through the model's roundings, or dense stacks in dtype (the tensors themselves where the
+        model has not moved to another dtype since the load, else copies cast through its roundings)."""
+        stack = self.wrap(tensors)
+        if isinstance(stack, StoredExperts):
+            return stack.with_rounding(self.rounding)
+        if self.rounding and stack.gate_up.dtype != dtype:
+            return ExpertTensors(*(None if t is None else cast_through(t, self.rounding, dtype) for t in stack))
+        return stack
+
     def expert_weights(self, slot: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
         """One expert's dense tensors in parameter order, from its slot: the slot's views, or, for experts kept
-        stored, dequantized into dtype (new tensors)."""
-        stack = self.wrap(tuple(t.unsqueeze(0) for t in slot))
+        stored, dequantized into dtype (new tensors; cast copies too where the model moved to another dtype)."""
+        stack = self.stack(tuple(t.unsqueeze(0) for t in slot), dtype)
         if isinstance(stack, StoredExperts):
             return stack.dequantize(dtype).expert(0)
         return tuple(t[0] for t in stack.present())
@@ -586,10 +603,10 @@ def _triton_from_slots(run: GroupRun, x, indices, weights, spec, hooks, batch_po
     pool = store.cache.slots(store)
     if run.grad:  # autograd saves the weights: a copy of the routed ones, renumbered in ascending expert id
         ids = torch.tensor([slots[e] for e in used], dtype=torch.long, device=x.device)
-        tensors = store.wrap(tuple(b.index_select(0, ids.to(b.device)) for b in pool.buffers))
+        tensors = store.stack(tuple(b.index_select(0, ids.to(b.device)) for b in pool.buffers), x.dtype)
         to = torch.arange(len(used), dtype=indices.dtype, device=indices.device)
     else:
-        tensors = store.wrap(pool.buffers)
+        tensors = store.stack(pool.buffers, x.dtype)
         to = torch.tensor([slots[e] for e in used], dtype=indices.dtype, device=indices.device)
     renumber = torch.full((store.n_experts,), -1, dtype=indices.dtype, device=indices.device)
     renumber[torch.tensor(used, dtype=torch.long, device=indices.device)] = to

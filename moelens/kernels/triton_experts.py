@@ -534,8 +534,8 @@ def routed_experts_triton(
     with or without biases; activation is the spec's). Experts kept stored as fp8 or MXFP4 are dequantized in the
     kernels' tiles (moelens.kernels.stored_operands), to the bits StoredExperts.dequantize(x.dtype) gives; a
     stored layout the tiles do not read is dequantized first, with that same function."""
-    if isinstance(tensors, StoredExperts):
-        stored = stored_operands(tensors, x.dtype)
+    if isinstance(tensors, StoredExperts):  # dequantized first where the model's dtype moves rounded it
+        stored = stored_operands(tensors, x.dtype) if tensors.dequantizes_directly(x.dtype) else None
         if stored is None:
             tensors = tensors.dequantize(x.dtype)
         else:

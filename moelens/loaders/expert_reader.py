@@ -252,6 +252,11 @@ class ExpertReader:
         tensors = self._read(layer, expert, wanted)
         return tuple(tensors[k] for key, _, target in wanted for k in (target.stored.keys if target.stored else (key,)))
 
+    def pieces_of(self, layer: int, expert: int) -> list[tuple[str, str, Target]]:
+        """(key, parameter, target) of every checkpoint tensor that holds part of the expert, in parameter order:
+        target.index[1:] is the part of read()'s parameter tensor the key fills."""
+        return self._wanted(layer, expert)
+
     def _wanted(self, layer: int, expert: int) -> list[tuple[str, str, Target]]:
         """(key, parameter, target) of every checkpoint tensor that holds part of the expert, in parameter order."""
         return [

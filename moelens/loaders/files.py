@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import reprlib
 import stat
 from pathlib import Path, PurePath
@@ -11,6 +12,10 @@ from moelens.loaders.errors import CheckpointError
 
 _BRIEF = reprlib.Repr()
 _BRIEF.maxstring = 160  # file names whole; a huge or deeply nested value abbreviated
+
+# a config.json is a few kB (the largest published ones, with per-layer lists, tens of kB): anything past this
+# is not a model's config, and is refused before it is read rather than parsed whole into memory
+CONFIG_MAX_BYTES = 16 * 2**20
 
 KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -49,10 +54,11 @@ def checkpoint_file(folder: Path, name: str, listed_in: Path | None = None) -> P
     return path
 
 
-def read_json_object(path: Path) -> dict:
-    """A JSON file that must hold an object: anything else is a CheckpointError naming the file."""
+def read_json_object(path: Path, max_bytes: int | None = None) -> dict:
+    """A JSON file that must hold an object: anything else is a CheckpointError naming the file. max_bytes: a
+    file larger than this is a CheckpointError naming its size, raised before it is read."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_read_text(path, max_bytes))
     except UnicodeDecodeError as err:
         raise CheckpointError(f"{path}: not UTF-8 text ({err})") from err
     except ValueError as err:  # JSONDecodeError, or an integer of more digits than Python converts
@@ -62,6 +68,18 @@ def read_json_object(path: Path) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__} {brief(data)}")
     return data
+
+
+def _read_text(path: Path, max_bytes: int | None) -> str:
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read() if max_bytes is None else f.read(max_bytes + 1)  # +1: a file grown since the fstat shows too
+    if max_bytes is not None and max(size, len(raw)) > max_bytes:
+        raise CheckpointError(
+            f"{path} is {max(size, len(raw)):,} bytes; moelens reads a {path.name} of at most {max_bytes:,} bytes "
+            f"({max_bytes / 2**20:g} MiB; a model's config is a few kB), so this is not one"
+        )
+    return raw.decode("utf-8")
 
 
 def brief(value) -> str:

@@ -61,6 +61,14 @@ def not_converted(config_path: Path, qc: dict) -> tuple[str, ...]:
         raise CheckpointError(
             f"{config_path}: quantization_config.modules_to_not_convert = {brief(value)}; expected a list of module names"
         )
+    for pattern in value:  # transformers matches each entry as a regular expression (and fails on a bad one)
+        try:
+            re.compile(rf"(?:{pattern})")
+        except re.error as err:
+            raise CheckpointError(
+                f"{config_path}: quantization_config.modules_to_not_convert entry {brief(pattern)} is not a valid "
+                f"regular expression ({err}); each entry is matched as one, as transformers matches it"
+            ) from err
     return tuple(value)
 
 
@@ -68,15 +76,22 @@ def listed_unconverted(module: str, patterns: tuple[str, ...]) -> str | None:
     """The modules_to_not_convert entry naming `module`, matched as transformers matches it (a prefix ending at a
     module boundary, a regex with that boundary, or a suffix), else None."""
     boundary = r"(?:(?<=\.)|(?=\.|$))"
-    for pattern in patterns:
-        try:
-            if re.match(rf"(?:{pattern}){boundary}", module):
-                return pattern
-        except re.error:
-            pass
-        if module.endswith(pattern):
+    for pattern in patterns:  # valid regular expressions: not_converted() checked them
+        if re.match(rf"(?:{pattern}){boundary}", module) or module.endswith(pattern):
             return pattern
     return None
+
+
+def refuse_if_listed(where: str, key: str, stored_as: str, modules: tuple[str, ...], patterns: tuple[str, ...]) -> None:
+    """A CheckpointError where modules_to_not_convert names one of `modules` (the quantized tensor `key`'s) as
+    not quantized, though `where` stores it quantized."""
+    for module in modules:
+        listed = listed_unconverted(module, patterns)
+        if listed is not None:
+            raise CheckpointError(
+                f"{where}: {key!r} is stored as {stored_as}, but config.json's modules_to_not_convert lists "
+                f"{listed!r}, which names {module!r} as not quantized"
+            )
 
 
 @dataclass(frozen=True)
@@ -114,13 +129,7 @@ class Fp8Blocks:
                     f"{files.dtypes[key]}, not {FP8_WEIGHT} (quant_method 'fp8' scales float8_e4m3fn weights only)"
                 )
             return None
-        module = key.removesuffix(".weight")
-        listed = listed_unconverted(module, self.not_converted)
-        if listed is not None:
-            raise CheckpointError(
-                f"{where}: {key!r} is stored as {FP8_WEIGHT}, but config.json's modules_to_not_convert lists "
-                f"{listed!r}, which names {module!r} as not quantized"
-            )
+        refuse_if_listed(where, key, FP8_WEIGHT, (key.removesuffix(".weight"),), self.not_converted)
         if scale not in files:
             raise CheckpointError(
                 f"{where}: {key!r} is stored as {FP8_WEIGHT} but its scale {scale!r} is in no file of {files.folder} "
@@ -172,6 +181,10 @@ class Mxfp4:
                 raise CheckpointError(
                     f"{files.location[key].name}: {key!r} is stored as {files.dtypes[key]}; mxfp4 stores it as {dtype}"
                 )
+        # the weight (x.gate_up_proj) and the module holding it (x, transformers' experts module, which its
+        # MXFP4 conversion replaces)
+        weight = blocks.removesuffix("_blocks")
+        refuse_if_listed(files.location[blocks].name, blocks, "MXFP4 blocks", (weight, weight.rpartition(".")[0]), self.not_converted)
         shape, scale_shape = files.shapes[blocks], files.shapes[scales]
         if len(shape) < 3 or shape[-1] != MXFP4_GROUP // 2 or scale_shape != shape[:-1]:
             raise CheckpointError(

@@ -10,6 +10,7 @@ without a storage, dense, through the same ExpertReader that disk offload uses.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,18 +64,67 @@ def check_stored_as(storage: str, fmt: Format | None, keys: dict[str, Target], f
 
 class ExpertLayers:
     """Reads routed experts as the model keeps them (spec.storage): one expert's tensors (read: the stored
-    tensors, or dense ones in the model's dtype), and stacks of them (StoredExperts or ExpertTensors)."""
+    tensors, or dense ones in the model's dtype), and stacks of them (StoredExperts or ExpertTensors).
 
-    def __init__(self, reader: ExpertReader, spec: ExpertSpec) -> None:
+    check_finite (from_pretrained's): every expert is checked for NaN and Inf values the first time it is read
+    (stored ones once dequantized into the model's dtype), wherever it is read for (a rank's shard, host
+    memory, or a disk-offloaded layer's cache slot), as fill() checks the tensors it reads. What is found is
+    warned about, with fill()'s wording, by warn_found(): once for everything read at load, then, after
+    warn_each_read is set, as each expert is first read (a disk-offloaded expert, when first routed to)."""
+
+    def __init__(self, reader: ExpertReader, spec: ExpertSpec, check_finite: bool = False) -> None:
         self.reader, self.spec = reader, spec
         self.stored = spec.storage is not None
+        self.check_finite, self.warn_each_read = check_finite, False
+        self.found: list[str] = []  # NaN / Inf found and not yet warned about
+        self._checked: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()  # the prefetch thread reads too
 
     def read(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-        return self.reader.read_stored(layer, expert) if self.stored else self.reader.read(layer, expert)
+        tensors = self.reader.read_stored(layer, expert) if self.stored else self.reader.read(layer, expert)
+        self._check(layer, expert, tensors)
+        return tensors
 
     def read_into(self, layer: int, expert: int, out: tuple[torch.Tensor, ...]) -> None:
         """read(layer, expert), written into `out` (CPU tensors of read's shapes and dtypes)."""
         self.reader.read_into(layer, expert, out, stored=self.stored)
+        self._check(layer, expert, out)
+
+    def _check(self, layer: int, expert: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        if not self.check_finite:
+            return
+        with self._lock:
+            if (layer, expert) in self._checked:
+                return
+            self._checked.add((layer, expert))
+        found = self._not_finite(layer, expert, tensors)
+        with self._lock:
+            self.found += found
+        if self.warn_each_read:
+            self.warn_found()
+
+    def _not_finite(self, layer: int, expert: int, tensors: tuple[torch.Tensor, ...]) -> list[str]:
+        """fill()'s description of each NaN / Inf holding tensor: per checkpoint key for dense experts, per
+        parameter once dequantized for stored ones (warn_not_finite's)."""
+        if self.stored:
+            dense = StoredExperts.stack(self.spec, self.reader.stored_parts(layer), [tensors]).dequantize(self.reader.dtype)
+            named = [(f"layer {layer} expert {expert} {name}", t) for name, t in zip(self.spec.param_names, dense.expert(0))]
+        else:
+            params = dict(zip(self.reader.params, tensors))
+            named = [
+                (f"{key!r} in {self.reader.files.location[key].name}" + (f" (expert {expert})" if target.index == () else ""),
+                 params[param][target.index[1:]])
+                for key, param, target in self.reader.pieces_of(layer, expert)
+            ]
+        return [describe_not_finite(what, t) for what, t in named if not_finite_count(t)]
+
+    def warn_found(self) -> None:
+        """One CheckpointWarning about everything found since the last call (none: nothing found)."""
+        with self._lock:
+            found, self.found = self.found, []
+        if found:
+            what = "routed expert weight(s)" if self.stored else "tensor(s)"
+            warn_not_finite(found, what, self.reader.files.folder, once_dequantized=self.stored)
 
     def stack(self, layer: int, experts: list[tuple[torch.Tensor, ...]]) -> ExpertTensors | StoredExperts:
         """Experts read by `read`, stacked in the given order."""
@@ -94,28 +144,24 @@ class ExpertLayers:
         if ids:
             return self.stack(layer, [self.read(layer, e) for e in ids])
         if self.stored:
-            return self.stack(layer, [self.read(layer, 0)]).select([])
+            return self.stack(layer, [self.reader.read_stored(layer, 0)]).select([])
         return ExpertTensors(*(torch.empty((0, *s[1:]), dtype=self.reader.dtype) for s in self.reader.shapes.values()))
 
 
-def warn_not_finite(stacks: dict[int, StoredExperts], dtype: torch.dtype, folder: Path) -> None:
-    """from_pretrained's check_finite for experts kept stored: each expert dequantized once, one at a time, and
-    one CheckpointWarning naming every parameter that holds NaN or Inf values once dequantized into dtype."""
-    found: list[str] = []
-    for layer, stack in stacks.items():
-        for e in range(stack.n_experts):
-            for name, t in zip(stack.spec.param_names, stack.select([e]).dequantize(dtype)):
-                if bad := not_finite_count(t):
-                    nan = int(torch.isnan(t).sum())
-                    found.append(f"layer {layer} expert {e} {name}: {nan} NaN and {bad - nan} Inf of {t.numel()} values as {dtype}")
-    if found:
-        more = f"; and {len(found) - 8} more" if len(found) > 8 else ""
-        warnings.warn(
-            f"{len(found)} routed expert weight(s) of {folder} hold NaN or Inf values once dequantized: "
-            f"{'; '.join(found[:8])}{more} (from_pretrained(check_finite=False) skips this check)",
-            CheckpointWarning,
-            stacklevel=3,
-        )
+def describe_not_finite(what: str, t: torch.Tensor) -> str:
+    bad, nan = not_finite_count(t), int(torch.isnan(t).sum())
+    return f"{what}: {nan} NaN and {bad - nan} Inf of {t.numel()} values as {t.dtype}"
+
+
+def warn_not_finite(found: list[str], what: str, folder: Path, once_dequantized: bool = False) -> None:
+    """from_pretrained's check_finite warning (fill()'s wording): `found` (describe_not_finite's), the first 8."""
+    more = f"; and {len(found) - 8} more" if len(found) > 8 else ""
+    warnings.warn(
+        f"{len(found)} {what} of {folder} hold NaN or Inf values{' once dequantized' if once_dequantized else ''}: "
+        f"{'; '.join(found[:8])}{more} (from_pretrained(check_finite=False) skips this check)",
+        CheckpointWarning,
+        stacklevel=3,
+    )
 
 
 def stored_layer_bytes(files: SafetensorsFiles, keys: dict[str, Target], layer: int, params: tuple[str, ...]) -> int:

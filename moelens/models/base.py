@@ -34,7 +34,7 @@ from moelens.sae import HookedSAEMixin
 from moelens.sitemap import SiteMap
 from moelens.tokenizer import MoeTokenizer, TokenizationError, check_padding_side
 from moelens.utils import get_attention_mask
-from moelens.weights import WeightViews
+from moelens.weights import WeightViews, hidden_weight_count
 
 ReturnType = Literal["logits", "loss", "both"] | None
 
@@ -248,6 +248,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         holds only experts [r*E//N, (r+1)*E//N) of each layer; the rest is replicated, and every rank's
         logits, hooks and caches are bit for bit one process's (see moelens.kernels.expert_parallel). Torch
         experts backend only; not with fold_ln, device_map or expert_offload; no backward through experts.
+        expert_parallel=G (an int): one model per group of G consecutive ranks instead of over all of them.
         The ranks must run the same forwards on the same inputs with hooks that change the same values: each
         expert exchange is checked first, and a difference is an ExpertParallelError on every rank naming it.
         expert_parallel_timeout: seconds a rank waits for the others at an expert exchange before raising
@@ -603,9 +604,12 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     def _count_weight_matrices(self) -> int:
         """TransformerLens's n_params: the weight-matrix parameters outside the embedding and unembedding (routed
         experts held off the model, offloaded or sharded, counted too: where they live is not the model's size)."""
-        elsewhere = [t for block in self.blocks if block.is_moe for t in block.mlp.experts.stacks_held_elsewhere(self.cfg.dtype).values()]
-        tensors = [p for name, p in self.named_parameters() if name not in ("embed.weight", "unembed.weight")] + elsewhere
-        return sum(t.numel() for t in tensors if t.dim() >= 2)
+        params = dict(self.named_parameters())
+        for layer, block in enumerate(self.blocks):
+            if block.is_moe:
+                stacks = block.mlp.experts.stacks_held_elsewhere(self.cfg.dtype)
+                params |= {f"blocks.{layer}.mlp.experts.{name}": t for name, t in stacks.items()}
+        return hidden_weight_count(params)
 
     def _sync_cfg(self) -> None:
         """cfg.device / cfg.dtype: where the model is (its embedding's device: the first of a device map) and
@@ -633,6 +637,16 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         if print_details:
             print(f"Moved model to device {self.cfg.device}, dtype {self.cfg.dtype}")
         return model
+
+    def _check_not_on_meta(self) -> None:
+        """A clear error for a forward of a model whose weights are on the meta device (torch's own, from deep
+        in the forward, says only that .item() cannot be called on meta tensors)."""
+        if self.embed.weight.is_meta:
+            raise RuntimeError(
+                "this model's weights are on the meta device (model.to('meta'), or from_pretrained(device='meta')): "
+                "they have shapes but no values, so it cannot run. Load it again with from_pretrained(..., device=...) "
+                "on a real device (moving it off meta cannot bring the values back)"
+            )
 
     # ---- forward ----------------------------------------------------------------------------------
     def forward(
@@ -673,6 +687,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         if given, covers only them): they continue each row's positions, attend to the cached keys and to
         each other causally, and are appended to the cache. Hooks see only the new positions.
         """
+        self._check_not_on_meta()
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}")
         if shortformer_pos_embed is not None:

@@ -128,25 +128,26 @@ def deepseek_mixture_fields(
     n_routed_experts experts (moe_intermediate_size wide), num_experts_per_tok of them chosen by the grouped sigmoid
     router (SigmoidGroupedTopK: n_group, topk_group, norm_topk_prob, routed_scaling_factor), and a shared expert
     n_shared_experts times moe_intermediate_size wide. The keywords are the family's defaults for the fields of
-    their name (REQUIRED: no default). Without mixture blocks the experts' sizes are 0 and the groups 1."""
+    their name (REQUIRED: no default). At least one block must be a mixture: first_dense below n_layers."""
+    if first_dense >= n_layers:  # else it would surface as the mixture tensors' "missing" dense weights
+        raise ValueError(
+            f"first_k_dense_replace = {first_dense} makes all {n_layers} blocks (num_hidden_layers) dense MLPs, leaving "
+            f"no mixture block; expected first_k_dense_replace below num_hidden_layers ({n_layers})"
+        )
     moe_layers = tuple(i >= first_dense for i in range(n_layers))
-    any_moe = any(moe_layers)
     n_experts = hf.integer("n_routed_experts", n_routed_experts, at_least=1)
     d_expert = hf.integer("moe_intermediate_size", moe_intermediate_size, at_least=1)
-    routed = routed_fields(
-        hf, moe_layers, n_experts if any_moe else 0, d_expert if any_moe else 0, num_experts_per_tok=num_experts_per_tok
-    )
+    routed = routed_fields(hf, moe_layers, n_experts, d_expert, num_experts_per_tok=num_experts_per_tok)
     n_group, topk_group = hf.integer("n_group", n_group, at_least=1), hf.integer("topk_group", topk_group, at_least=1)
-    if any_moe:
-        SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k_per_layer"]), n_group, topk_group)
+    SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k_per_layer"]), n_group, topk_group)
     return dict(
         **routed,
         d_mlp=hf.integer("intermediate_size", intermediate_size, at_least=1) if first_dense else 0,
-        d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1) if any_moe else 0,
+        d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1),
         norm_topk_prob=hf.flag("norm_topk_prob", True),
         routed_scaling_factor=hf.number("routed_scaling_factor", routed_scaling_factor),
-        n_group=n_group if any_moe else 1,
-        topk_group=topk_group if any_moe else 1,
+        n_group=n_group,
+        topk_group=topk_group,
     )
 
 

@@ -91,6 +91,7 @@ class LogitTopKSoftmax(TopKRouter):
 
     scoring = "top-k logits, softmax over the k"
     scores_form = "top_k_logits"  # hook_router_scores holds the logits the top-k is taken on
+    probs_form = "softmax_of_logits"
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)
@@ -134,9 +135,16 @@ class HookedGptOss(HookedTransformer):
         )
         n_layers = fields["n_layers"]
         n_experts = hf.integer("num_local_experts", at_least=1)
+        if "sliding_window" in raw and raw["sliding_window"] is None:  # transformers' default is for an absent field
+            raise ValueError(
+                "sliding_window = null: gpt-oss's attention needs a window length (transformers' GptOss cannot run this "
+                "config either, whatever layer_types says); give an integer, e.g. 128, transformers' default where the "
+                "field is absent"
+            )
         window = hf.integer("sliding_window", 128, at_least=1)
-        default_types = [LAYER_TYPES[i % 2] for i in range(n_layers)]  # transformers': sliding first, alternating
-        layer_types = raw.get("layer_types", default_types)
+        layer_types = raw.get("layer_types")
+        if layer_types is None:  # absent or null: transformers' default, sliding first, alternating
+            layer_types = [LAYER_TYPES[i % 2] for i in range(n_layers)]
         if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= set(LAYER_TYPES):
             raise ValueError(
                 f"layer_types must list {n_layers} entries, each one of {LAYER_TYPES}; got {layer_types!r}"

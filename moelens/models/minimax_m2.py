@@ -69,6 +69,7 @@ class SigmoidTopKFloat32Weights(TopKRouter):
 
     choice_bias = True
     scoring = "sigmoid"
+    scores_form = probs_form = "sigmoid"
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)
@@ -118,13 +119,23 @@ class HookedMiniMaxM2(HookedTransformer):
                 "MiniMax-M2 (and transformers' MiniMaxM2) has full attention (1) in every layer"
             )
         d_head = hf.integer("head_dim", 128, at_least=1)  # transformers' default, not hidden_size / heads
-        # the Hub's rotary_dim: the rotated share of the head where neither spelling gives partial_rotary_factor
-        rotary_dim = hf.integer("rotary_dim", None, at_least=2, at_most=d_head)
+        # the Hub's rotary_dim: the rotated share of the head where neither spelling gives partial_rotary_factor;
+        # where one does, it wins and rotary_dim is not used (transformers' reading), so its value is not checked
+        factor_given = any(
+            section.get("partial_rotary_factor") is not None for section in (raw, hf.rope_section().raw)
+        )
+        if factor_given:
+            rotary_dim = hf.number("rotary_dim", None)
+        else:
+            rotary_dim = hf.integer("rotary_dim", None, at_least=2, at_most=d_head)
         fields = common_fields(
             hf, rms_norm_eps=1e-6, max_position_embeddings=196608, num_key_value_heads=8, d_head=d_head,
-            rope_theta=DEFAULT_ROPE_THETA, partial_rotary_factor=rotary_dim / d_head if rotary_dim else 1.0,
+            rope_theta=DEFAULT_ROPE_THETA,
+            partial_rotary_factor=rotary_dim / d_head if rotary_dim and not factor_given else 1.0,
         )
         n_layers = fields["n_layers"]
+        _check_layer_types(hf, n_layers)
+        overridden = factor_given and rotary_dim is not None and rotary_dim != d_head * fields["rope"].partial_rotary_factor
         n_experts = hf.integer("num_local_experts", 256, at_least=1)
         return MiniMaxM2Config(
             **fields,
@@ -135,7 +146,7 @@ class HookedMiniMaxM2(HookedTransformer):
             norm_topk_prob=True,  # always, as transformers
             mtp_layers=hf.integer("num_mtp_modules", 0, at_least=0),
             fields_read=tuple(hf.read),
-            fields_ignored=tuple(f for f in IGNORED_FIELDS if raw.get(f) is not None),
+            fields_ignored=tuple(f for f in IGNORED_FIELDS if raw.get(f) is not None) + (("rotary_dim",) if overridden else ()),
         )
 
 
@@ -147,6 +158,23 @@ def _check_fixed_fields(hf: HFConfig) -> None:
                 f"{name} = {value!r}: transformers' MiniMaxM2 (and so moelens) builds only the model with "
                 f"{name} = {built!r}"
             )
+
+
+def _check_layer_types(hf: HFConfig, n_layers: int) -> None:
+    """layer_types, where given: transformers' MiniMaxM2 runs full attention in every layer whatever it says
+    (a sliding_attention layer runs as full attention, or fails without sliding_window), so only that is taken."""
+    layer_types = hf.opt("layer_types")
+    if layer_types is None:
+        return
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise ValueError(f"layer_types = {layer_types!r}: expected a list of {n_layers} entries (num_hidden_layers)")
+    other = {i: t for i, t in enumerate(layer_types) if t != "full_attention"}
+    if other:
+        raise ValueError(
+            f"layer_types lists {', '.join(sorted({repr(t) for t in other.values()}))} at layers {list(other)}: transformers' MiniMaxM2 "
+            "(and so moelens) has full attention in every layer (it would run those layers as full attention); "
+            "expected 'full_attention' in every entry, or no layer_types"
+        )
 
 
 def _layer_sites(cfg: MiniMaxM2Config, layer: int, src: str, dst: str) -> list[Entry]:

@@ -45,7 +45,10 @@ def decoder_site_map(
             Reference(f"{dst}.hook_mlp_out", f"{src}.mlp", mlp_read),
             Reference(f"{dst}.hook_resid_post", src),
         ]
-        entries += layer_sites(cfg, layer, src, dst)
+        own = list(layer_sites(cfg, layer, src, dst))
+        # a layer's own reference for a hook replaces the skeleton's (a mixer module that is not self_attn)
+        overridden = {e.hook for e in own if isinstance(e, Reference)}
+        entries = [e for e in entries if not (isinstance(e, Reference) and e.hook in overridden)] + own
     return SiteMap(
         tuple(e for e in entries if not isinstance(e, Reference)), tuple(e for e in entries if isinstance(e, Reference)),
         ignored_prefixes,

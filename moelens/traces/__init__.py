@@ -6,8 +6,10 @@ manifest), ``Trace`` and the ``trace_*`` analyses read it out of core, ``trace_r
     print(trace_expert_load(Trace("traces/corpus")))
 
 Modules: run (the trace itself), sources (files, folders, iterables -> documents -> windows), jsonl (JSONL
-lines of any length), tokenize (long documents in exact pieces), parts (Parquet parts), manifest (what a
-trace was made from, and the folder's lock), analysis (DuckDB analyses), report (``moelens trace-report``).
+lines of any length), hashed (data files hashed as they are read), tokenize (long documents in exact
+pieces), parts (Parquet parts, and the checks that a part is the manifest's), manifest (what a trace was
+made from, and the folder's lock), replicas (data parallelism: parts dealt to model replicas), analysis
+(DuckDB analyses), report (``moelens trace-report``).
 
 The writer needs pyarrow (the ``trace`` extra) at import: ``trace``, ``TraceSummary`` and ``pad_windows``
 are loaded from moelens.traces.run on first use, so that importing this package (the CLI does) needs no

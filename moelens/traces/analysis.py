@@ -31,7 +31,9 @@ BUILTIN_CLASSES = ("whitespace", "punctuation", "digits", "word", "other")
 
 class Trace:
     """A trace folder: its manifest and the Parquet parts the manifest records (each checked to have the size
-    the manifest records: a truncated or replaced part is refused; a re-run of the trace checks sha256 too).
+    the manifest records, and, from its footer, its columns, rows, layers, token windows and model: a part
+    truncated, replaced or copied in from another trace is refused; a re-run of the trace checks sha256 and
+    the rows themselves too; a part without that footer, by an earlier moelens, has its rows checked here).
 
     layers: the traced mixture layers; n_experts; top_k: {layer: k}; has_router_logits; complete (a run
     killed before the end leaves an incomplete trace: re-run the same command to finish it)."""
@@ -62,6 +64,12 @@ class Trace:
                     f"{path}: {path.stat().st_size} bytes, {MANIFEST} records {part['size']}: the part is damaged (truncated "
                     "or replaced); re-run the trace command to trace it again"
                 )
+        from moelens.traces.parts import part_footer_problem  # pyarrow: the trace extra, needed once a trace is read
+
+        for key in sorted(manifest["parts"], key=int):  # from the footers: its columns, rows, layers, windows
+            problem = part_footer_problem(self.path / manifest["parts"][key]["file"], manifest, int(key))
+            if problem is not None:
+                raise ValueError(f"{self.path}: {problem}; re-run the trace command to trace it again")
 
     @property
     def n_tokens(self) -> int:
@@ -221,8 +229,9 @@ def _grid(rows, labels: list[str], layers: list[int], n_experts: int) -> np.ndar
 
 def trace_expert_load(trace: TraceLike, layers: int | Sequence[int] | None = None) -> TraceExpertLoad:
     """Expert load per layer: counts, load, H(load), CV and max/mean of counts, and, when the trace holds
-    router logits, the mean per-token routing entropy (router probabilities: softmax of the logits, or for
-    sigmoid routers the sigmoid scores normalised to sum to one, as expert_usage does)."""
+    router logits, the mean per-token routing entropy (router probabilities, recomputed from the stored logits as
+    hook_router_probs defines them: softmax of the logits, or for sigmoid routers the sigmoid scores normalised
+    to sum to one, as expert_usage reads them)."""
     trace = as_trace(trace)
     layers = trace.resolve_layers(layers)
     con = trace.connect()

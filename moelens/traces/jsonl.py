@@ -9,12 +9,15 @@ Either way a line that is not a JSON object with a string ``text`` is an error n
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from moelens.traces.hashed import DataChanged
 
 LONG_LINE = 1 << 20  # bytes: longer lines are scanned in pieces, never read whole
 READ_BYTES = 1 << 16  # bytes read from the file at a time
@@ -39,6 +42,7 @@ class Line:
     text: str | None  # None: a long line; read it with long_text
     start: int  # byte offset of the line in the file
     text_key: int  # long lines: the index (among the object's keys) of the "text" key that counts
+    sha256: str = ""  # long lines: of the line's bytes as its first scan read them (LongText reads them again)
 
 
 def lines(fh: BinaryIO, path: Path) -> Iterator[Line]:
@@ -59,14 +63,38 @@ def lines(fh: BinaryIO, path: Path) -> Iterator[Line]:
         text_key = scan.document()
         fh.seek(scan.end)
         if text_key is not None:
-            yield Line(number, None, start, text_key)
+            yield Line(number, None, start, text_key, scan.digest.hexdigest())
 
 
-def long_text(fh: BinaryIO, path: Path, line: Line) -> Iterator[str]:
-    """The ``text`` of a long line, in pieces of about TEXT_PIECE characters."""
-    scan = _Scanner(fh, line.start, path, line.number)
-    scan.document(stop_at_key=line.text_key)
-    yield from scan.string_pieces(TEXT_PIECE)
+def long_text(fh: BinaryIO, path: Path, line: Line) -> LongText:
+    """The ``text`` of a long line, in pieces of about TEXT_PIECE characters (see LongText)."""
+    return LongText(fh, path, line)
+
+
+class LongText:
+    """The ``text`` of a long line, in pieces of about TEXT_PIECE characters, read again from ``fh``. Once
+    the text is read (or finish() is called, where reading stopped early) the rest of the line is read too,
+    and the line's bytes must be those its first scan read, or DataChanged names the file and line."""
+
+    def __init__(self, fh: BinaryIO, path: Path, line: Line) -> None:
+        self.fh, self.path, self.line = fh, path, line
+        self.scan: _Scanner | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.scan = _Scanner(self.fh, self.line.start, self.path, self.line.number)
+        self.scan.document(stop_at_key=self.line.text_key)
+        yield from self.scan.string_pieces(TEXT_PIECE)
+        self.finish()
+
+    def finish(self) -> None:
+        if self.scan is None:
+            return
+        while self.scan._more():
+            pass
+        if self.scan.digest.hexdigest() != self.line.sha256:
+            raise DataChanged(self.path, f"{self.path}:{self.line.number} changed while being traced (the line read twice "
+                              "differs): the trace stops; run it again once the file stays as it is")
+        self.scan = None
 
 
 def _short_line(raw: bytes, path: Path, number: int) -> str | None:
@@ -96,6 +124,7 @@ class _Scanner:
         self.buf, self.pos = "", 0
         self.done = False
         self.end = start  # byte offset just past the line (its newline) once read to the end
+        self.digest = hashlib.sha256()  # of the line's bytes read so far (its newline left out)
 
     def error(self, message: str) -> ValueError:
         return ValueError(f"{self.path}:{self.number}: {message}")
@@ -112,6 +141,7 @@ class _Scanner:
         else:
             self.end += len(block)
             self.done = not block
+        self.digest.update(block)
         try:
             text = self.decoder.decode(block, final=self.done)
         except UnicodeDecodeError as err:

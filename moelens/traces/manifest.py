@@ -29,7 +29,38 @@ MANIFEST = "manifest.json"
 PART = "part-{:06d}.parquet"
 LOCK = "trace.lock"
 TEMP_SUFFIX = ".tmp"  # every temporary file a trace writes ends with it
+JOURNAL = "rank-{:05d}.json"  # a data-parallel rank's record of the parts it wrote (moelens.traces.run)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# The only names a trace writes in DIR (besides manifest.json and trace.lock): a run deletes nothing else.
+_OWN_TEMPORARY = re.compile(r"(part-[0-9]{6,}\.parquet|manifest\.json|rank-[0-9]{5,}\.json)" + re.escape(TEMP_SUFFIX))
+_OWN_PART = re.compile(r"part-[0-9]{6,}\.parquet")
+_OWN_JOURNAL = re.compile(r"rank-[0-9]{5,}\.json")
+# How every manifest.json this moelens writes begins (json.dump, indent=1, "format" first): a manifest's
+# temporary file left by a run killed before its first manifest was in place begins so, or is empty.
+_MANIFEST_HEAD = ('{\n "format": "' + FORMAT + '"').encode()
+
+
+def is_own_temporary(name: str) -> bool:
+    """A temporary name a trace writes under (a part, the manifest, a rank's journal, each + .tmp)."""
+    return _OWN_TEMPORARY.fullmatch(name) is not None
+
+
+def is_own_part(name: str) -> bool:
+    return _OWN_PART.fullmatch(name) is not None
+
+
+def is_own_journal(name: str) -> bool:
+    return _OWN_JOURNAL.fullmatch(name) is not None
+
+
+def is_first_manifest_leftover(path: Path) -> bool:
+    """path is the manifest's temporary file as a run killed inside its very first manifest write leaves it:
+    a regular file holding a beginning of what moelens writes there (read: its first bytes only)."""
+    if path.name != MANIFEST + TEMP_SUFFIX or path.is_symlink() or not path.is_file():
+        return False
+    with open(path, "rb") as fh:
+        head = fh.read(len(_MANIFEST_HEAD))
+    return _MANIFEST_HEAD.startswith(head)
 
 
 class TraceMismatch(ValueError):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import itertools
 import os
 import sys
@@ -33,6 +32,7 @@ from jaxtyping import Int
 from tqdm.auto import tqdm
 
 from moelens.models import HookedTransformer
+from moelens.traces.hashed import DataChanged
 from moelens.traces.manifest import (
     FORMAT,
     LOCK,
@@ -40,9 +40,14 @@ from moelens.traces.manifest import (
     PART,
     TEMP_SUFFIX,
     TraceMismatch,
+    check_manifest,
     check_same_run,
     file_sha256,
     folder_lock,
+    is_first_manifest_leftover,
+    is_own_journal,
+    is_own_part,
+    is_own_temporary,
     jsonable,
     model_identity,
     read_manifest,
@@ -51,9 +56,18 @@ from moelens.traces.manifest import (
 try:
     import pyarrow.parquet as pq
 
-    from moelens.traces.parts import PartWriter, batch_rows, schema
+    from moelens.traces.parts import (
+        PartWriter,
+        batch_rows,
+        part_footer_problem,
+        part_identity,
+        part_rows_problem,
+        schema,
+        windows_sha256,
+    )
 except ImportError as err:  # pyarrow
     raise ImportError(f"moelens trace writes Parquet with pyarrow: pip install '.[trace]' from moelens's checkout ({err})") from err
+from moelens.traces.replicas import Replicas, journals, read_journal, write_journal
 from moelens.traces.sources import (
     FileDocuments,
     Files,
@@ -99,6 +113,8 @@ def trace(
     model_name: str | None = None,
     command: Sequence[str] | dict | None = None,
     progress: bool = True,
+    data_parallel: bool = False,
+    ranks_per_replica: int = 1,
 ) -> TraceSummary:
     """Trace the routing of ``data`` through ``model`` into the folder ``out`` (created; resumed if it holds
     a partial trace of the same inputs).
@@ -112,6 +128,12 @@ def trace(
     router_logits: also store each token's router logits [n_experts]. windows_per_part: windows per part
     file (default ceil(2**17 / seq_len)). command: recorded in the manifest (the CLI passes its argv).
     model_name: recorded as the model's name when model is an object (default: its class and family).
+
+    Under torch.distributed (torchrun), without data_parallel every rank runs every forward (one model over
+    all ranks, expert parallel) and rank 0 alone writes. With data_parallel, each group of ranks_per_replica
+    consecutive ranks is one replica of the model (placed by the caller: a device, a device map, or an expert
+    parallel group of that many ranks), part k is traced and written by replica k % n_replicas, and rank 0
+    writes the manifest of them all (see moelens.traces.replicas): the rows are those of one process.
     """
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_tokens", max_tokens), ("windows_per_part", windows_per_part)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= sys.maxsize):
@@ -122,7 +144,8 @@ def trace(
     if not layers:
         raise ValueError(f"{model_name} has no mixture layers: there is no routing to trace")
     windows_per_part = windows_per_part or -(-PART_TOKENS // seq_len)
-    rank, world = _rank()
+    replicas = Replicas.create(data_parallel, ranks_per_replica)
+    rank = replicas.rank
     files, file_list, data_identity = _data(data, rank, out)
     settings = {"seq_len": seq_len, "router_logits": bool(router_logits), "windows_per_part": windows_per_part,
                 "max_tokens": max_tokens, "layers": layers}
@@ -140,13 +163,19 @@ def trace(
                 if out.exists() and not out.is_dir():
                     raise NotADirectoryError(f"out: {out} is a file, expected a folder for the trace")
                 out.mkdir(parents=True, exist_ok=True)
+                lock_was_there = (out / LOCK).exists()
                 held.enter_context(folder_lock(out))
-                state = _prepare(out, identity, model, arguments, router_logits, redone)
+                try:
+                    state = _prepare(out, identity, model, arguments, router_logits, redone)
+                except Exception:
+                    if not lock_was_there:  # a refused run leaves the folder as it found it
+                        (out / LOCK).unlink(missing_ok=True)
+                    raise
             except Exception as err:  # raised on every rank by _agree, so that none waits for the others forever
                 state = err
         else:
             state = {}
-        manifest = _agree(state, rank, world)
+        manifest = _agree(state, replicas)
         left_out = files.left_out if files else []
         if rank == 0:
             for name in redone:
@@ -158,23 +187,36 @@ def trace(
                 print(f"{out}: trace already complete ({totals['tokens']} tokens, {totals['rows']} rows)")
             return TraceSummary(out, True, 0, totals["parts"], totals["tokens"], totals["rows"], left_out, redone)
 
-        reader = FileDocuments(file_list) if file_list is not None else None
+        # the hashes the files had when the trace began (rank 0's, recorded): each must be what is read
+        expected = [f["sha256"] for f in manifest["data"]["files"]] if file_list is not None else None
+        reader = FileDocuments(file_list, expected) if file_list is not None else None
         documents = _Counting(reader if reader is not None else iterable_documents(data))
         tokenizer = DocumentTokenizer(model.tokenizer) if model.tokenizer is not None else None
         position = (lambda: reader.bytes_read) if reader is not None else None
         stream = windows(documents, tokenizer, seq_len, model.cfg.d_vocab, max_tokens, position)
         done: dict[str, dict] = manifest.get("parts", {})
+        journal: dict[str, dict] = {}  # the parts this rank wrote, where rank 0 records them later (data parallel)
         table_schema = schema(router_logits)
         pad = model.tokenizer.pad_token_id if model.tokenizer is not None and model.tokenizer.pad_token_id is not None else 0
 
+        def record(key: str, part: dict) -> None:
+            done[key] = part
+            if rank == 0:
+                manifest["parts"] = done
+                write_json_atomic(out / MANIFEST, manifest)
+            elif replicas.writes:
+                journal[key] = part
+                write_journal(out, rank, journal)
+
         bar = _Progress(data, files, max_tokens, enabled=progress and rank == 0, name=out.name)
         written = reused = 0
+        error: Exception | None = None
         try:
             for part in itertools.count():
                 chunk = list(itertools.islice(stream, windows_per_part))
                 if not chunk:
                     break
-                digest = _windows_sha256(chunk)
+                digest = windows_sha256((w.doc, w.start, w.tokens) for w in chunk)
                 n_tokens = sum(len(w.tokens) for w in chunk)
                 recorded = done.get(str(part))
                 if recorded is not None:
@@ -186,39 +228,98 @@ def trace(
                     reused += 1
                     bar.update(chunk)
                     continue
-                writer = PartWriter(out / PART.format(part), table_schema) if rank == 0 else None
+                if not replicas.owns(part):  # another replica's
+                    bar.update(chunk)
+                    continue
+                entry = {
+                    "file": PART.format(part), "first_window": part * windows_per_part, "windows": len(chunk),
+                    "tokens": n_tokens, "rows": n_tokens * len(layers), "docs": [chunk[0].doc, chunk[-1].doc], "data_sha256": digest,
+                }
+                writer = PartWriter(out / PART.format(part), table_schema, identity=part_identity(manifest, part, entry)) if replicas.writes else None
                 for batch in _batches(chunk, batch_size):
                     rows = _trace_batch(model, batch, layers, pad, table_schema)
                     if writer is not None:
                         writer.add(rows)
                     bar.update(batch)
-                done[str(part)] = {
-                    "file": PART.format(part), "first_window": part * windows_per_part, "windows": len(chunk),
-                    "tokens": n_tokens, "rows": n_tokens * len(layers), "docs": [chunk[0].doc, chunk[-1].doc], "data_sha256": digest,
-                }
-                if writer is not None:
+                if writer is None:
+                    done[str(part)] = entry
+                else:
                     committed = writer.commit()
                     if committed.rows != n_tokens * len(layers):  # a forward that skipped a hook would leave a gap
                         raise RuntimeError(f"part {part}: wrote {committed.rows} rows, expected {n_tokens} tokens x {len(layers)} layers")
-                    done[str(part)].update(size=committed.size, sha256=committed.sha256)
+                    record(str(part), {**entry, "size": committed.size, "sha256": committed.sha256})
+                written += 1
+            if reader is not None:
+                reader.finish()  # a file that max_tokens left half read: the rest is hashed, and checked
+        except DataChanged as err:
+            if replicas.writes:  # drop what may hold the file's new contents from this rank's record
+                _forget_parts_of(out, manifest, done, err.path)
+                if rank == 0:
                     manifest["parts"] = done
                     write_json_atomic(out / MANIFEST, manifest)
-                written += 1
+                else:
+                    journal = {k: p for k, p in journal.items() if k in done}
+                    write_journal(out, rank, journal)
+            error = err
+        except Exception as err:  # under data parallelism, said to the other ranks before it is raised
+            error = err
         finally:
             bar.close()
 
+        if replicas.data_parallel and replicas.world > 1:
+            return _gather_replicas(out, manifest, done, replicas, journal, written, reused, error, documents.count,
+                                    left_out, redone, n_parts=part if error is None else None)
+        if error is not None:
+            raise error
         missing = sorted(set(done) - {str(k) for k in range(part)}, key=int)
         if missing:  # recorded parts past the data's end: the data must have shrunk since
             raise TraceMismatch(f"{out}: parts {missing[:3]} are recorded but the data now ends before them: trace into a new folder to start over")
         n_tokens = sum(p["tokens"] for p in done.values())
         n_rows = sum(p["rows"] for p in done.values())
         if rank == 0:
-            manifest["complete"] = True
-            manifest["totals"] = {"parts": len(done), "docs": documents.count, "windows": sum(p["windows"] for p in done.values()),
-                                  "tokens": n_tokens, "rows": n_rows}
-            manifest["completed_at"] = _now()
-            write_json_atomic(out / MANIFEST, manifest)
+            _complete(out, manifest, done, documents.count)
         return TraceSummary(out, False, written, reused, n_tokens, n_rows, left_out, redone)
+
+
+def _complete(out: Path, manifest: dict, done: dict[str, dict], n_docs: int) -> None:
+    manifest["parts"] = done
+    manifest["complete"] = True
+    manifest["totals"] = {"parts": len(done), "docs": n_docs, "windows": sum(p["windows"] for p in done.values()),
+                          "tokens": sum(p["tokens"] for p in done.values()), "rows": sum(p["rows"] for p in done.values())}
+    manifest["completed_at"] = _now()
+    write_json_atomic(out / MANIFEST, manifest)
+
+
+def _gather_replicas(out, manifest, done, replicas: Replicas, journal, written, reused, error, n_docs, left_out, redone, n_parts) -> TraceSummary:
+    """Data parallelism's end: every rank's parts and outcome to rank 0, which records them all in the
+    manifest (and completes it when no rank failed and every part is there); then the outcome on every rank."""
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes = replicas.gather({"parts": journal, "written": written if replicas.writes else 0, "failure": failure, "n_parts": n_parts})
+    verdict = None
+    if replicas.rank == 0:
+        for outcome in outcomes[1:]:
+            done.update(outcome["parts"])
+        failed = [(r, o["failure"]) for r, o in enumerate(outcomes) if o["failure"] is not None]
+        manifest["parts"] = done
+        write_json_atomic(out / MANIFEST, manifest)  # every journal's parts are in it now
+        for path in journals(out):
+            path.unlink()
+        if not failed:
+            missing = sorted(set(range(n_parts)) - {int(k) for k in done}) + sorted(int(k) for k in done if int(k) >= n_parts)
+            if missing:
+                failed = [(0, f"TraceMismatch: {out}: parts {missing[:3]} are recorded but not the data's, or not written by any replica")]
+            else:
+                _complete(out, manifest, done, n_docs)
+        verdict = {"failed": failed, "written": sum(o["written"] for o in outcomes),
+                   "tokens": sum(p["tokens"] for p in done.values()), "rows": sum(p["rows"] for p in done.values())}
+    verdict = replicas.broadcast(verdict)
+    if error is not None:
+        raise error
+    if verdict["failed"]:
+        rank, failure = verdict["failed"][0]
+        raise RuntimeError(f"data parallel trace: rank {rank} failed ({failure}); the parts every replica finished are recorded: "
+                           "run the same command again to trace the rest")
+    return TraceSummary(out, False, verdict["written"], reused, verdict["tokens"], verdict["rows"], left_out, redone)
 
 
 class _Progress:
@@ -334,20 +435,21 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
     same inputs) otherwise. Leftovers of a killed run go: temporary files and parts the manifest lacks.
     Recorded parts are checked against their recorded size and sha256: one that is damaged or missing is
     deleted and dropped from the manifest, so that this run traces it again (its name goes into redone)."""
-    for p in out.iterdir():
-        if p.name.endswith(TEMP_SUFFIX) and not p.is_file():
-            raise IsADirectoryError(f"out: {p} is a folder, not a temporary file of a trace: move it out of {out}")
+    for p in out.iterdir():  # a trace's own names are its regular files: anything else under them is the user's
+        if (is_own_temporary(p.name) or is_own_part(p.name) or is_own_journal(p.name)) and (p.is_symlink() or not p.is_file()):
+            kind = "temporary file" if is_own_temporary(p.name) else "part" if is_own_part(p.name) else "journal"
+            raise IsADirectoryError(f"out: {p} is a {'symlink' if p.is_symlink() else 'folder'}, not a {kind} of a trace: move it out of {out}")
     manifest = read_manifest(out)
     if manifest is None:
-        foreign = sorted(p.name for p in out.iterdir() if not _is_leftover(p.name))
+        # No manifest: nothing here is provably this trace's, except what a run killed inside its very first
+        # manifest write leaves (the lock, the manifest's temporary file). Anything else is the user's: refused.
+        foreign = sorted(p.name for p in out.iterdir() if p.name != LOCK and not is_first_manifest_leftover(p))
         if foreign:
             raise FileExistsError(
                 f"out: {out} holds files but no {MANIFEST} ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): "
                 "give an empty or new folder"
             )
-        for p in out.iterdir():
-            if p.name != LOCK:
-                p.unlink()
+        (out / (MANIFEST + TEMP_SUFFIX)).unlink(missing_ok=True)
         cfg = model.cfg
         manifest = {
             "format": FORMAT,
@@ -365,13 +467,22 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
         write_json_atomic(out / MANIFEST, manifest)
         return manifest
     check_same_run(out, manifest, identity)
+    found = journals(out)
+    if found:  # a data-parallel run's replicas' parts, not gathered into the manifest yet (a kill)
+        for path in found:
+            for key, part in read_journal(path).items():
+                manifest["parts"].setdefault(key, part)
+        check_manifest(out / MANIFEST, manifest)  # the journals' parts as strictly as the manifest's own
+        write_json_atomic(out / MANIFEST, manifest)
+        for path in found:
+            path.unlink()
     recorded = {p["file"] for p in manifest["parts"].values()}
     unhashed = any("sha256" not in part for part in manifest["parts"].values())
-    for p in out.iterdir():
-        if p.name.endswith(TEMP_SUFFIX) or (_is_part(p.name) and p.name not in recorded):
+    for p in out.iterdir():  # only the trace's own names: a file of the user's in DIR is left alone
+        if is_own_temporary(p.name) or (is_own_part(p.name) and p.name not in recorded):
             p.unlink()  # from a run killed mid-part: its windows are traced again
     for key in sorted(manifest["parts"], key=int):
-        problem = _part_problem(out, manifest["parts"][key])
+        problem = _part_problem(out, manifest, int(key))
         if problem is not None:
             redone.append(problem)
             (out / manifest["parts"][key]["file"]).unlink(missing_ok=True)
@@ -385,9 +496,21 @@ def _prepare(out: Path, identity: dict, model, arguments, router_logits: bool, r
     return manifest
 
 
-def _part_problem(out: Path, part: dict) -> str | None:
-    """What is wrong with a recorded part file, or None. A part recorded without size and sha256 (by an
-    earlier moelens) is checked by its Parquet footer's row count, and its size and sha256 recorded."""
+def _forget_parts_of(out: Path, manifest: dict, done: dict[str, dict], path: str) -> None:
+    """A data file changed while it was traced: drop from done (and delete) every part from the file's first
+    document on, which may hold windows of its new contents, so that what is recorded is what the manifest
+    describes."""
+    first_doc = next((f["first_doc"] for f in manifest["data"]["files"] if f["path"] == path), 0)
+    for key in [k for k, p in done.items() if p.get("docs", [0, first_doc])[1] >= first_doc]:
+        (out / done.pop(key)["file"]).unlink(missing_ok=True)
+
+
+def _part_problem(out: Path, manifest: dict, index: int) -> str | None:
+    """What is wrong with recorded part ``index``'s file, or None: its size and sha256 against the manifest,
+    then its footer and its rows (its columns, layers and token windows: a part copied in from another trace
+    with the manifest's size and sha256 edited to match is caught there). A part recorded without size and
+    sha256 (by an earlier moelens) gets them recorded once its rows pass."""
+    part = manifest["parts"][str(index)]
     path = out / part["file"]
     if not path.is_file():
         return f"{part['file']} is recorded in {MANIFEST} but missing"
@@ -397,45 +520,18 @@ def _part_problem(out: Path, part: dict) -> str | None:
             return f"{part['file']} is damaged: {size} bytes, {MANIFEST} records {part['size']}"
         if file_sha256(path) != part["sha256"]:
             return f"{part['file']} is damaged: its sha256 is not the one {MANIFEST} records (replaced or edited)"
-        return None
-    try:
-        rows = pq.ParquetFile(path).metadata.num_rows
-    except Exception as err:  # pyarrow raises its own errors on a file that is not Parquet
-        return f"{part['file']} is damaged: not a Parquet file ({err})"
-    if rows != part["rows"]:
-        return f"{part['file']} is damaged: {rows} rows, {MANIFEST} records {part['rows']}"
-    part.update(size=size, sha256=file_sha256(path))
-    return None
+    problem = part_footer_problem(path, manifest, index) or part_rows_problem(path, manifest, index)
+    if problem is None and "sha256" not in part:
+        part.update(size=size, sha256=file_sha256(path))
+    return problem
 
 
-def _is_part(name: str) -> bool:
-    return name.startswith("part-") and name.endswith(".parquet")
-
-
-def _is_leftover(name: str) -> bool:
-    """What a run killed before its first manifest write can leave (parts come only after it), and the lock."""
-    return name.endswith(TEMP_SUFFIX) or name == LOCK
-
-
-def _agree(state, rank: int, world: int) -> dict:
+def _agree(state, replicas: Replicas) -> dict:
     """Rank 0's manifest (or its error) on every rank, so that all ranks skip the same parts or stop together."""
-    if world > 1:
-        import torch.distributed as dist
-
-        box = [state]
-        dist.broadcast_object_list(box, src=0)
-        state = box[0]
+    state = replicas.broadcast(state)
     if isinstance(state, Exception):
         raise state
     return state
-
-
-def _rank() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -444,7 +540,7 @@ def _rank() -> tuple[int, int]:
 def _model(model, dtype, device, name):
     if isinstance(model, (str, os.PathLike)):
         path = str(model)
-        _check_device(device)
+        check_device(device)
         model = HookedTransformer.from_pretrained(path, dtype=dtype or torch.float32, device=device or "cpu")
         name = name or path
     elif dtype is not None or device is not None:
@@ -453,7 +549,7 @@ def _model(model, dtype, device, name):
     return model.eval(), name, model.embed.weight.dtype
 
 
-def _check_device(device) -> None:
+def check_device(device) -> None:
     """A device this torch and machine have, checked before any weights are read."""
     if device is None:
         return
@@ -472,15 +568,6 @@ def _check_device(device) -> None:
 def _batches(items: list, size: int) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
-
-
-def _windows_sha256(chunk: Iterable[Window]) -> str:
-    """The identity of a part's windows, checked when a resumed run passes over a recorded part."""
-    digest = hashlib.sha256()
-    for w in chunk:
-        digest.update(np.array([w.doc, w.start, len(w.tokens)], dtype=np.int64).tobytes())
-        digest.update(w.tokens.astype(np.int64, copy=False).tobytes())
-    return digest.hexdigest()
 
 
 class _Counting:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import io
 import os
 import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from moelens.traces import jsonl
+from moelens.traces.hashed import HashedFile
 from moelens.traces.tokenize import TokenizerLocality
 
 TEXT_SUFFIXES = frozenset(
@@ -204,51 +206,85 @@ class TextPieces:
 
 class FileDocuments:
     """The documents of files, in order: a text, or TextPieces for a long one. bytes_read: how far the
-    files have been read (for progress, and to show that reading stops where tracing does)."""
+    files have been read (for progress, and to show that reading stops where tracing does).
 
-    def __init__(self, files: Sequence[Path]) -> None:
+    Every byte is hashed as it is read (moelens.traces.hashed), and a file read to its end must have the
+    sha256 of ``expected`` (one per file, in order; the manifest's), or DataChanged names it. Where reading
+    stops early (max_tokens), finish() hashes the rest of the file being read and checks it the same way."""
+
+    def __init__(self, files: Sequence[Path], expected: Sequence[str] | None = None) -> None:
         self.files = list(files)
+        if expected is not None and len(expected) != len(self.files):
+            raise ValueError(f"expected: {len(expected)} hashes for {len(self.files)} files")
+        self.expected = list(expected) if expected is not None else [None] * len(self.files)
         self.bytes_read = 0
+        self._open: list = []  # what is being read and not checked yet: HashedFile, jsonl.LongText
+
+    def finish(self) -> None:
+        """Check what reading left half read (where the trace stopped early): the rest is read, only to hash it."""
+        while self._open:
+            self._open[-1].finish()
+            self._open.pop()
+
+    def _opened(self, item):
+        self._open.append(item)
+        return item
+
+    def _checked(self, item) -> None:
+        item.finish()
+        self._open.remove(item)
 
     def __iter__(self) -> Iterator[str | TextPieces]:
         done = 0
-        for path in self.files:
+        for path, expected in zip(self.files, self.expected):
             if _is_jsonl(path):
-                with open(path, "rb") as fh:
+                hashed = self._opened(HashedFile(path, expected))
+                with io.BufferedReader(hashed) as fh:
                     for line in jsonl.lines(fh, path):
                         self.bytes_read = done + fh.tell()
-                        yield line.text if line.text is not None else TextPieces(lambda line=line, path=path: _long_line(path, line))
+                        yield line.text if line.text is not None else TextPieces(lambda line=line, path=path: self._long_line(path, line))
+                    self._checked(hashed)
             elif path.stat().st_size <= READ_CHARS:
+                hashed = self._opened(HashedFile(path, expected))
+                with _text_reader(hashed) as fh:
+                    text = _decoded(path, fh.read)
+                    self._checked(hashed)
                 self.bytes_read = done + path.stat().st_size
-                yield _read_text(path)
+                yield text
             else:
-                yield TextPieces(lambda path=path, done=done: self._text_pieces(path, done))
+                yield TextPieces(lambda path=path, done=done, expected=expected: self._text_pieces(path, done, expected))
             done += path.stat().st_size
             self.bytes_read = done
 
-    def _text_pieces(self, path: Path, done: int) -> Iterator[str]:
-        with open(path, encoding="utf-8", newline=None) as fh:  # newlines as read_text reads them
+    def _text_pieces(self, path: Path, done: int, expected: str | None) -> Iterator[str]:
+        hashed = self._opened(HashedFile(path, expected))
+        with _text_reader(hashed) as fh:  # newlines as read_text reads them
             while True:
-                try:
-                    piece = fh.read(READ_CHARS)
-                except UnicodeDecodeError as err:
-                    raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {_bad_byte(path)})") from None
+                piece = _decoded(path, lambda: fh.read(READ_CHARS), chunked=True)
                 self.bytes_read = done + fh.buffer.tell()
                 if not piece:
+                    self._checked(hashed)
                     return
                 yield piece
 
+    def _long_line(self, path: Path, line: jsonl.Line) -> Iterator[str]:
+        with open(path, "rb") as fh:
+            text = self._opened(jsonl.long_text(fh, path, line))
+            yield from text
+            self._open.remove(text)  # checked at its own end
 
-def _long_line(path: Path, line: jsonl.Line) -> Iterator[str]:
-    with open(path, "rb") as fh:
-        yield from jsonl.long_text(fh, path, line)
+
+def _text_reader(hashed: HashedFile) -> io.TextIOWrapper:
+    """Text as Python's text mode reads it (UTF-8, newlines translated as read_text does), from hashed bytes."""
+    return io.TextIOWrapper(io.BufferedReader(hashed), encoding="utf-8", newline=None)
 
 
-def _read_text(path: Path) -> str:
+def _decoded(path: Path, read: Callable[[], str], chunked: bool = False) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return read()
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        # a reader of pieces counts the error's offset from its own buffer: find the byte again
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {_bad_byte(path) if chunked else err.start})") from None
 
 
 def _bad_byte(path: Path) -> int:

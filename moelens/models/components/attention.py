@@ -156,12 +156,21 @@ class Attention(AttentionWeightViews, nn.Module):
         and the queries attend to every cached position too (so scores and pattern are [batch head new all]).
         x is the normed stream, or SplitInputs (each head's own copy of it)."""
         q, k, v = self.project(x)
+        return project_out(self, self.hook_z(self.heads(q, k, v, inputs)))
+
+    def heads(
+        self,
+        q: Float[torch.Tensor, "batch pos head d_head"],
+        k: Float[torch.Tensor, "batch pos kv_head d_head"],
+        v: Float[torch.Tensor, "batch pos kv_head d_head"],
+        inputs: LayerInputs,
+    ) -> Float[torch.Tensor, "batch pos head d_head"]:
+        """The heads' outputs from the projections: position (and its hooks), the cache, attend."""
         q, k = self.position(q, k, inputs.cos, inputs.sin)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
         if inputs.state is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds later
             k, v = inputs.state.append(k, v)
-        z = attend(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.allowed(inputs))
-        return project_out(self, self.hook_z(z))
+        return attend(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.allowed(inputs))
 
     def allowed(self, inputs: LayerInputs) -> Bool[torch.Tensor, "batch 1 query key"]:
         """The keys each query may attend to: causal, padding masked (a subclass narrows it)."""

@@ -10,6 +10,7 @@ from jaxtyping import Float, Int
 from torch import nn
 
 from moelens.config import MoeConfig
+from moelens.experts.rounding import after_move, cast_through
 from moelens.experts.spec import ExpertTensors
 from moelens.experts.stored import StoredExperts
 from moelens.hooks.expert_views import VIEW_SITES, ExpertViewPoint, ViewGroup
@@ -55,6 +56,9 @@ class Experts(nn.Module):
     forward dequantizes the routed ones only, into its input's dtype; tensors() then returns dequantized
     copies. Resident stored experts are not parameters or buffers either (state_dict() does not see them);
     model.to(device) moves them, model.to(dtype) changes the dtype they are dequantized to, never them.
+    Experts made after a dtype move (dequantized, or read from an offload store's slots) are made through the
+    roundings the dense model's weights went through (`rounding`, moelens.experts.rounding), so a model with
+    stored or offloaded experts keeps the dense resident model's bits under every move.
 
     `backend` is what was asked for ("auto", "torch", "triton"); `executor` the path it resolved to ("torch" or
     "triton") for `resolved_for`, the device the experts are computed on. Resolution runs when the backend is
@@ -75,6 +79,7 @@ class Experts(nn.Module):
                 self.register_parameter(name, nn.Parameter(torch.empty(shape)))
         self.stored: StoredExperts | None = None  # resident experts kept as stored: attach_stored()
         self.dtype = cfg.dtype  # what tensors() dequantizes stored experts to; follows model.to()
+        self.rounding = (cfg.dtype,)  # the load's dtype, then each rounding dtype move's
         self.store: OffloadedExperts | None = None  # placement "offloaded": attach_store()
         self.host: ExpertTensors | StoredExperts | None = None  # placement "offloaded" to host memory: the full stacks
         self.shard: ExpertShard | None = None  # placement "sharded": attach_shard()
@@ -196,7 +201,9 @@ class Experts(nn.Module):
                 "this model's routed experts are offloaded to disk and are not held in memory; read one expert with "
                 ".store.source(expert) or load with expert_offload='cpu' (or none)"
             )
-        return self.host.dequantize(self.dtype) if isinstance(self.host, StoredExperts) else self.host
+        if isinstance(self.host, StoredExperts):
+            return self.host.dequantize(self.dtype)
+        return ExpertTensors(*(None if t is None else cast_through(t, self.rounding, self.dtype) for t in self.host))
 
     def stacks_held_elsewhere(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The full stacks, as meta tensors of the spec's (dequantized) shapes, where they are not this module's
@@ -228,11 +235,25 @@ class Experts(nn.Module):
         # are never cast); a probe says where and in what dtype the float parameters now are
         out = super()._apply(fn, recurse)
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.stored.device if self.stored is not None else "cpu"))
-        self.dtype = probe.dtype
+        if probe.dtype != self.dtype:
+            self._follow_dtype(probe.dtype)
         if self.stored is not None and probe.device != self.stored.device:
             self.stored = self.stored.to(probe.device)
         self.backend = self.backend  # resolved again for where the experts are now
         return out
+
+    def _follow_dtype(self, dtype: torch.dtype) -> None:
+        """A model.to(dtype) for the experts that are not parameters: stored ones dequantize, and offloaded
+        ones are cast, through the dense weights' roundings; a rank's dense shard is cast as parameters are."""
+        self.dtype, self.rounding = dtype, after_move(self.rounding, dtype)
+        if self.stored is not None:
+            self.stored = self.stored.with_rounding(self.rounding)
+        if isinstance(self.host, StoredExperts):
+            self.host = self.host.with_rounding(self.rounding)
+        if self.store is not None:
+            self.store.rounding = self.rounding
+        if self.shard is not None:
+            self.shard.follow_dtype(dtype, self.rounding)
 
     def extra_repr(self) -> str:
         where = "" if self.store is None else f", offloaded to {self.store.where}"
@@ -252,6 +273,7 @@ class SparseMoe(nn.Module):
         self.experts = Experts(cfg)
         self.hook_router_logits = site_hook("blocks.L.mlp.hook_router_logits")
         self.hook_router_scores = site_hook("blocks.L.mlp.hook_router_scores", self.router.scores_form)
+        self.hook_router_probs = site_hook("blocks.L.mlp.hook_router_probs", self.router.probs_form)
         if self.router.choice_bias:
             self.hook_choice_scores = site_hook("blocks.L.mlp.hook_choice_scores")
         self.hook_expert_indices = site_hook("blocks.L.mlp.hook_expert_indices")
@@ -305,6 +327,8 @@ class SparseMoe(nn.Module):
         router = self.router
         logits = self.hook_router_logits(router.logits(x))
         scores = self.hook_router_scores(router.scores(logits))
+        if self.hook_router_probs.has_hooks:  # an observation site: computed for its hooks only, read by nothing
+            self.hook_router_probs(router.probabilities(scores))
         choice = router.choice_scores(scores)
         if router.choice_bias:
             choice = self.hook_choice_scores(choice)

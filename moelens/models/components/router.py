@@ -24,6 +24,7 @@ class TopKRouter(nn.Module):
     choice_bias: ClassVar[bool] = False  # a bias added to the scores for the choice only (hook_choice_scores)
     scoring: ClassVar[str] = ""
     scores_form: ClassVar[str] = "default"  # hook_router_scores' form in the table of hook sites
+    probs_form: ClassVar[str] = "default"  # hook_router_probs' form: how probabilities() makes a distribution
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__()
@@ -35,9 +36,11 @@ class TopKRouter(nn.Module):
         return scores
 
     def probabilities(self, scores: Float[torch.Tensor, "... n_experts"]) -> Float[torch.Tensor, "... n_experts"]:
-        """A distribution over the experts from hook_router_scores, for the analyses (entropy, usage): the
-        scores normalised to sum to one (softmax scores as they are, sigmoid scores rescaled); a rule whose
-        scores are not probabilities (logits) overrides this."""
+        """hook_router_probs: a distribution over the experts from hook_router_scores, for the analyses
+        (entropy, usage): the scores normalised to sum to one (softmax scores up to rounding, sigmoid scores
+        rescaled), float32; a rule whose scores are not probabilities (logits) overrides this. Always a new
+        tensor, so that an in-place edit of it cannot reach the scores."""
+        scores = scores.float()
         return scores / scores.sum(-1, keepdim=True)
 
     def extra_repr(self) -> str:
@@ -86,6 +89,7 @@ class SigmoidGroupedTopK(TopKRouter):
     float32_weight = True
     choice_bias = True
     scoring = "sigmoid"
+    scores_form = probs_form = "sigmoid"
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)
