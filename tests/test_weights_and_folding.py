@@ -166,12 +166,18 @@ def test_views_are_live_and_differentiable(checkpoints):
     assert (grad[:, d : 2 * d] == 1).all() and (grad[:, :d] == 0).all()
 
 
-def test_mixture_views_refuse_dense_blocks(checkpoints):
+def test_mixture_views_of_a_model_with_a_dense_middle_block_keep_block_numbers(checkpoints):
+    """A dense block between mixtures (block 1): the mixture views are keyed by block, never renumbered."""
     model = HookedTransformer.from_pretrained(checkpoints["qwen2_moe", "dense_block"], progress=False)
     assert model.W_Q.shape[0] == 3
     for name in ("W_router", "W_gate", "W_out", "W_shared_in"):
-        with pytest.raises(ValueError, match=r"blocks \[1\] of this model are dense"):
-            getattr(model, name)
+        view = getattr(model, name)
+        assert sorted(view) == [0, 2], name
+        with pytest.raises(KeyError, match=r"block 1 is a dense MLP"):
+            view[1]
+    with torch.no_grad():
+        assert torch.equal(model.W_router[2], model.blocks[2].mlp.router.weight)
+        assert torch.equal(model.W_router[-1], model.blocks[2].mlp.router.weight)
 
 
 def test_factored_matrix(family_models):
