@@ -201,7 +201,7 @@ def component_of(name: str) -> tuple[str, int | None]:
         norms = ("ln1.", "ln2.", "attn.q_norm.", "attn.k_norm.", "attn.q_a_layernorm.", "attn.kv_a_layernorm.")
         if rest.startswith(norms):
             return "norms", layer
-        if rest.startswith("attn."):
+        if rest.startswith(("attn.", "mixer.")):  # the token mixer, whatever its kind
             return "attention", layer
         if rest.startswith("mlp.router."):
             return "routers", layer  # weight and Solar's e_score_correction_bias (a buffer)

@@ -49,5 +49,5 @@ VARIANTS = {
     ("qwen3_next", "fused"): lambda d: tiny.fused(build_qwen3_next(d, seed=1)),
     ("qwen3_next", "dense_block"): lambda d: build_qwen3_next(d, seed=2, mlp_only_layers=[1], norm_topk_prob=False),
     ("qwen3_next", "interval"): lambda d: build_qwen3_next(d, seed=3, num_hidden_layers=5, layer_types=None,
-                                                           full_attention_interval=2, attention_bias=True),
+                                                           full_attention_interval=2),
 }
