@@ -944,7 +944,8 @@ def plan(
     cfg = dataclasses.replace(cfg, dtype=dtype)
     components, layers = count_tensors(cfg, *meta_tensors(family, cfg))
     recipe = family.recipe(cfg)
-    acts = activation_terms(cfg, batch, seq, float32_router(recipe))
+    router_in_float32 = float32_router(recipe)
+    acts = activation_terms(cfg, batch, seq, router_in_float32)
     kv_per_token = cached_per_token(recipe, cfg)
     kv = kv_cache_bytes(cfg, batch, seq, kv_per_token)
     needs = needs_of(cfg, family, components, layers, batch, seq)
@@ -972,7 +973,7 @@ def plan(
         config={
             "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_experts": cfg.n_experts,
             "top_k": max(cfg.top_k_per_layer, default=0), "d_expert": cfg.d_expert, "d_vocab": cfg.d_vocab,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": float32_router,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": router_in_float32,
         },
         stored=stored,
     )
