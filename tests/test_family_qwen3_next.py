@@ -20,7 +20,7 @@ from moelens.state import RecurrentState
 from moelens.verify import compare
 from test_plan import hf_weights
 
-VARIANTS = [v for (_, v) in tiny_q3n.VARIANTS]
+VARIANTS = [v for (_, v) in tiny_q3n.FAMILY_VARIANTS]
 # five layers, two of them full attention before Gated DeltaNet layers, which amplify the attention's float32
 # rounding: compared within transformers' own eager-vs-SDPA noise (test_interval_variant_...)
 SITE_VARIANTS = [v for v in VARIANTS if v != "interval"]
@@ -32,7 +32,7 @@ ROUTER_SITES = ("mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_e
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    return build_checkpoints(tmp_path_factory, "qwen3_next", tiny_q3n.VARIANTS)
+    return build_checkpoints(tmp_path_factory, "qwen3_next", tiny_q3n.FAMILY_VARIANTS)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ CONFIGS = {
     "tiny-olmoe": "tiny_olmoe.json",
     "tiny-deepseek-v3": "tiny_deepseek_v3.json",
     "tiny-glm4-moe": "tiny_glm4_moe.json",
+    "tiny-qwen3-next": "tiny_qwen3_next.json",
     "tiny-gpt-oss": "tiny_gpt_oss.json",
     "tiny-minimax-m2": "tiny_minimax_m2.json",
 }

@@ -69,6 +69,10 @@ def _dims(model) -> dict[str, str]:
         "d_shared": cfg.d_shared,
         "1": 1,
     }
+    # token mixers other than attention name their axes after their config's sizes (Gated DeltaNet, Mamba-2)
+    mixer_axes = {"k_head": "linear_n_key_heads", "v_head": "linear_n_value_heads", "d_k": "linear_d_key",
+                  "d_v": "linear_d_value", "mamba_head": "mamba_n_heads", "mamba_group": "mamba_n_groups"}
+    dims |= {axis: getattr(cfg, field) for axis, field in mixer_axes.items() if hasattr(cfg, field)}
     return {k: str(v) for k, v in dims.items()}
 
 
