@@ -6,6 +6,7 @@ reads its rows and absent list from the table, and the table's short and standar
 from __future__ import annotations
 
 import pytest
+import tiny_qwen3_next
 from conftest import FAMILIES, VARIANTS
 
 from moelens import HookedTransformer
@@ -17,9 +18,13 @@ SWITCHES = ("set_use_attn_result", "set_use_split_qkv_input", "set_use_attn_in",
 # every variant but those differing only in how the checkpoint is stored (same hook points)
 MODEL_KEYS = sorted(k for k in VARIANTS if k[1] not in ("sharded", "fused"))
 
-# Sites of token mixers no family builds yet (blocks.L.mixer.*): their own tests check that the mixer builds
-# each with the table's layout and meaning (tests/test_mixer_gated_deltanet.py).
+# Sites of token mixers (blocks.L.mixer.*): Qwen3-Next builds Gated DeltaNet's (the default forms); the Mamba-2
+# forms await a family, and tests/test_mixer_mamba2.py checks that the mixer builds each with the table's layout
+# and meaning.
 MIXER_ONLY = {s.name for s in SITES if s.name.startswith("blocks.L.mixer.")}
+AWAITING_FAMILY_FORMS = {"mamba2"}
+# hybrid models, not yet in conftest's generic suites (no TransformerLens switch on them)
+HYBRID_BUILDERS = {("qwen3_next", "base"): tiny_qwen3_next.build_qwen3_next}
 
 # a form's meaning fields, as the model fills them: (model, layer) -> value
 FIELDS = {"formula": lambda model, layer: model.blocks[layer].mlp.experts.spec.activation.formula}
@@ -36,9 +41,13 @@ def switched_on(model: HookedTransformer) -> HookedTransformer:
 
 
 @pytest.fixture(scope="module")
-def models(checkpoints):
+def models(checkpoints, tmp_path_factory):
     """(family, variant) -> a model of its own (the switches change it), with every switch on it allows."""
-    return {key: switched_on(HookedTransformer.from_pretrained(checkpoints[key], progress=False)) for key in MODEL_KEYS}
+    out = {key: switched_on(HookedTransformer.from_pretrained(checkpoints[key], progress=False)) for key in MODEL_KEYS}
+    root = tmp_path_factory.mktemp("hybrid")
+    for key, build in HYBRID_BUILDERS.items():
+        out[key] = HookedTransformer.from_pretrained(build(root / key[0]), progress=False)
+    return out
 
 
 def forms_used(model: HookedTransformer) -> dict[str, set[str]]:
@@ -63,7 +72,7 @@ def forms_used(model: HookedTransformer) -> dict[str, set[str]]:
     return used
 
 
-@pytest.mark.parametrize("key", MODEL_KEYS, ids=lambda k: f"{k[0]}-{k[1]}")
+@pytest.mark.parametrize("key", MODEL_KEYS + sorted(HYBRID_BUILDERS), ids=lambda k: f"{k[0]}-{k[1]}")
 def test_every_hook_point_is_a_table_entry_with_its_layout_and_meaning(models, key):
     forms_used(models[key])
 
@@ -74,10 +83,10 @@ def test_every_site_and_form_of_the_table_is_some_models(models):
         for name, forms in forms_used(model).items():
             used.setdefault(name, set()).update(forms)
     for site in SITES:
-        if site.name in MIXER_ONLY and site.name not in used:
+        if site.name not in used:  # Mamba-2's own rows await Nemotron-H
+            assert site.name in MIXER_ONLY, f"no family has {site.name}"
             continue
-        assert site.name in used, f"no family has {site.name}"
-        unused = set(site.forms) - used[site.name]
+        unused = set(site.forms) - used[site.name] - (AWAITING_FAMILY_FORMS if site.name in MIXER_ONLY else set())
         assert not unused, f"{site.name}: forms no family uses: {unused}"
     assert {f for f, _ in MODEL_KEYS} == set(FAMILIES)
 
