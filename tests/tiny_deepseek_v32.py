@@ -1,4 +1,4 @@
-"""Tiny DeepSeek-V3.2 checkpoints built with transformers' own class (fixed seeds, no downloads). index_topk 6 is
+"""Tiny DeepSeek-V3.2 checkpoints built with transformers' own class (fixed seeds, no downloads). index_topk 3 is
 below the tests' lengths, so the indexer's choice shapes most queries' attention."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def dsa_fields(**overrides) -> dict:
         "topk_group", "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "max_position_embeddings",
         "rope_parameters",
     )}
-    kwargs.update(index_topk=6, index_head_dim=16, index_n_heads=4)
+    kwargs.update(index_topk=3, index_head_dim=16, index_n_heads=4)
     kwargs.update(overrides)
     return kwargs
 

@@ -33,6 +33,8 @@ CONFIGS = {
     "tiny-glm4-moe": "tiny_glm4_moe.json",
     "tiny-gpt-oss": "tiny_gpt_oss.json",
     "tiny-minimax-m2": "tiny_minimax_m2.json",
+    "tiny-deepseek-v32": "tiny_deepseek_v32.json",
+    "tiny-glm-moe-dsa": "tiny_glm_moe_dsa.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

@@ -13,8 +13,6 @@ narrowing of the mask (narrowed) are separate functions, so an edit of the score
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import nn
@@ -25,16 +23,6 @@ from moelens.state import IndexedKVState
 
 # transformers builds the indexer's k_norm as nn.LayerNorm(index_head_dim, eps=1e-6), whatever rms_norm_eps says
 INDEX_KEY_NORM_EPS = 1e-6
-
-
-class Float32Linear(nn.Linear):
-    """A linear map kept float32 whatever the model's dtype (transformers' _keep_in_fp32_modules), reading its
-    input cast to float32."""
-
-    float32_weight: ClassVar[bool] = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.to(self.weight.dtype))
 
 
 class LightningIndexer(nn.Module):
@@ -51,7 +39,8 @@ class LightningIndexer(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.d_head, bias=False)
         self.wk = nn.Linear(cfg.d_model, self.d_head, bias=False)
         self.k_norm = LayerNorm(self.d_head, INDEX_KEY_NORM_EPS)
-        self.weights_proj = Float32Linear(cfg.d_model, self.n_heads, bias=False)
+        # in the model's dtype: transformers' _keep_in_fp32_modules keeps it float32 only in a float16 model
+        self.weights_proj = nn.Linear(cfg.d_model, self.n_heads, bias=False)
 
     def forward(
         self,
