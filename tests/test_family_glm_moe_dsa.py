@@ -143,7 +143,7 @@ def test_config_refusals():
 
 
 def test_fp8_checkpoint_equals_transformers_dequantized(tmp_path):
-    from test_quantized_checkpoints import assert_params_equal, quantize_folder, transformers_dequantized
+    from test_quantized_checkpoints import assert_params_equal, check_logits, quantize_folder, transformers_dequantized
 
     folder = tiny_glm.build(tmp_path / "fp8", seed=5)
     quantize_folder(folder, (128, 128))
@@ -151,8 +151,7 @@ def test_fp8_checkpoint_equals_transformers_dequantized(tmp_path):
         hf = transformers_dequantized(folder, dtype)
         model = HookedTransformer.from_pretrained(folder, dtype=dtype, progress=False)
         assert_params_equal(model, hf.state_dict())
-        report = compare(model, hf, tokens())
-        assert report.max_logit_diff == 0.0 and report.index_mismatches == 0, report
+        check_logits(model, hf, dtype)  # float32 within 1e-5 (transformers' fp8 linear rounds its own way), bf16 bitwise
 
 
 # zai-org/GLM-5's sizes (transformers' GlmMoeDsaConfig defaults are GLM-5's): every layer runs its indexer

@@ -47,6 +47,11 @@ class DeepseekV32Config(DeepseekV3Config):
         super().__post_init__()
         if len(self.indexer_layers) != self.n_layers:
             raise ValueError(f"indexer_layers has {len(self.indexer_layers)} entries, the model {self.n_layers} layers")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"index_head_dim ({self.index_head_dim}) must be at least qk_rope_head_dim ({self.qk_rope_head_dim}): "
+                "the indexer turns the first qk_rope_head_dim dims of each of its heads"
+            )
         if self.indexer_layers and not self.indexer_layers[0]:
             raise ValueError("layer 0 must run its own indexer: a shared layer reuses the selection of the layer before")
 
