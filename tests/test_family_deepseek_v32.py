@@ -299,7 +299,8 @@ def test_plan_at_full_size():
 
 def test_support_lists_the_index_sites(models):
     rows = {r.name: r for r in models["base"].support(print_table=False).rows}
-    assert rows["blocks.L.attn.hook_index_scores"].shape == "[batch, pos, pos]" or "key" in rows["blocks.L.attn.hook_index_scores"].shape
+    assert rows["blocks.L.attn.hook_index_scores"].shape == "[batch, query, key]"
+    assert rows["blocks.L.attn.hook_index_topk"].shape == "[batch, query, 3]"
     assert rows["blocks.L.attn.hook_index_topk"].reference == "model.layers.L.self_attn.indexer"
 
 

@@ -172,6 +172,12 @@ def test_plan_at_full_size():
     assert full_size_plan(GLM_5, 743.9) / 1e9 == pytest.approx(746.1, abs=0.1)
 
 
+def test_support_names_the_layers_that_score(models):
+    rows = {r.name: r for r in models["base"].support(print_table=False).rows}
+    assert rows["blocks.L.attn.hook_index_scores"].layers == "0,2" and rows["blocks.L.attn.hook_index_topk"].layers == "all"
+    assert rows["blocks.L.attn.hook_index_topk"].reference == "model.layers.L.self_attn (out.2)"
+
+
 def test_embedded_default_loads_and_runs():
     model = HookedTransformer.from_pretrained("tiny-glm-moe-dsa", progress=False)
     assert type(model) is HookedGlmMoeDsa and model.cfg.indexer_layers == (True, True, False, True)
