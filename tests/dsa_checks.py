@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from family_harness import tokens
-
 
 def captured(ref, toks, modules: dict[str, str], mask=None, indexer_output=None):
     """transformers' forward with the outputs of `modules` ({key: module path}) captured; indexer_output(layer,
@@ -58,4 +56,3 @@ def selection_sites(model, toks, mask=None):
     return [cache[f"blocks.{layer}.attn.hook_index_topk"] for layer in range(model.cfg.n_layers)]
 
 
-__all__ = ["captured", "index_scores_by_hand", "window_selection", "selection_sites", "tokens"]

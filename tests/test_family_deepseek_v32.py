@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import tiny
 import family_harness as harness
 import tiny_deepseek_v32 as tiny_dsa
-from dsa_checks import captured, index_scores_by_hand, selection_sites, window_selection
+from dsa_checks import captured, index_scores_by_hand, window_selection
 from family_harness import (
     References, build_checkpoints, check_bit_exact, check_greedy_generation, copy_checkpoint, left_padded,
     rewrite_tensors, stored_keys, tokens,

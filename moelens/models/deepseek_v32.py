@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moelens.config import HFConfig, MoeConfig
+from moelens.config import HFConfig
 from moelens.models.base import HookedTransformer
 from moelens.models.components import SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.sparse_latent_attention import IndexedLatentAttention, SharedSelectionLatentAttention
 from moelens.models.deepseek_v3 import DEEPSEEK_V3_DEFAULTS, IGNORED_FIELDS, DeepseekV3Config, _layer_sites, latent_decoder_fields
-from moelens.models.recipe import LayerSpec, Mixture, Recipe, Dense
+from moelens.models.recipe import Dense, LayerSpec, Mixture, Recipe
 from moelens.models.sites import Entry, decoder_site_map
 from moelens.sitemap import Reference, SiteMap, Weight
 

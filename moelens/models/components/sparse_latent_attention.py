@@ -10,8 +10,6 @@ hands what that hook holds on to the next layer, as transformers passes each lay
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from jaxtyping import Bool, Float
 from torch import nn
@@ -79,5 +77,3 @@ class SharedSelectionLatentAttention(MultiHeadLatentAttention):
         inputs.carried[SELECTION] = selection
         edited_at = self.hook_index_topk.name if self.hook_index_topk.has_hooks else None
         return narrowed(inputs.allowed, selection, edited_at)
-
-    block_attribute: ClassVar[str] = "attn"
