@@ -73,7 +73,8 @@ def hub_spelling(folder: Path, **hub_fields) -> Path:
 
 build = build_deepseek_v32
 VARIANTS = {
-    ("deepseek_v32", "base"): lambda d: build(d, seed=0),
+    # seed 4: every site live under the generic per-site edits, and expert 2 chosen in the last mixture layer
+    ("deepseek_v32", "base"): lambda d: build(d, seed=4),
     ("deepseek_v32", "fused"): lambda d: tiny.fused(build(d, seed=1)),
     ("deepseek_v32", "hub"): lambda d: hub_spelling(build(d, seed=2)),
 }
