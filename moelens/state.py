@@ -103,6 +103,52 @@ class KVState:
         return f"KVState(length={self.length}, capacity={self.capacity})"
 
 
+class IndexedKVState(KVState):
+    """A DeepSeek Sparse Attention layer's state: latent attention's keys and values (KVState) and, beside
+    them, its indexer's keys ([batch capacity index_head_dim], one per position, shared by the indexer's
+    heads), preallocated and grown the same way. Snapshot and rollback cover both."""
+
+    def __init__(self, reserve: int = 0) -> None:
+        super().__init__(reserve)
+        self.index_length = 0
+        self._index_keys: Float[torch.Tensor, "batch capacity d_index"] | None = None
+
+    @property
+    def index_keys(self) -> Float[torch.Tensor, "batch pos d_index"] | None:
+        """The cached indexer keys of every position so far (a view of the buffer), None before the first forward."""
+        return None if self._index_keys is None else self._index_keys[:, : self.index_length]
+
+    def append_index_keys(
+        self, keys: Float[torch.Tensor, "batch new d_index"]
+    ) -> Float[torch.Tensor, "batch all d_index"]:
+        """Store the new positions' indexer keys; return those of every position, cached first (on an empty
+        state the new tensor itself, as KVState.append)."""
+        start, new = self.index_length, keys.shape[1]
+        if self._index_keys is None or start + new > self._index_keys.shape[1]:
+            capacity = max(start + new, self.reserve, 2 * (0 if self._index_keys is None else self._index_keys.shape[1]))
+            grown = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
+            if self._index_keys is not None:
+                grown[:, :start] = self._index_keys[:, :start]
+            self._index_keys = grown
+        self._index_keys[:, start : start + new] = keys
+        self.index_length = start + new
+        return keys if start == 0 else self.index_keys
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.length, self.index_length
+
+    def rollback(self, snapshot: tuple[int, int]) -> None:
+        self.length, self.index_length = snapshot
+
+    @property
+    def nbytes(self) -> int:
+        held = 0 if self._index_keys is None else self._index_keys[:, 0].numel() * self._index_keys.element_size()
+        return super().nbytes + held * self.index_length
+
+    def __repr__(self) -> str:
+        return f"IndexedKVState(length={self.length}, index_length={self.index_length}, capacity={self.capacity})"
+
+
 class RecurrentState:
     """A linear-attention or state-space layer's state: the last inputs of its causal convolution
     (`conv`, [batch channels kernel], as transformers' caches keep them) and its recurrent state

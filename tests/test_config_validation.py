@@ -8,6 +8,8 @@ import pytest
 
 import tiny
 import tiny_deepseek_v3
+import tiny_deepseek_v32
+import tiny_glm_moe_dsa
 import tiny_glm4_moe
 import tiny_gpt_oss
 import tiny_minimax_m2
@@ -25,6 +27,8 @@ BUILDERS = {
     "deepseek_v3": tiny_deepseek_v3.build_deepseek_v3, "gpt_oss": tiny_gpt_oss.build_gpt_oss,
     "glm4_moe": tiny_glm4_moe.build_glm4_moe,
     "minimax_m2": tiny_minimax_m2.build_minimax_m2,
+    "deepseek_v32": tiny_deepseek_v32.build_deepseek_v32,
+    "glm_moe_dsa": tiny_glm_moe_dsa.build_glm_moe_dsa,
 }
 
 

@@ -21,6 +21,8 @@ import tiny_deepseek_v3
 import tiny_glm4_moe
 import tiny_gpt_oss
 import tiny_minimax_m2
+import tiny_deepseek_v32
+import tiny_glm_moe_dsa
 import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
@@ -44,6 +46,8 @@ CHECKPOINTS = {  # family/variant -> builder; "fused" stores each layer's expert
     "glm4_moe": lambda d: tiny_glm4_moe.build_glm4_moe(d, seed=0),  # q/k norm, partial rotary, a dense first block
     "gpt_oss": lambda d: tiny_gpt_oss.build_gpt_oss(d, seed=0),  # expert biases, transposed interleaved layout
     "minimax_m2": lambda d: tiny_minimax_m2.build_minimax_m2(d, seed=0),
+    "deepseek_v32": lambda d: tiny_deepseek_v32.build_deepseek_v32(d, seed=0),  # every layer's indexer
+    "glm_moe_dsa": lambda d: tiny_glm_moe_dsa.build_glm_moe_dsa(d, seed=0),  # layers sharing a selection
 }
 # CPU GEMMs round differently with other intra-op thread counts (an environment property, not expert
 # parallelism's: one process differs from itself), so the ranks and the reference all run on one thread

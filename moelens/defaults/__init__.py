@@ -34,6 +34,8 @@ CONFIGS = {
     "tiny-qwen3-next": "tiny_qwen3_next.json",
     "tiny-gpt-oss": "tiny_gpt_oss.json",
     "tiny-minimax-m2": "tiny_minimax_m2.json",
+    "tiny-deepseek-v32": "tiny_deepseek_v32.json",
+    "tiny-glm-moe-dsa": "tiny_glm_moe_dsa.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

@@ -126,6 +126,16 @@ SITES: tuple[Site, ...] = (
           standard="attention_keys", short="rot_k", variants={
               "latent": ("batch pos head d_head", "keys entering attention (rotary on the rope dims)"),
           }),
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): the lightning indexer picks the keys each query attends to
+    _site("blocks.L.attn.hook_index_scores", "batch query key",
+          "the indexer's float32 score of every key (cached included) for each query: sum over its heads of "
+          "weights_proj(x) * relu(q . k); before the causal and padding mask (an edit re-selects)",
+          short="index_scores"),
+    _site("blocks.L.attn.hook_index_topk", "batch query index_topk",
+          "indices of the keys each query attends to (the top min(index_topk, keys) masked index scores, best "
+          "first; a selected masked key stays masked); an edit changes what attention sees", short="index_topk",
+          variants={"shared": ("batch query index_topk", "the key selection reused from the layer before (GLM-5's "
+                               "shared DSA layers); an edit holds for this layer and the ones that reuse it")}),
     _site("blocks.L.attn.hook_attn_scores", "batch head query key", "scaled, masked scores before the softmax",
           standard="attention_scores", short="attn_scores"),
     # gpt-oss: a learned extra logit per head in every query's softmax

@@ -5,7 +5,9 @@ from __future__ import annotations
 from moelens.families import FAMILIES, family_for
 from moelens.models.base import HookedTransformer
 from moelens.models.deepseek_v3 import HookedDeepseekV3
+from moelens.models.deepseek_v32 import HookedDeepseekV32
 from moelens.models.glm4_moe import HookedGlm4Moe
+from moelens.models.glm_moe_dsa import HookedGlmMoeDsa
 from moelens.models.gpt_oss import HookedGptOss
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
 from moelens.models.minimax_m2 import HookedMiniMaxM2
@@ -22,4 +24,6 @@ __all__ = [
     "HookedGlm4Moe",
     "HookedMiniMaxM2",
     "HookedQwen3Next",
+    "HookedDeepseekV32",
+    "HookedGlmMoeDsa",
 ]

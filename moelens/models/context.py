@@ -6,7 +6,9 @@
 - allowed: the causal and padding mask over every key the new tokens see (cached ones first), [batch|1, 1,
   query, key]; a mixer that narrows it (a sliding window, chunks) calls `within(...)`;
 - mask: 1 for a real new token, 0 for padding, [batch pos], or None when every new token is real;
-- state: the layer's own state in the cache (moelens.state), or None without a cache.
+- state: the layer's own state in the cache (moelens.state), or None without a cache;
+- carried: what a layer hands to the later layers of the same forward, by name (GLM-5's DSA layers that reuse
+  an earlier layer's key selection read it here); one dict per forward, shared by every layer's inputs.
 
 The model builds one LayerInputs per forward and hands each layer `inputs.for_layer(state)`.
 """
@@ -14,7 +16,7 @@ The model builds one LayerInputs per forward and hands each layer `inputs.for_la
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -30,6 +32,7 @@ class LayerInputs:
     allowed: Bool[torch.Tensor, "batch 1 query key"]
     mask: Int[torch.Tensor, "batch pos"] | None = None
     state: LayerState | None = None
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def n_queries(self) -> int:

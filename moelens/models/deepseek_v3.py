@@ -68,46 +68,72 @@ class HookedDeepseekV3(HookedTransformer):
     @classmethod
     def config_from_hf(cls, raw: dict) -> DeepseekV3Config:
         hf = HFConfig(raw)
-        rope = hf.rope()
-        if rope.partial_rotary_factor != 1.0:  # transformers' MLA would fail on the cos / sin width
-            raise ValueError(
-                f"partial_rotary_factor {rope.partial_rotary_factor}: DeepSeek-V3 rotates qk_rope_head_dim dims, "
-                "set by qk_rope_head_dim (partial_rotary_factor must be 1)"
-            )
-        d_nope = hf.integer("qk_nope_head_dim", 128, at_least=0)
-        d_rope = hf.integer("qk_rope_head_dim", 64, at_least=2)
-        # transformers' defaults are DeepSeek-V3's own sizes
-        fields = common_fields(
-            hf, rms_norm_eps=1e-6, max_position_embeddings=4096, hidden_size=7168, d_head=d_nope + d_rope,
-            rope=dataclasses.replace(rope, interleaved=hf.flag("rope_interleave", True)),
-        )
-        if fields["n_kv_heads"] != fields["n_heads"]:  # kv_b_proj decompresses one key and value per query head
-            raise ValueError(
-                f"num_key_value_heads ({fields['n_kv_heads']}) must equal num_attention_heads ({fields['n_heads']}): "
-                "latent attention decompresses a key and a value for every head"
-            )
-        first_dense = hf.integer("first_k_dense_replace", 3, at_least=0)
-        attention_bias = hf.flag("attention_bias", False)
         return DeepseekV3Config(
-            **fields,
-            **deepseek_mixture_fields(
-                hf, fields["n_layers"], first_dense, n_routed_experts=256, num_experts_per_tok=8,
-                moe_intermediate_size=2048, intermediate_size=18432, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-            ),
-            family=cls.model_type,
-            qkv_bias=attention_bias,  # q_a_proj and kv_a_proj_with_mqa (q_proj, q_b_proj, kv_b_proj have none)
-            o_bias=attention_bias,
-            # null: a plain q_proj; absent: transformers' default
-            q_lora_rank=hf.integer("q_lora_rank", None, at_least=1) if "q_lora_rank" in raw else 1536,
-            kv_lora_rank=hf.integer("kv_lora_rank", 512, at_least=1),
-            qk_nope_head_dim=d_nope,
-            qk_rope_head_dim=d_rope,
-            v_head_dim=hf.integer("v_head_dim", 128, at_least=1),
-            first_k_dense_replace=first_dense,
-            mtp_layers=hf.integer("num_nextn_predict_layers", 0, at_least=0),
-            fields_read=tuple(hf.read),
-            fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
+            **latent_decoder_fields(hf, raw, DEEPSEEK_V3_DEFAULTS), family=cls.model_type,
+            fields_read=tuple(hf.read), fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
         )
+
+
+# transformers' DeepseekV3Config defaults (DeepSeek-V3's own sizes), for the fields latent_decoder_fields reads
+DEEPSEEK_V3_DEFAULTS = dict(
+    rms_norm_eps=1e-6, max_position_embeddings=4096, hidden_size=7168, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, q_lora_rank=1536, kv_lora_rank=512, first_k_dense_replace=3, n_routed_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=2048, intermediate_size=18432, n_group=8, topk_group=4,
+    routed_scaling_factor=2.5,
+)
+
+
+def latent_decoder_fields(hf: HFConfig, raw: dict, defaults: dict, rope_interleave: bool | None = None) -> dict:
+    """DeepseekV3Config's fields (all but family and the bookkeeping) from config.json, which DeepSeek-V3.2 and
+    GLM-5 spell the same way; `defaults`: the family's transformers defaults (DEEPSEEK_V3_DEFAULTS' keys).
+    rope_interleave: None reads config.json's rope_interleave (DeepSeek-V3); True or False is the family's fixed
+    layout, and a config.json saying otherwise is refused (transformers would not read it)."""
+    rope = hf.rope()
+    if rope.partial_rotary_factor != 1.0:  # transformers' MLA would fail on the cos / sin width
+        raise ValueError(
+            f"partial_rotary_factor {rope.partial_rotary_factor}: DeepSeek-V3 rotates qk_rope_head_dim dims, "
+            "set by qk_rope_head_dim (partial_rotary_factor must be 1)"
+        )
+    if rope_interleave is None:
+        interleaved = hf.flag("rope_interleave", True)
+    else:
+        interleaved = rope_interleave
+        if hf.flag("rope_interleave", rope_interleave) != rope_interleave:
+            raise ValueError(
+                f"rope_interleave {raw['rope_interleave']}: this family's latent attention always lays its rotary "
+                f"dims out {'interleaved' if rope_interleave else 'half-split'} (transformers does not read the field)"
+            )
+    d_nope = hf.integer("qk_nope_head_dim", defaults["qk_nope_head_dim"], at_least=0)
+    d_rope = hf.integer("qk_rope_head_dim", defaults["qk_rope_head_dim"], at_least=2)
+    fields = common_fields(
+        hf, rms_norm_eps=defaults["rms_norm_eps"], max_position_embeddings=defaults["max_position_embeddings"],
+        hidden_size=defaults["hidden_size"], d_head=d_nope + d_rope, rope=dataclasses.replace(rope, interleaved=interleaved),
+    )
+    if fields["n_kv_heads"] != fields["n_heads"]:  # kv_b_proj decompresses one key and value per query head
+        raise ValueError(
+            f"num_key_value_heads ({fields['n_kv_heads']}) must equal num_attention_heads ({fields['n_heads']}): "
+            "latent attention decompresses a key and a value for every head"
+        )
+    first_dense = hf.integer("first_k_dense_replace", defaults["first_k_dense_replace"], at_least=0)
+    attention_bias = hf.flag("attention_bias", False)
+    mixture = {k: defaults[k] for k in (
+        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "n_group", "topk_group",
+        "routed_scaling_factor",
+    )}
+    return dict(
+        **fields,
+        **deepseek_mixture_fields(hf, fields["n_layers"], first_dense, **mixture),
+        qkv_bias=attention_bias,  # q_a_proj and kv_a_proj_with_mqa (q_proj, q_b_proj, kv_b_proj have none)
+        o_bias=attention_bias,
+        # null: a plain q_proj; absent: transformers' default
+        q_lora_rank=hf.integer("q_lora_rank", None, at_least=1) if "q_lora_rank" in raw else defaults["q_lora_rank"],
+        kv_lora_rank=hf.integer("kv_lora_rank", defaults["kv_lora_rank"], at_least=1),
+        qk_nope_head_dim=d_nope,
+        qk_rope_head_dim=d_rope,
+        v_head_dim=hf.integer("v_head_dim", defaults["v_head_dim"], at_least=1),
+        first_k_dense_replace=first_dense,
+        mtp_layers=hf.integer("num_nextn_predict_layers", 0, at_least=0),
+    )
 
 
 def deepseek_mixture_fields(

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import nn
 
 from moelens.config import RopeConfig
@@ -105,15 +105,25 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
         self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
     ) -> Float[torch.Tensor, "batch pos d_model"]:
         """As Attention.forward: with a state, x holds only the new positions and the cached ones are attended to."""
-        q, k, v = self.project(x)
+        q_latent, q = self.project_query(x)
+        k, v = self.project_key_value(x)
         q, k = self.position(q, k, inputs.cos, inputs.sin)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
         if inputs.state is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds later
             k, v = inputs.state.append(k, v)
+        allowed = self.allowed(x, q_latent, inputs)
         # laid out as transformers' (q and k [batch head pos d] row by row, v a view): the same matmuls, bit for bit
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = (t if rows_contiguous(t) else t.contiguous() for t in (q, k))
-        return project_out(self, self.hook_z(attend(self, q, k, v, inputs.allowed)))
+        return project_out(self, self.hook_z(attend(self, q, k, v, allowed)))
+
+    def allowed(
+        self, x: Float[torch.Tensor, "batch pos d_model"], q_latent: Float[torch.Tensor, "batch pos q_lora_rank"] | None,
+        inputs: LayerInputs,
+    ) -> Bool[torch.Tensor, "batch 1 query key"]:
+        """The keys each query may attend to: causal, padding masked. A subclass narrows it and may read the
+        normed stream and the q latent (DeepSeek Sparse Attention's indexer); called after the cache append."""
+        return inputs.allowed
 
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
@@ -137,19 +147,32 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
 
     def project(self, x: Float[torch.Tensor, "batch pos d_model"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries and keys [batch pos head d_head], values [batch pos head v_head_dim], each hooked."""
+        q = self.project_query(x)[1]
+        return (q, *self.project_key_value(x))
+
+    def project_query(
+        self, x: Float[torch.Tensor, "batch pos d_model"]
+    ) -> tuple[Float[torch.Tensor, "batch pos q_lora_rank"] | None, Float[torch.Tensor, "batch pos head d_head"]]:
+        """(the hooked q latent, None without the bottleneck; the hooked queries)."""
         b, p, _ = x.shape
+        latent = None
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.hook_q_latent(self.q_a_layernorm(self.q_a_proj(x))))
-        q = self.hook_q(q.view(b, p, self.n_heads, self.d_head))
+            latent = self.hook_q_latent(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(latent)
+        return latent, self.hook_q(q.view(b, p, self.n_heads, self.d_head))
+
+    def project_key_value(self, x: Float[torch.Tensor, "batch pos d_model"]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [batch pos head d_head] and values [batch pos head v_head_dim], each hooked."""
+        b, p, _ = x.shape
         kv_latent, k_rope = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.d_rope], dim=-1)
         kv_latent = self.hook_kv_latent(self.kv_a_layernorm(kv_latent))
         k_rope = self.hook_k_rope(k_rope)
         kv = self.kv_b_proj(kv_latent).view(b, p, self.n_heads, self.d_nope + self.d_v)
         k_nope, v = torch.split(kv, [self.d_nope, self.d_v], dim=-1)
         k = torch.cat((k_nope, k_rope[:, :, None, :].expand(b, p, self.n_heads, self.d_rope)), dim=-1)
-        return q, self.hook_k(k), self.hook_v(v)
+        return self.hook_k(k), self.hook_v(v)
 
     def position(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
