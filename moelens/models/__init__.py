@@ -8,6 +8,7 @@ from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.models.glm4_moe import HookedGlm4Moe
 from moelens.models.gpt_oss import HookedGptOss
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
+from moelens.models.llama4_text import HookedLlama4
 from moelens.models.minimax_m2 import HookedMiniMaxM2
 from moelens.models.mixtral import HookedMixtral
 from moelens.models.olmoe import HookedOlmoe
@@ -20,4 +21,5 @@ __all__ = [
     "HookedQwen3Moe", "HookedSolarOpen", "HookedTransformer", "family_for",
     "HookedGlm4Moe",
     "HookedMiniMaxM2",
+    "HookedLlama4",
 ]
