@@ -133,6 +133,9 @@ class ExpertStack:
     d_expert: int
     per_expert: tuple[PerExpertKeys, ...]
     fused: FusedExperts
+    # where the files have neither spelling (a new checkpoint written, missing keys named): the fused one
+    # (True: the family's published checkpoints are fused, Llama 4's) or the first per-expert one
+    fused_first: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ CONFIGS = {
     "tiny-glm4-moe": "tiny_glm4_moe.json",
     "tiny-gpt-oss": "tiny_gpt_oss.json",
     "tiny-minimax-m2": "tiny_minimax_m2.json",
+    "tiny-llama4": "tiny_llama4_text.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

@@ -358,5 +358,5 @@ def _experts(cfg: Llama4Config, key: str, dst: str) -> ExpertStack:
     down_proj [out, in] (Meta's fp8 Maverick spells its experts so)."""
     per_expert = PerExpertKeys(*(f"{key}.{k}" for k in (GATE_UP_DOWN.gate, GATE_UP_DOWN.up, GATE_UP_DOWN.down)))
     fused = FusedExperts(f"{key}.gate_up_proj", f"{key}.down_proj", layouts=(Transposed(), Transposed(), Transposed(), Transposed()))
-    return ExpertStack(f"{dst}.mlp.experts", cfg.n_experts, cfg.d_expert, (per_expert,), fused)
+    return ExpertStack(f"{dst}.mlp.experts", cfg.n_experts, cfg.d_expert, (per_expert,), fused, fused_first=True)
 
