@@ -10,6 +10,7 @@ import tiny
 import tiny_deepseek_v3
 import tiny_glm4_moe
 import tiny_gpt_oss
+import tiny_llama4_text
 import tiny_minimax_m2
 import tiny_mixtral
 import tiny_olmoe
@@ -25,6 +26,9 @@ BUILDERS = {
     "deepseek_v3": tiny_deepseek_v3.build_deepseek_v3, "gpt_oss": tiny_gpt_oss.build_gpt_oss,
     "glm4_moe": tiny_glm4_moe.build_glm4_moe,
     "minimax_m2": tiny_minimax_m2.build_minimax_m2,
+    "llama4_text": tiny_llama4_text.build_llama4,
+    # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
+    "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
 }
 
 

@@ -30,13 +30,13 @@ from moelens.plan import plan
 from moelens.verify import compare, load_reference
 from test_plan import hf_weights
 
-VARIANTS = [v for (_, v) in tiny_l4.VARIANTS]
+VARIANTS = [v for (_, v) in tiny_l4.OWN_VARIANTS]
 REFERENCED = ["base", "interleaved", "sharded", "plain"]  # transformers loads these as they are
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    return build_checkpoints(tmp_path_factory, "llama4_text", tiny_l4.VARIANTS)
+    return build_checkpoints(tmp_path_factory, "llama4_text", tiny_l4.OWN_VARIANTS)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,10 @@ ATTENTION = ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_q", "attn.hook_
 def block_sites(model):
     def sites(layer):
         if model.cfg.moe_layers[layer]:
-            return ATTENTION + ("mlp.hook_router_logits", "mlp.shared_expert.hook_post")
+            return ATTENTION + (
+                "mlp.hook_router_logits", "mlp.hook_expert_indices", "mlp.hook_expert_weights", "mlp.hook_routed_out",
+                "mlp.shared_expert.hook_post", "mlp.shared_expert.hook_out", "mlp.hook_shared_out",
+            )
         return ATTENTION + ("mlp.hook_post",)
 
     return sites
