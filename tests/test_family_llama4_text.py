@@ -378,7 +378,7 @@ def test_bad_checkpoints_name_the_family_keys(ckpts, tmp_path):
     shutil.rmtree(tmp_path / "base")
 
     def shrink(t):
-        t["model.layers.1.feed_forward.experts.gate_up_proj"] = t["model.layers.1.feed_forward.experts.gate_up_proj"][:, :, :10]
+        t["model.layers.1.feed_forward.experts.gate_up_proj"] = t["model.layers.1.feed_forward.experts.gate_up_proj"][:, :, :10].contiguous()
 
     rewrite_tensors(folder, shrink)
     with pytest.raises(CheckpointError, match="model.layers.1.feed_forward.experts.gate_up_proj"):
