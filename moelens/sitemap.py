@@ -150,7 +150,7 @@ class Reference:
     read: "in" (first input), "out", "out.N" (N-th output), or "out.heads_first" (an output laid out
     [batch head pos d_head], which moelens lays out [batch pos head d_head]); an output may be followed by
     ".topk_indices.K" / ".topk_values.K" (dense per-expert scores, as the chosen K) or ".expert_sum.E" (outputs
-    of E experts stacked, summed), see moelens.verify."""
+    of E experts stacked, summed) or ".copy" (copied when captured), see moelens.verify."""
 
     hook: str
     module: str  # path from the transformers model's root, e.g. "model.layers.3.mlp.gate"

@@ -113,6 +113,7 @@ VARIANTS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
     ("llama4_text", "sharded"): lambda d: build_llama4(d, seed=3, max_shard_size="100KB"),
+    ("llama4_text", "fused"): lambda d: build_llama4(d, seed=6),  # transformers' own layout, as base
     # no temperature tuning, no chunks, one kv head per query head, tied head
     ("llama4_text", "plain"): lambda d: build_llama4(
         d, seed=5, attn_temperature_tuning=False, attention_chunk_size=None, num_key_value_heads=4,

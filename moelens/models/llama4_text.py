@@ -348,8 +348,8 @@ def _layer_sites(cfg: Llama4Config, layer: int, src: str, dst: str) -> list[Entr
         Reference(f"{dst}.mlp.hook_expert_weights", f"{ff}.router", f"out.0.topk_values.{cfg.top_k[layer]}"),
         Reference(f"{dst}.mlp.hook_routed_out", f"{ff}.experts", f"out.expert_sum.{cfg.n_experts}"),
         Reference(f"{dst}.mlp.shared_expert.hook_post", f"{ff}.shared_expert.down_proj", "in"),
-        Reference(f"{dst}.mlp.shared_expert.hook_out", f"{ff}.shared_expert"),
-        Reference(f"{dst}.mlp.hook_shared_out", f"{ff}.shared_expert"),
+        Reference(f"{dst}.mlp.shared_expert.hook_out", f"{ff}.shared_expert", "out.copy"),
+        Reference(f"{dst}.mlp.hook_shared_out", f"{ff}.shared_expert", "out.copy"),
     ]
 
 
