@@ -384,7 +384,8 @@ class CacheAnalysis:
         self, l: int, part: RoutedPart, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[int]]:
         """[*batch_and_pos, top_k, n, d_model]: each routing slot's expert neurons, weighted as the
-        mixture weighs that slot (weight * post[i] * W_down[expert][:, i])."""
+        mixture weighs that slot (weight * post[i] * W_down[expert][:, i]; where the weight scaled the expert's
+        input (ExpertSpec.weight_at "input") it is already inside post, so post[i] * W_down[expert][:, i])."""
         self._require(f"the expert neurons of block {l}", [part.neurons.name, part.weights.name, part.indices.name])
         post = self._get(part.neurons.name, pos_slice)
         weights = self._get(part.weights.name, pos_slice)
@@ -397,7 +398,8 @@ class CacheAnalysis:
         W_rows = W_down.to(post.device, dtype).transpose(-1, -2)  # [E, n, d_model]
         if project is not None:  # folded in before the gather: [E, n, o]
             W_rows = W_rows @ project.to(post.device, dtype)
-        coef = weights.to(dtype)[..., None] * post.to(dtype)  # [*rest, k, n]
+        weighted_input = part.module.spec.weight_at == "input"
+        coef = post.to(dtype) if weighted_input else weights.to(dtype)[..., None] * post.to(dtype)  # [*rest, k, n]
         return coef[..., None] * W_rows[indices], _ids(idx, post.shape[-1])
 
     def get_neuron_results(
@@ -465,8 +467,9 @@ class CacheAnalysis:
         labels = [f"L{l}.E{e}.N{i}" for e in range(n_experts) for i in ids]
         down_bias = part.module.tensors().down_bias
         if down_bias is not None:  # each routed expert's output bias, weighted as its slot: "L{l}.E{e}.bias"
-            weights = self._get(part.weights.name, pos_slice).to(slots.dtype)
-            bias_slots = weights[..., None] * down_bias.to(slots.device, slots.dtype)[indices]  # [*rest, k, d]
+            bias_slots = down_bias.to(slots.device, slots.dtype)[indices]  # [*rest, k, d]
+            if part.module.spec.weight_at == "output":  # an input weight does not reach the output bias
+                bias_slots = self._get(part.weights.name, pos_slice).to(slots.dtype)[..., None] * bias_slots
             stacks.append(torch.einsum("...kd,...ke->e...d", bias_slots, onehot))
             labels += [f"L{l}.E{e}.bias" for e in range(n_experts)]
         return stacks, labels

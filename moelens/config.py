@@ -18,10 +18,11 @@ from moelens.experts.spec import GLU, ExpertSpec
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: plain, YaRN or an NTK-alpha stretch (which only changes the base)."""
+    """Rotary embedding: plain, YaRN, Llama 3's frequency-band scaling ("llama3") or an NTK-alpha stretch
+    (which only changes the base)."""
 
     theta: float
-    kind: Literal["default", "yarn"] = "default"
+    kind: Literal["default", "yarn", "llama3"] = "default"
     partial_rotary_factor: float = 1.0
     # YaRN
     factor: float = 1.0
@@ -32,6 +33,10 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # llama3 (factor and original_max_position_embeddings above): wavelengths past original / low_freq_factor
+    # are divided by factor, those below original / high_freq_factor kept, the band between blended
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
     # the rotated dims stored as interleaved pairs (x0, x1), (x2, x3), ... (config.json's rope_interleave)
     interleaved: bool = False
 
@@ -492,7 +497,21 @@ class HFConfig:
                 attention_factor=rope.number("attention_factor", None, above=0),
                 truncate=rope.flag("truncate", True),
             )
+        if kind == "llama3":
+            return self.llama3_rope(rope, theta, partial)
         raise ValueError(f"rope type {kind!r} is not supported by this family (rope settings: {rope.raw})")
+
+    def llama3_rope(self, rope: HFConfig, theta: float, partial: float) -> RopeConfig:
+        """Llama 3's rotary scaling: factor, low_freq_factor, high_freq_factor and
+        original_max_position_embeddings are required, as transformers reads them. Equal low and high factors
+        (Llama 4 Scout's) leave no band to blend: every frequency is kept or divided."""
+        low = rope.number("low_freq_factor", above=0)
+        high = rope.number("high_freq_factor", above=0)
+        return RopeConfig(
+            theta=theta, kind="llama3", partial_rotary_factor=partial, factor=rope.number("factor", above=0),
+            original_max_position_embeddings=rope.integer("original_max_position_embeddings", at_least=1),
+            low_freq_factor=low, high_freq_factor=high,
+        )
 
 
 def common_fields(

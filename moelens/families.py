@@ -11,10 +11,12 @@ FAMILIES: dict[str, type] = {}
 
 
 def register(family: type) -> None:
-    model_type = family.model_type
-    if model_type in FAMILIES and FAMILIES[model_type] is not family:
-        raise ValueError(f"model_type {model_type!r} is already registered to {FAMILIES[model_type].__name__}")
-    FAMILIES[model_type] = family
+    """Under its model_type and any further spellings it reads (model_type_aliases: a multimodal checkpoint's
+    model_type whose text_config is the family's)."""
+    for model_type in (family.model_type, *getattr(family, "model_type_aliases", ())):
+        if model_type in FAMILIES and FAMILIES[model_type] is not family:
+            raise ValueError(f"model_type {model_type!r} is already registered to {FAMILIES[model_type].__name__}")
+        FAMILIES[model_type] = family
 
 
 # model_types moelens does not register, whose architecture is a registered family's (README, "Large models")

@@ -133,6 +133,9 @@ class ExpertStack:
     d_expert: int
     per_expert: tuple[PerExpertKeys, ...]
     fused: FusedExperts
+    # where the files have neither spelling (a new checkpoint written, missing keys named): the fused one
+    # (True: the family's published checkpoints are fused, Llama 4's) or the first per-expert one
+    fused_first: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -145,7 +148,9 @@ class Reference:
     """The transformers module whose input or output a moelens hook equals.
 
     read: "in" (first input), "out", "out.N" (N-th output), or "out.heads_first" (an output laid out
-    [batch head pos d_head], which moelens lays out [batch pos head d_head])."""
+    [batch head pos d_head], which moelens lays out [batch pos head d_head]); an output may be followed by
+    ".topk_indices.K" / ".topk_values.K" (dense per-expert scores, as the chosen K) or ".expert_sum.E" (outputs
+    of E experts stacked, summed) or ".copy" (copied when captured), see moelens.verify."""
 
     hook: str
     module: str  # path from the transformers model's root, e.g. "model.layers.3.mlp.gate"

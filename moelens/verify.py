@@ -48,18 +48,41 @@ class VerifyReport:
 
 
 def _capture(module: torch.nn.Module, what: str, store: dict, key: str) -> Callable[[], None]:
+    """Store what `what` reads (moelens.sitemap.Reference)."""
     if what == "in":
         handle = module.register_forward_pre_hook(lambda m, args, kwargs: store.__setitem__(key, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
     elif what == "out.heads_first":
         handle = module.register_forward_hook(lambda m, args, out: store.__setitem__(key, out.transpose(1, 2)))
     else:
-        index = int(what.split(".")[1]) if "." in what else None
+        parts = what.split(".")
+        index = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+        derive = _derived(parts[2:] if index is not None else parts[1:])
 
         def save(m, args, out):
-            store[key] = out if index is None else out[index]
+            store[key] = derive(out if index is None else out[index])
 
         handle = module.register_forward_hook(save)
     return handle.remove
+
+
+def _derived(steps: list[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The tensor a Reference's read derives from a module's output, for modules whose outputs lay out a hook's
+    tensor otherwise: "topk_indices.K" / "topk_values.K", the K largest entries of dense per-expert scores
+    ([tokens, experts], zero where not chosen: Llama 4's router) as the chosen experts and their weights;
+    "expert_sum.E", the sum over E experts of their outputs stacked [E * tokens, d] (Llama 4's experts); "copy",
+    the output copied when captured (Llama 4 then adds its routed sum into its shared expert's output in place)."""
+    if not steps:
+        return lambda t: t
+    if steps == ["copy"]:
+        return lambda t: t.clone()
+    kind, n = steps[0], int(steps[1])
+    if kind == "topk_indices":
+        return lambda t: torch.topk(t, n, dim=-1).indices
+    if kind == "topk_values":
+        return lambda t: torch.topk(t, n, dim=-1).values
+    if kind == "expert_sum":
+        return lambda t: t.reshape(n, -1, t.shape[-1]).sum(0)
+    raise ValueError(f"unknown reference read {'.'.join(steps)!r}")
 
 
 def reference_forward(hf_model, references: tuple[Reference, ...], tokens, attention_mask=None, position_ids=None):

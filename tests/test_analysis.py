@@ -24,6 +24,7 @@ from moelens.analysis import (
     top_tokens,
 )
 from moelens.models.gpt_oss import LogitTopKSoftmax
+from moelens.models.llama4_text import SigmoidOfChosenLogits
 
 
 def moe_layers(model):
@@ -55,6 +56,8 @@ def router_probabilities(model, layer, scores):
     scores = scores.double()
     if model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:
         return scores.softmax(-1)
+    if model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # Llama 4: logit scores, sigmoid weights
+        return scores.sigmoid() / scores.sigmoid().sum(-1, keepdim=True)
     return scores / scores.sum(-1, keepdim=True)
 
 

@@ -9,9 +9,11 @@ import pytest
 import tiny
 import tiny_deepseek_v3
 import tiny_deepseek_v32
+import tiny_qwen3_next
 import tiny_glm_moe_dsa
 import tiny_glm4_moe
 import tiny_gpt_oss
+import tiny_llama4_text
 import tiny_minimax_m2
 import tiny_mixtral
 import tiny_olmoe
@@ -29,6 +31,10 @@ BUILDERS = {
     "minimax_m2": tiny_minimax_m2.build_minimax_m2,
     "deepseek_v32": tiny_deepseek_v32.build_deepseek_v32,
     "glm_moe_dsa": tiny_glm_moe_dsa.build_glm_moe_dsa,
+    "llama4_text": tiny_llama4_text.build_llama4,
+    "qwen3_next": tiny_qwen3_next.build_qwen3_next,
+    # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
+    "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
 }
 
 

@@ -63,7 +63,8 @@ def test_bfloat16_is_bit_exact(checkpoints, family, variant):
     ref = load_reference(path, torch.bfloat16)
     for layer, block in enumerate(model.blocks):
         if block.is_moe:
-            ref_gate = ref.model.layers[layer].mlp.gate
+            ref_layer = ref.model.layers[layer]
+            ref_gate = ref_layer.mlp.gate if hasattr(ref_layer, "mlp") else ref_layer.feed_forward.router  # Llama 4's
             ref_weight = ref_gate.wg.weight if hasattr(ref_gate, "wg") else ref_gate.weight
             assert block.mlp.router.weight.dtype == ref_weight.dtype
     tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(3))
@@ -88,6 +89,11 @@ def test_bfloat16_fused_attention_is_as_close_as_the_reference_itself(qwen_path)
     assert torch.stack(ours_err).mean() <= 1.5 * torch.stack(ref_err).mean()
 
 
+# transformers' Llama 4 is not left-pad invariant (its NoPE layers' attention temperature counts the padding):
+# moelens matches its padded run instead (test_family_llama4_text checks both)
+NOT_PAD_INVARIANT = {"llama4_text"}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_left_padding_rows_equal_rows_alone(checkpoints, family):
     path = checkpoints[family, "base"]
@@ -101,7 +107,7 @@ def test_left_padding_rows_equal_rows_alone(checkpoints, family):
         batch = model(tokens, attention_mask=mask)
         for row, start in enumerate(starts):
             alone = model(tokens[row : row + 1, start:])
-            assert (batch[row, start:] - alone[0]).abs().max() <= 1e-5
+            assert ((batch[row, start:] - alone[0]).abs().max() <= 1e-5) == (family not in NOT_PAD_INVARIANT or start == 0)
     report = compare(model, load_reference(path), tokens, mask)
     assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0
 

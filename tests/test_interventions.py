@@ -18,6 +18,7 @@ from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert
 from moelens import HookedTransformer
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.gpt_oss import LogitTopKSoftmax
+from moelens.models.llama4_text import SigmoidOfChosenLogits
 from moelens.models.minimax_m2 import SigmoidTopKFloat32Weights
 from moelens.models.mixtral import SoftmaxTopKFloat32Weights
 
@@ -82,6 +83,10 @@ def test_router_rules(family_models, family, tokens):
             top = logits.topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
             expected = top.values.float().softmax(-1)
+        elif router.scoring == SigmoidOfChosenLogits.scoring:  # Llama 4: top-k of the logits, each one's sigmoid
+            top = logits.topk(k, dim=-1)
+            assert torch.equal(top.indices, idx)
+            expected = top.values.float().sigmoid()
         else:
             top = logits.float().softmax(-1).topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
@@ -131,6 +136,8 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
         expected = expected * model.cfg.routed_scaling_factor
     elif model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:  # a softmax over the chosen k only
         expected = torch.softmax(new_logits, -1)
+    elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # each chosen logit's sigmoid
+        expected = torch.sigmoid(new_logits)
     else:
         probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (model.cfg.n_experts - k)), -1)[:k]
         expected = probs / probs.sum() if model.cfg.norm_topk_prob else probs
@@ -141,6 +148,8 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     x = cache[f"blocks.{layer}.ln2.hook_normalized"]
     experts = model.blocks[layer].mlp.experts.tensors()
     slot0 = idx[..., 0]
+    if model.blocks[layer].mlp.experts.spec.weight_at == "input":  # Llama 4: the slot's weight scales its input
+        x = x * w[..., 0, None]
     gate = torch.einsum("bpd,bpid->bpi", x, experts.gate_up[slot0, : model.cfg.d_expert])
     if model.blocks[layer].mlp.experts.spec.bias:
         gate = gate + experts.gate_up_bias[slot0, : model.cfg.d_expert]
@@ -160,6 +169,8 @@ def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
     w = cache["expert_weights", layer]
     if model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:  # a softmax over the new experts' logits
         expected = scores.float().softmax(-1)
+    elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # the new experts' logits' sigmoids
+        expected = scores.float().sigmoid()
     else:
         if model.cfg.norm_topk_prob:
             scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
@@ -177,7 +188,17 @@ def test_new_weights_are_not_renormalised(family_models, family, tokens):
         _, cache = model.run_with_cache(tokens)
     torch.testing.assert_close(cache["expert_weights", layer], clean["expert_weights", layer] * 0.5)
     routed = f"blocks.{layer}.mlp.hook_routed_out"
-    torch.testing.assert_close(cache[routed], clean[routed] * 0.5, rtol=1e-5, atol=1e-6)
+    if model.blocks[layer].mlp.experts.spec.weight_at == "output":
+        torch.testing.assert_close(cache[routed], clean[routed] * 0.5, rtol=1e-5, atol=1e-6)
+        return
+    # Llama 4: the halved weight scales each slot's input, so each slot is expert(0.5 * weight * x), by hand
+    x, idx = cache[f"blocks.{layer}.ln2.hook_normalized"], cache["expert_indices", layer]
+    experts = model.blocks[layer].mlp.experts.tensors()
+    scaled = x[:, :, None, :] * cache["expert_weights", layer][..., None]
+    gate, up = torch.einsum("bpkih,bpkh->bpki", experts.gate_up[idx], scaled).chunk(2, dim=-1)
+    by_hand = torch.einsum("bpkhi,bpki->bpkh", experts.down[idx], torch.nn.functional.silu(gate) * up).sum(2)
+    torch.testing.assert_close(cache[routed], by_hand, rtol=1e-5, atol=1e-5)
+    assert (cache[routed] - clean[routed] * 0.5).abs().max() > 1e-3  # not the output-weighted rule
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -243,6 +264,10 @@ def test_query_scaling_at_rot_q_survives_into_scores(family_models, family, toke
     window = model.cfg.window(0)
     if window is not None:  # a sliding layer sees the keys fewer than `window` positions back
         causal = causal.triu(-(window - 1))
+    chunk = getattr(model.blocks[0].attn, "chunk", None)
+    if chunk is not None:  # Llama 4's chunked layer sees the keys of the query's chunk
+        pos = torch.arange(tokens.shape[1])
+        causal &= (pos[:, None] // chunk) == (pos[None, :] // chunk)
     a, b = clean["attn_scores", 0], cache["attn_scores", 0]
     # DeepSeek Sparse Attention also masks the causal keys its indexer did not select (at finfo.min)
     causal = causal & (a[:, 1] > torch.finfo(a.dtype).min)

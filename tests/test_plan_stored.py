@@ -15,6 +15,8 @@ import tiny_gpt_oss
 import tiny_qwen3_moe
 import torch
 from safetensors.torch import load_file, save_file
+from test_family_llama4_text import MAVERICK as LLAMA4_MAVERICK
+from test_family_llama4_text import SCOUT as LLAMA4_SCOUT
 from test_quantized_checkpoints import quantize_fp8, quantized_key
 
 from moelens import HookedTransformer
@@ -387,6 +389,13 @@ FULL_SIZE = {
                     (1, "stored"): ("expert_offload", ["expert_offload"]),
                     (8, "dequantized"): ("device_map", ["device_map", "expert_parallel", "expert_offload"]),
                     (8, "stored"): ("device_map", ["device_map", "expert_parallel", "expert_offload"])}),
+    # the text models of the Hub's bfloat16 checkpoints (their configs as test_family_llama4_text has them)
+    "Llama-4-Scout-17B-16E": (LLAMA4_SCOUT, "llama4_text", 107.77, {},
+                              {(1, "dequantized"): ("expert_offload", ["expert_offload"]),
+                               (8, "dequantized"): ("device_map", ["device_map", "expert_parallel", "expert_offload"])}),
+    "Llama-4-Maverick-17B-128E": (LLAMA4_MAVERICK, "llama4_text", 400.71, {},
+                                  {(1, "dequantized"): ("expert_offload", ["expert_offload"]),
+                                   (8, "dequantized"): ("device_map", ["device_map", "expert_offload"])}),
 }
 
 

@@ -133,13 +133,17 @@ def test_expert_views_reproduce_hooks(runs, family):
             x = cache["blocks.%d.ln2.hook_normalized" % l]
             close(x.float() @ model.W_router[l].float().T + b_router[l].float(), cache["router_logits", l])
             idx = cache["expert_indices", l]  # [b p k]: each slot through its expert's matrices
-            pre = torch.einsum("bpm,bpkmi->bpki", x, W_gate[l][idx]) + b_gate[l][idx]
+            w = cache["expert_weights", l][..., None]
+            # where the routing weight scales the expert's input (Llama 4), each slot reads x * weight
+            on_input = model.blocks[l].mlp.experts.spec.weight_at == "input"
+            xs = x[:, :, None, :] * w if on_input else x[:, :, None, :].expand(-1, -1, idx.shape[-1], -1)
+            pre = torch.einsum("bpkm,bpkmi->bpki", xs, W_gate[l][idx]) + b_gate[l][idx]
             close(pre, cache["blocks.%d.mlp.experts.hook_pre" % l])
-            pre_linear = torch.einsum("bpm,bpkmi->bpki", x, W_in[l][idx]) + b_in[l][idx]
+            pre_linear = torch.einsum("bpkm,bpkmi->bpki", xs, W_in[l][idx]) + b_in[l][idx]
             close(pre_linear, cache["blocks.%d.mlp.experts.hook_pre_linear" % l])
             post = cache["blocks.%d.mlp.experts.hook_post" % l]
             out = torch.einsum("bpki,bpkim->bpkm", post, W_out[l][idx]) + b_out[l][idx]
-            close(out * cache["expert_weights", l][..., None], cache["expert_outputs", l])
+            close(out if on_input else out * w, cache["expert_outputs", l])
             if not shared:
                 continue
             sh = "blocks.%d.mlp.shared_expert." % l

@@ -36,6 +36,7 @@ CONFIGS = {
     "tiny-minimax-m2": "tiny_minimax_m2.json",
     "tiny-deepseek-v32": "tiny_deepseek_v32.json",
     "tiny-glm-moe-dsa": "tiny_glm_moe_dsa.json",
+    "tiny-llama4": "tiny_llama4_text.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

@@ -7,7 +7,9 @@ An expert maps a token row x [d_model] to
     neurons  = activation(gate, up)                 # [d_expert]
     out      = W_down @ neurons (+ b_down)          # [d_model]
 
-and the mixture adds weight * out over a token's routing slots. A layer's experts are stacked along a first
+and the mixture adds weight * out over a token's routing slots (`weight_at` "output", the default), or, where
+the router weight scales the expert's input instead (`weight_at` "input": Llama 4), expert(weight * x)
+over them; the weight then is inside the expert, never applied to its output too. A layer's experts are stacked along a first
 axis of n_experts. The parameters, their names and shapes, and the activation are the spec's; nothing else
 names them. Checkpoint layouts (per-expert, fused, transposed, interleaved gate/up) are the loader's
 transforms onto these stacks (moelens.sitemap.ExpertStack).
@@ -18,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from jaxtyping import Float, Int
@@ -128,6 +130,12 @@ class ExpertSpec:
     # None: the stacks are dense tensors of the model's dtype. "fp8" / "mxfp4": kept as the checkpoint stores
     # them (moelens.experts.stored.StoredExperts) and dequantized, by the load's own function, when routed to
     storage: str | None = None
+    # where the routing weight is applied: "output" (weight * expert(x)) or "input" (expert(weight * x))
+    weight_at: Literal["output", "input"] = "output"
+
+    def __post_init__(self) -> None:
+        if self.weight_at not in ("output", "input"):
+            raise ValueError(f"ExpertSpec.weight_at must be 'output' or 'input', got {self.weight_at!r}")
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -158,6 +166,11 @@ class ExpertSpec:
                 f"{self.describe()}, and the kernels do not dequantize {self.storage} in their tiles: use "
                 "experts_backend='torch' or 'auto', or load without expert_storage"
             )
+        if self.weight_at != "output":
+            return (
+                "experts_backend='triton' applies the routing weight to each expert's output; this model's experts "
+                f"are {self.describe()}: use experts_backend='torch' or 'auto'"
+            )
         if not (self.activation.silu_glu or isinstance(self.activation, ClampedSwiGLU)):
             return (
                 f"experts_backend='triton' computes SiLU(gate) * up or gpt-oss's ClampedSwiGLU, with or without "
@@ -168,7 +181,8 @@ class ExpertSpec:
     def describe(self) -> str:
         bias = " with biases" if self.bias else ""
         kept = "" if self.storage is None else f", kept {self.storage} as stored and dequantized when routed to"
-        return f"{self.n_experts} experts of width {self.d_expert}{bias}, neurons {self.activation.formula}{kept}"
+        weighted = ", the routing weight scaling each expert's input" if self.weight_at == "input" else ""
+        return f"{self.n_experts} experts of width {self.d_expert}{bias}, neurons {self.activation.formula}{weighted}{kept}"
 
 
 def gather_rows(bias: Float[torch.Tensor, "E n"], experts: Int[torch.Tensor, "S"]) -> Float[torch.Tensor, "S n"]:

@@ -120,6 +120,8 @@ SITES: tuple[Site, ...] = (
           "queries entering attention (after rotary, and q norm where the family has one)",
           standard="attention_queries", short="rot_q", variants={
               "latent": ("batch pos head d_head", "queries entering attention (rotary on the rope dims)"),
+              "nope_temperature": ("batch pos head d_head", "queries entering attention: no rotary on this layer, "
+                                   "scaled by the attention temperature of the query's index in the input and cache"),
           }),
     _site("blocks.L.attn.hook_rot_k", "batch pos kv_head d_head",
           "keys entering attention (after rotary, and k norm where the family has one)",
@@ -219,6 +221,8 @@ SITES: tuple[Site, ...] = (
                           "not a distribution over the experts (hook_router_probs is)"),
               "top_k_logits": ("batch pos n_experts",
                                "the logits the top-k is taken on (a softmax over the chosen k gives the weights)"),
+              "top_k_logits_sigmoid": ("batch pos n_experts",
+                                       "the logits the top-k is taken on (each chosen one's sigmoid is its weight)"),
           }),
     _site("blocks.L.mlp.hook_router_probs", "batch pos n_experts",
           _PROBS.format("hook_router_scores renormalised to sum to 1 (the softmax of the logits)"),
@@ -234,14 +238,25 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.mlp.hook_expert_indices", "batch pos top_k", "expert each routing slot sends the token to",
           standard="expert_indices", short="expert_indices"),
     _site("blocks.L.mlp.hook_expert_weights", "batch pos top_k", "weight of each slot's expert output",
-          standard="expert_weights", short="expert_weights"),
+          standard="expert_weights", short="expert_weights", variants={
+              "weighted_input": ("batch pos top_k", "weight each slot's input row is scaled by before its expert"),
+          }),
     # the routed experts, per routing slot
     _site("blocks.L.mlp.experts.hook_pre", "batch pos top_k d_expert", "gate pre-activation per slot",
-          short="expert_pre"),
+          short="expert_pre", variants={
+              "weighted_input": ("batch pos top_k d_expert",
+                                 "gate pre-activation per slot, of the input scaled by the slot's weight"),
+          }),
     _site("blocks.L.mlp.experts.hook_pre_linear", "batch pos top_k d_expert", "up projection per slot",
-          short="expert_pre_linear"),
+          short="expert_pre_linear", variants={
+              "weighted_input": ("batch pos top_k d_expert",
+                                 "up projection per slot, of the input scaled by the slot's weight"),
+          }),
     _site("blocks.L.mlp.experts.hook_post", "batch pos top_k d_expert", "expert neurons per slot: {formula}",
-          standard="mlp_neurons", short="expert_post"),
+          standard="mlp_neurons", short="expert_post", variants={
+              "weighted_input": ("batch pos top_k d_expert",
+                                 "expert neurons per slot: {formula}, of the input scaled by the slot's weight"),
+          }),
     # TransformerLens's per-expert sites: the rows of a per-slot site routed to expert E, in TL's order
     _site("blocks.L.mlp.experts.E.hook_gate", "routed d_expert",
           "gate pre-activation of the slots routed to this expert (per-slot experts.hook_pre's rows)",
@@ -256,7 +271,10 @@ SITES: tuple[Site, ...] = (
           "each slot's expert output (down projection, plus its bias), before the routing weight",
           short="expert_out"),
     _site("blocks.L.mlp.hook_expert_outputs", "batch pos top_k d_model", "weighted output of each slot",
-          standard="expert_outputs", short="expert_outputs"),
+          standard="expert_outputs", short="expert_outputs", variants={
+              "weighted_input": ("batch pos top_k d_model", "each slot's expert output on its weighted input (the "
+                                 "weight is inside, not applied to the output); they sum to hook_routed_out"),
+          }),
     _site("blocks.L.mlp.hook_routed_out", _RESID, "routed experts' combined output", standard="routed_output",
           short="routed_out"),
     # the shared expert

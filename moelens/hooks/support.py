@@ -116,10 +116,20 @@ def support_table(model) -> SupportTable:
         layer = layer_of(name)
         if layer is not None and layer not in layers:
             layers.append(layer)
+    # a site whose meaning differs between blocks (Llama 4's NoPE and RoPE layers) says each, with its blocks
+    meanings: dict[str, dict[str, list[int]]] = {}
+    for name, hook in model.hook_dict.items():
+        layer = layer_of(name)
+        blocks = meanings.setdefault(table_name(name), {}).setdefault(hook.meaning, [])
+        if layer is not None and layer not in blocks:
+            blocks.append(layer)
     rows = []
     for pattern, layers in present.items():
         site = SITE_BY_NAME.get(pattern)  # None for a hook point not of the table (an SAE's)
         hp = model.hook_dict[first[pattern]]
+        meaning = hp.meaning
+        if len(meanings[pattern]) > 1:
+            meaning = "; ".join(f"blocks {_span(b, cfg.n_layers)}: {m}" for m, b in meanings[pattern].items())
         layout = hp.layout
         top_k = {cfg.top_k_per_layer[layer] for layer in layers} if "top_k" in layout else set()
         rows.append(
@@ -127,7 +137,7 @@ def support_table(model) -> SupportTable:
                 name=pattern,
                 layout=layout,
                 shape=_shape(layout, dims, top_k),
-                meaning=hp.meaning,
+                meaning=meaning,
                 standard=(site.standard if site and site.standard else "-"),
                 layers=_span(layers, cfg.n_layers),
                 reference=references.get(pattern, "-"),

@@ -222,7 +222,7 @@ def routed_experts(
         return routed_experts_triton(x, indices, weights, tensors, hooks, batch_pos, activation=spec.activation)
     if isinstance(tensors, StoredExperts):
         tensors = tensors.dequantize(x.dtype)
-    return routed_experts_torch(x, indices, weights, tensors, spec.activation, hooks, batch_pos)
+    return routed_experts_torch(x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at)
 
 
 # (rows sorted by expert, stacked weights, rows per expert) -> the rows times their experts' weights
@@ -233,6 +233,7 @@ def routed_experts_torch(
     x, indices, weights, tensors: ExpertTensors, activation: GatedActivation, hooks: ExpertHooks, batch_pos,
     n_experts: int | None = None, linear: GroupedLinear = grouped_linear,
     bias_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows,
+    weight_at: str = "output",
 ):
     """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows (each plus its
     expert's bias where the spec has biases), back to slot order for the weighted outputs. Per-slot hooks see
@@ -240,7 +241,10 @@ def routed_experts_torch(
 
     n_experts (default: the stacks' length), linear and bias_rows let expert parallelism
     (kernels.expert_parallel) run the same steps with each rank's experts only: its linear computes the
-    rank's groups and gathers, its bias_rows looks up the rank's biases and gathers."""
+    rank's groups and gathers, its bias_rows looks up the rank's biases and gathers.
+
+    weight_at (ExpertSpec.weight_at): "output" scales each slot's output by its weight; "input" scales the
+    slot's input row before gate_up (in the rows' dtype, as Llama 4 does) and leaves the output as it is."""
     T, k = indices.shape
     experts = indices.reshape(-1)
     order, counts = sort_slots(experts, tensors.n_experts if n_experts is None else n_experts)
@@ -254,7 +258,12 @@ def routed_experts_torch(
         seen, changed = hooked_site(hooks, site, t.index_select(0, unsort).view(T, k, -1), batch_pos)
         return seen.reshape(T * k, -1).index_select(0, order) if changed else t
 
-    gate_up = linear(x[order // k], tensors.gate_up, counts)
+    rows = x[order // k]
+    if weight_at == "input":
+        rows = rows * weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
+    elif weight_at != "output":
+        raise ValueError(f"routed_experts_torch: weight_at must be 'output' or 'input', got {weight_at!r}")
+    gate_up = linear(rows, tensors.gate_up, counts)
     if tensors.gate_up_bias is not None:
         gate_up = gate_up + bias_rows(tensors.gate_up_bias, sorted_experts)
     pre, pre_linear = gate_up.chunk(2, dim=-1)
@@ -268,6 +277,6 @@ def routed_experts_torch(
     if tensors.down_bias is not None:
         down = down + bias_rows(tensors.down_bias, sorted_experts)
     down = hooked_sorted("out", down)  # the unweighted outputs; the weighted ones are computed from what it returns
-    out = down * weights.reshape(-1)[order].unsqueeze(-1)
+    out = down * weights.reshape(-1)[order].unsqueeze(-1) if weight_at == "output" else down
     weighted = hooked(hooks.outputs, out[unsort].view(T, k, -1), batch_pos)
     return weighted.sum(dim=1).to(x.dtype)

@@ -45,9 +45,10 @@ class Target:
 def _expert_keys(stack: ExpertStack, present: set[str] | SafetensorsFiles) -> dict[str, Target]:
     """The layer's expert keys in the spelling the files use (fused, or the first per-expert spelling whose
     expert 0 is there); the first per-expert spelling when none is (the fused one where the family has no
-    per-expert spelling), so that they are reported missing."""
+    per-expert spelling or puts it first, stack.fused_first), so that they are reported missing."""
     fused = stack.fused.keys()
-    if fused[0][0] in present or not stack.per_expert:
+    per_expert_present = any(k.gate.format(e=0) in present for k in stack.per_expert)
+    if fused[0][0] in present or not stack.per_expert or (stack.fused_first and not per_expert_present):
         return {key: Target(param, (), layout) for (key, layout), param in zip(fused, stack.params)}
     w_gate_up, w_down = stack.params
     spelling = next((k for k in stack.per_expert if k.gate.format(e=0) in present), stack.per_expert[0])

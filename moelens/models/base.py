@@ -71,6 +71,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
     """
 
     model_type: ClassVar[str] = ""  # config.json's model_type; a family class with one registers itself
+    rotary_class: ClassVar[type[Rotary]] = Rotary  # a family whose rotary tables differ names its own
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -90,7 +91,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         self.tokenizer = tokenizer
         self.embed = Embed(cfg.d_vocab, cfg.d_model)
         self.hook_embed = site_hook("hook_embed")
-        self.rotary = Rotary(cfg)
+        self.rotary = self.rotary_class(cfg)
         recipe = self.recipe(cfg)
         recipe.check(cfg)
         self.blocks = nn.ModuleList(Block(cfg, layer, spec) for layer, spec in enumerate(recipe.layers))

@@ -20,29 +20,33 @@ GATE_UP_DOWN = PerExpertKeys("{e}.gate_proj.weight", "{e}.up_proj.weight", "{e}.
 
 
 def decoder_site_map(
-    cfg: MoeConfig, layer_sites: LayerSites, ignored_prefixes: tuple[str, ...] = (), mlp_read: str = "out"
+    cfg: MoeConfig, layer_sites: LayerSites, ignored_prefixes: tuple[str, ...] = (), mlp_read: str = "out",
+    key_prefix: str = "", mlp_module: str = "mlp",
 ) -> SiteMap:
     """Embeddings, final norm, head, and per layer the two norms, the residual references and whatever the
     family's layer_sites gives (attention, MLP or mixture). mlp_read: which output of the transformers MLP
-    module hook_mlp_out equals ("out.0" where it returns a tuple)."""
+    module hook_mlp_out equals ("out.0" where it returns a tuple). key_prefix: what the checkpoint's keys start
+    with before transformers' module path (a multimodal checkpoint's "language_model."; references name
+    transformers' text model's modules, without it); the family's layer_sites prefixes its own keys.
+    mlp_module: transformers' name of a layer's MLP / mixture module ("feed_forward" in Llama 4)."""
     entries: list[Entry] = [
-        Weight("embed.weight", ("model.embed_tokens.weight",)),
-        Weight("ln_final.weight", ("model.norm.weight",)),
+        Weight("embed.weight", (f"{key_prefix}model.embed_tokens.weight",)),
+        Weight("ln_final.weight", (f"{key_prefix}model.norm.weight",)),
         # a tied head is the embedding; a checkpoint that stores one anyway gets its own (as transformers)
-        Weight("unembed.weight", ("lm_head.weight",), required=not cfg.tie_word_embeddings),
+        Weight("unembed.weight", (f"{key_prefix}lm_head.weight",), required=not cfg.tie_word_embeddings),
         Reference("ln_final.hook_normalized", "model.norm"),
         Reference("hook_logits", "lm_head"),
     ]
     for layer in range(cfg.n_layers):
         src, dst = f"model.layers.{layer}", f"blocks.{layer}"
         entries += [
-            Weight(f"{dst}.ln1.weight", (f"{src}.input_layernorm.weight",)),
-            Weight(f"{dst}.ln2.weight", (f"{src}.post_attention_layernorm.weight",)),
+            Weight(f"{dst}.ln1.weight", (f"{key_prefix}{src}.input_layernorm.weight",)),
+            Weight(f"{dst}.ln2.weight", (f"{key_prefix}{src}.post_attention_layernorm.weight",)),
             Reference(f"{dst}.hook_resid_pre", src, "in"),
             Reference(f"{dst}.ln1.hook_normalized", f"{src}.input_layernorm"),
             Reference(f"{dst}.hook_attn_out", f"{src}.self_attn", "out.0"),
             Reference(f"{dst}.ln2.hook_normalized", f"{src}.post_attention_layernorm"),
-            Reference(f"{dst}.hook_mlp_out", f"{src}.mlp", mlp_read),
+            Reference(f"{dst}.hook_mlp_out", f"{src}.{mlp_module}", mlp_read),
             Reference(f"{dst}.hook_resid_post", src),
         ]
         own = list(layer_sites(cfg, layer, src, dst))

@@ -166,7 +166,7 @@ class Attention(AttentionWeightViews, nn.Module):
         inputs: LayerInputs,
     ) -> Float[torch.Tensor, "batch pos head d_head"]:
         """The heads' outputs from the projections: position (and its hooks), the cache, attend."""
-        q, k = self.position(q, k, inputs.cos, inputs.sin)
+        q, k = self.position_at(q, k, inputs)
         q, k = self.hook_rot_q(q), self.hook_rot_k(k)
         if inputs.state is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds later
             k, v = inputs.state.append(k, v)
@@ -206,6 +206,11 @@ class Attention(AttentionWeightViews, nn.Module):
         k = self.hook_k(linear_per_head(self.k_proj, xk).view(b, p, self.n_kv_heads, self.d_head))
         v = self.hook_v(linear_per_head(self.v_proj, xv).view(b, p, self.n_kv_heads, self.d_head))
         return q, k, v
+
+    def position_at(self, q: torch.Tensor, k: torch.Tensor, inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`position` with the layer's inputs' rotary tables; a family whose step reads more of the inputs (a
+        query's index, as Llama 4's attention temperature) overrides this."""
+        return self.position(q, k, inputs.cos, inputs.sin)
 
     def position(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -11,7 +11,7 @@ from torch import nn
 
 from moelens.config import MoeConfig
 from moelens.experts.rounding import after_move, cast_through
-from moelens.experts.spec import ExpertTensors
+from moelens.experts.spec import ExpertSpec, ExpertTensors
 from moelens.experts.stored import StoredExperts
 from moelens.hooks.expert_views import VIEW_SITES, ExpertViewPoint, ViewGroup
 from moelens.hooks.sites import site_hook
@@ -22,6 +22,11 @@ from moelens.kernels.offload import OffloadedExperts, offloaded_routed_experts
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.parts import GatedMlpPart, MlpPart, PartGate, RoutedPart
 from moelens.models.components.router import TopKRouter
+
+
+def weight_form(spec: ExpertSpec) -> str:
+    """The form of the routed sites (hook sites table) for where the spec applies the routing weight."""
+    return "weighted_input" if spec.weight_at == "input" else "default"
 
 
 class ExpertSites(nn.Module):
@@ -86,9 +91,10 @@ class Experts(nn.Module):
         self.executor: Executor = "torch"
         self.resolved_for: torch.device | None = None
         self.backend = "auto"  # resolves executor for resolved_for (the property below)
-        self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre")
-        self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear")
-        self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", formula=self.spec.activation.formula)
+        form = weight_form(self.spec)
+        self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre", form)
+        self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear", form)
+        self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", form, formula=self.spec.activation.formula)
         self.hook_out = site_hook("blocks.L.mlp.experts.hook_out")
         self.views = ViewGroup(cfg.n_experts)  # not a module: the per-expert sites below, for a cheap hooked test
         for e in range(cfg.n_experts):
@@ -277,8 +283,9 @@ class SparseMoe(nn.Module):
         if self.router.choice_bias:
             self.hook_choice_scores = site_hook("blocks.L.mlp.hook_choice_scores")
         self.hook_expert_indices = site_hook("blocks.L.mlp.hook_expert_indices")
-        self.hook_expert_weights = site_hook("blocks.L.mlp.hook_expert_weights")
-        self.hook_expert_outputs = site_hook("blocks.L.mlp.hook_expert_outputs")
+        form = weight_form(self.experts.spec)
+        self.hook_expert_weights = site_hook("blocks.L.mlp.hook_expert_weights", form)
+        self.hook_expert_outputs = site_hook("blocks.L.mlp.hook_expert_outputs", form)
         self.hook_routed_out = site_hook("blocks.L.mlp.hook_routed_out")
         self._expert_hooks = ExpertHooks(
             self.experts.hook_pre, self.experts.hook_pre_linear, self.experts.hook_post, self.experts.hook_out,

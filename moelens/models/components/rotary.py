@@ -18,6 +18,8 @@ def inverse_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float
         return 1.0 / pos_freqs, 1.0
     if rope.kind == "yarn":
         return _yarn(rope, dim, pos_freqs)
+    if rope.kind == "llama3":
+        return _llama3(rope, 1.0 / pos_freqs), 1.0
     raise ValueError(f"unsupported rotary kind {rope.kind!r}")
 
 
@@ -54,6 +56,23 @@ def _yarn(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Te
     return inv_freq, attention_factor
 
 
+def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3's scaling (transformers' _compute_llama3_parameters, step for step): frequencies whose wavelength
+    is longer than original_max / low_freq_factor are divided by factor, those shorter than original_max /
+    high_freq_factor kept, and the band between blended linearly in original_max / wavelength."""
+    factor, old_context = rope.factor, rope.original_max_position_embeddings
+    if old_context is None:
+        raise ValueError("the llama3 rotary needs original_max_position_embeddings")
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 class Rotary(nn.Module):
     """cos and sin for given positions; rotates the first d_rot dims of each head, passes the rest."""
 
@@ -81,6 +100,35 @@ class Rotary(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_rot={self.d_rot}, attention_scaling={self.attention_scaling:.4f}"
+
+
+class PolarRotary(Rotary):
+    """cos and sin as torch.polar gives them, kept float32 whatever the stream's dtype: what Llama 4 turns its
+    queries and keys by (transformers' Llama4TextRotaryEmbedding; torch.cos can differ from polar's by an ulp)."""
+
+    def forward(
+        self, positions: Int[torch.Tensor, "batch pos"], dtype: torch.dtype
+    ) -> tuple[Float[torch.Tensor, "batch pos d_rot"], Float[torch.Tensor, "batch pos d_rot"]]:
+        freqs = positions[..., None].float() * self.inv_freq(positions.device)
+        turn = torch.polar(torch.ones_like(freqs), freqs)
+        cos, sin = turn.real * self.attention_scaling, turn.imag * self.attention_scaling
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+
+def apply_rotary_pairs(
+    x: Float[torch.Tensor, "batch pos head d_head"],
+    cos: Float[torch.Tensor, "batch pos d_rot"],
+    sin: Float[torch.Tensor, "batch pos d_rot"],
+) -> Float[torch.Tensor, "batch pos head d_head"]:
+    """Rotary on a head's dims as interleaved pairs (x0, x1), (x2, x3), ..., pair i turned by frequency i and
+    left in place (not de-interleaved), computed as complex products in float32 and cast back to x's dtype, as
+    transformers' Llama 4 apply_rotary_emb. cos and sin are cat(angles, angles) (Rotary's layout), float32."""
+    half = cos.shape[-1] // 2
+    if 2 * half != x.shape[-1]:
+        raise ValueError(f"apply_rotary_pairs turns whole heads: d_head {x.shape[-1]}, rotary width {cos.shape[-1]}")
+    turn = torch.complex(cos[..., :half].float(), sin[..., :half].float())[:, :, None, :]
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], half, 2))
+    return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
