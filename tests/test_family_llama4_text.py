@@ -136,12 +136,12 @@ def test_routing_is_transformers(ckpts, refs, variant, dtype):
 def test_variants_are_what_they_claim(ckpts):
     cfg = {v: load(p).cfg for v, p in ckpts.items()}
     base = cfg["base"]
-    assert base.moe_layers == (True,) * 4 and base.top_k == (1,) * 4 and base.use_qk_norm
+    assert base.moe_layers == (True,) * 4 and base.top_k_per_layer == (1,) * 4 and base.use_qk_norm
     assert base.rope_layers == (True, False, True, False) and base.attention_chunks == (8, None, 8, None)
     assert base.rope.kind == "llama3" and base.attn_temperature_tuning and base.floor_scale == 4
     assert (base.d_expert, base.d_shared, base.d_mlp) == (32, 32, 0)
     inter = cfg["interleaved"]
-    assert inter.moe_layers == (False, True, False, True) and inter.d_mlp == 80 and inter.top_k == (0, 2, 0, 2)
+    assert inter.moe_layers == (False, True, False, True) and inter.d_mlp == 80 and inter.top_k_per_layer == (0, 2, 0, 2)
     assert not inter.use_qk_norm and inter.rope.kind == "default"
     plain = cfg["plain"]
     assert plain.attention_chunks == (None,) * 4 and not plain.attn_temperature_tuning and plain.tie_word_embeddings

@@ -344,8 +344,8 @@ def _layer_sites(cfg: Llama4Config, layer: int, src: str, dst: str) -> list[Entr
         # transformers' router returns (dense sigmoid scores [tokens, experts], zero where not chosen; logits),
         # its experts every expert's output on every (scaled) token, [experts * tokens, d_model]
         Reference(f"{dst}.mlp.hook_router_logits", f"{ff}.router", "out.1"),
-        Reference(f"{dst}.mlp.hook_expert_indices", f"{ff}.router", f"out.0.topk_indices.{cfg.top_k[layer]}"),
-        Reference(f"{dst}.mlp.hook_expert_weights", f"{ff}.router", f"out.0.topk_values.{cfg.top_k[layer]}"),
+        Reference(f"{dst}.mlp.hook_expert_indices", f"{ff}.router", f"out.0.topk_indices.{cfg.top_k_per_layer[layer]}"),
+        Reference(f"{dst}.mlp.hook_expert_weights", f"{ff}.router", f"out.0.topk_values.{cfg.top_k_per_layer[layer]}"),
         Reference(f"{dst}.mlp.hook_routed_out", f"{ff}.experts", f"out.expert_sum.{cfg.n_experts}"),
         Reference(f"{dst}.mlp.shared_expert.hook_post", f"{ff}.shared_expert.down_proj", "in"),
         Reference(f"{dst}.mlp.shared_expert.hook_out", f"{ff}.shared_expert", "out.copy"),
