@@ -327,8 +327,9 @@ def test_stack_neuron_results_sum_to_each_mlp_output(dense_run):
     with_rest, labels = cache.stack_neuron_results(2, incl_remainder=True, return_labels=True)
     assert labels[-1] == "remainder"
     close(with_rest.sum(0), cache["resid_pre", 2])
+    # apply_ln: each part as the norm outputs it, the cached scale and the norm's weight (1 once folded)
     normed = cache.stack_neuron_results(2, incl_remainder=True, apply_ln=True)
-    close(normed.sum(0), cache["resid_pre", 2] / cache["blocks.2.ln1.hook_scale"])
+    close(normed.sum(0), cache["resid_pre", 2] / cache["blocks.2.ln1.hook_scale"] * m.blocks[2].ln1.weight.detach())
 
 
 def test_get_neuron_results(dense_run):

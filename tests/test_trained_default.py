@@ -136,7 +136,7 @@ def test_it_is_the_default_and_has_every_kind_of_site(model):
 
 def test_logits_equal_transformers_on_its_weights(model):
     transformers = pytest.importorskip("transformers")
-    reference = transformers.Qwen2MoeForCausalLM.from_pretrained(FOLDER, dtype=torch.float32).eval()
+    reference = transformers.Qwen2MoeForCausalLM.from_pretrained(FOLDER, dtype=torch.float32, attn_implementation="eager").eval()
     tokens = model.to_tokens("def parse(self, text):\n    return [line.strip() for line in text.splitlines()]\n")
     with torch.no_grad():
         expected = reference(tokens).logits
