@@ -65,10 +65,15 @@ def dense_width(hf: HFConfig, moe_layers: tuple[bool, ...]) -> int:
 
 
 def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
-    entries = attention_projections(cfg, src, dst)
+    return attention_projections(cfg, src, dst) + feed_forward_sites(cfg, layer, src, dst)
+
+
+def feed_forward_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    """A dense MLP, or Qwen2-MoE's mixture (router, experts, a shared expert gated by shared_expert_gate); Qwen3-Next
+    stores its feed-forwards the same way."""
     if not cfg.moe_layers[layer]:
-        return entries + dense_mlp(src, dst)
-    return entries + [
+        return dense_mlp(src, dst)
+    return [
         Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
         routed_experts(cfg, (f"{src}.mlp.experts",), dst),
         *gated_mlp(f"{src}.mlp.shared_expert", f"{dst}.mlp.shared_expert"),

@@ -21,9 +21,9 @@ from moelens.models.components import GatedSharedExpertMoe, SoftmaxTopK
 from moelens.models.components.gated_attention import OutputGatedAttention
 from moelens.models.components.norm import ZeroCenteredRMSNorm
 from moelens.models.mixers.gated_deltanet import FusedProjectionsGatedDeltaNet, GatedDeltaNet
-from moelens.models.qwen2_moe import dense_width, mixture_layers
+from moelens.models.qwen2_moe import dense_width, feed_forward_sites, mixture_layers
 from moelens.models.recipe import Dense, LayerSpec, Mixture, Recipe
-from moelens.models.sites import Entry, attention_projections, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts
+from moelens.models.sites import Entry, attention_projections, decoder_site_map
 from moelens.sitemap import Reference, SiteMap, Weight
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -143,15 +143,4 @@ class HookedQwen3Next(HookedTransformer):
                 Reference(f"{dst}.attn.hook_z", f"{attn}.o_proj", "in"),
             ]
             entries = [e for e in entries if not (isinstance(e, Reference) and e.hook.endswith("attn.hook_q"))]
-        if not cfg.moe_layers[layer]:
-            return entries + dense_mlp(src, dst)
-        return entries + [
-            Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
-            routed_experts(cfg, (f"{src}.mlp.experts",), dst),
-            *gated_mlp(f"{src}.mlp.shared_expert", f"{dst}.mlp.shared_expert"),
-            Weight(f"{dst}.mlp.shared_gate.weight", (f"{src}.mlp.shared_expert_gate.weight",)),
-            *router_references(dst, f"{src}.mlp.gate"),
-            Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
-            Reference(f"{dst}.mlp.shared_expert.hook_out", f"{src}.mlp.shared_expert"),
-            Reference(f"{dst}.mlp.hook_shared_gate", f"{src}.mlp.shared_expert_gate"),
-        ]
+        return entries + feed_forward_sites(cfg, layer, src, dst)
