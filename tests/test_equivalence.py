@@ -90,8 +90,13 @@ def test_bfloat16_fused_attention_is_as_close_as_the_reference_itself(qwen_path)
 
 
 # transformers' Llama 4 is not left-pad invariant (its NoPE layers' attention temperature counts the padding):
-# moelens matches its padded run instead (test_family_llama4_text checks both)
+# moelens matches its padded run instead (test_family_llama4_text checks both).
 NOT_PAD_INVARIANT = {"llama4_text"}
+# Nor, where the indexer's top-k picks a padded key, are DeepSeek-V3.2's and GLM-5's sparse attention: it ranks
+# padded keys too (masked afterwards), so a padded row's query may see fewer real keys than alone (transformers'
+# own padded rows differ from the rows alone by 0.96 and 2.7 in the logits on the tiny DeepSeek-V3.2); moelens
+# matches transformers' padded run (checked below).
+SELECTION_SEES_PADDING = {"deepseek_v32", "glm_moe_dsa"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -107,6 +112,8 @@ def test_left_padding_rows_equal_rows_alone(checkpoints, family):
         batch = model(tokens, attention_mask=mask)
         for row, start in enumerate(starts):
             alone = model(tokens[row : row + 1, start:])
+            if family in SELECTION_SEES_PADDING and start:
+                continue
             assert ((batch[row, start:] - alone[0]).abs().max() <= 1e-5) == (family not in NOT_PAD_INVARIANT or start == 0)
     report = compare(model, load_reference(path), tokens, mask)
     assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0

@@ -25,7 +25,8 @@ DEFINITION = {
     "qwen2_moe": softmax, "hunyuan_v1_moe": softmax, "qwen3_moe": softmax, "mixtral": softmax, "olmoe": softmax,
     "gpt_oss": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
     "solar_open": normalised_sigmoid, "deepseek_v3": normalised_sigmoid, "glm4_moe": normalised_sigmoid,
-    "minimax_m2": normalised_sigmoid,
+    "minimax_m2": normalised_sigmoid, "deepseek_v32": normalised_sigmoid, "glm_moe_dsa": normalised_sigmoid,
+    "llama4_text": normalised_sigmoid,  # its scores are the logits; each chosen one's weight is its sigmoid
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
@@ -58,7 +59,7 @@ def test_support_says_what_the_scores_and_the_probs_are(family_models, family):
     rows = {row.name: row for row in family_models[family].support().rows}
     probs, scores = rows["blocks.L.mlp.hook_router_probs"], rows["blocks.L.mlp.hook_router_scores"]
     assert "distribution over the experts" in probs.meaning and "observation only" in probs.meaning
-    if family == "gpt_oss":
+    if family in ("gpt_oss", "llama4_text"):  # their rules take the top-k on the logits themselves
         assert scores.meaning.startswith("the logits the top-k is taken on")
     else:
         assert scores.meaning.startswith(SCORES_SAY[DEFINITION[family]])

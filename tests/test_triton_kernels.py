@@ -42,8 +42,8 @@ def reference(x, idx, w, Wgu, Wd):
 
 def capture_hooks():
     store = {}
-    points = [HookPoint() for _ in range(4)]
-    for name, hp in zip(("pre", "pre_linear", "post", "outputs"), points):
+    points = [HookPoint() for _ in range(5)]
+    for name, hp in zip(("pre", "pre_linear", "post", "out", "outputs"), points):
         hp.name = name
         hp.add_hook(lambda t, hook: store.__setitem__(hook.name, t.clone()))
     return ExpertHooks(*points), store

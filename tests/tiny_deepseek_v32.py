@@ -75,6 +75,7 @@ build = build_deepseek_v32
 VARIANTS = {
     # seed 4: every site live under the generic per-site edits, and expert 2 chosen in the last mixture layer
     ("deepseek_v32", "base"): lambda d: build(d, seed=4),
+    ("deepseek_v32", "sharded"): lambda d: build(d, seed=6, max_shard_size="100KB"),
     ("deepseek_v32", "fused"): lambda d: tiny.fused(build(d, seed=1)),
     ("deepseek_v32", "hub"): lambda d: hub_spelling(build(d, seed=2)),
 }

@@ -34,6 +34,7 @@ VARIANTS = {
     # seed 4: an edit of expert 0's router logit moves the logits (the generic per-site tests need every site live)
     # and no correction bias outweighs the generic tests' forced router logits
     ("glm_moe_dsa", "base"): lambda d: build(d, seed=4),
+    ("glm_moe_dsa", "sharded"): lambda d: build(d, seed=6, max_shard_size="100KB"),
     ("glm_moe_dsa", "fused"): lambda d: tiny.fused(build(d, seed=3)),
     # the Hub's schedule: every second layer from index_skip_topk_offset on shares (full, full, shared, full)
     ("glm_moe_dsa", "hub"): lambda d: hub_spelling(
