@@ -312,20 +312,16 @@ def float32_router(recipe) -> bool:
     return any(router.float32_weight for router in recipe.routers())
 
 
-def cached_per_token(recipe, cfg) -> int:
-    """Values the cache holds per token, averaged over the layers (rounded up): each layer's mixer says what
-    its state holds per token."""
-    total = sum(state.per_token for state in recipe.state_bytes(cfg))
-    return -(-total // cfg.n_layers)
-
-
-def kv_cache_bytes(cfg, batch: int, seq: int, per_token: int | None = None) -> int:
-    """Keys and values of every layer for batch x seq positions, in the model dtype. per_token: values cached
-    per token and layer (the family's attention says: MLA caches decompressed keys and values of every head);
-    default 2 x kv heads x d_head."""
+def cache_bytes(recipe, cfg, batch: int, seq: int) -> tuple[int, str]:
+    """What a cache of batch x seq positions holds, in the model dtype, and how it was counted: per layer, its
+    mixer's values per token times seq (keys and values; MLA caches decompressed ones of every head) plus its
+    values per sequence (a recurrent state)."""
+    states = recipe.state_bytes(cfg)
+    per_token, per_sequence = sum(s.per_token for s in states), sum(s.per_sequence for s in states)
     b = torch.tensor([], dtype=cfg.dtype).element_size()
-    per_token = 2 * cfg.n_kv_heads * cfg.d_head if per_token is None else per_token
-    return cfg.n_layers * batch * seq * per_token * b
+    counts = (f"batch {batch} x (seq {seq} x {per_token} values per token + {per_sequence} per sequence), summed over "
+              f"{cfg.n_layers} layers, x {b} bytes")
+    return batch * (seq * per_token + per_sequence) * b, counts
 
 
 # ---- placement -------------------------------------------------------------------------------------------
@@ -673,7 +669,7 @@ def needs_of(cfg, family, components: dict[str, Count], layers: list[LayerCount]
     """What the placements weigh, from the model's counts (count_model) and a forward of batch x seq tokens."""
     recipe = family.recipe(cfg)
     acts = activation_terms(cfg, batch, seq, float32_router(recipe))
-    kv = kv_cache_bytes(cfg, batch, seq, cached_per_token(recipe, cfg))
+    kv, _ = cache_bytes(recipe, cfg, batch, seq)
     embed_bytes = components["embeddings"].bytes
     final_norm = cfg.d_model * torch.tensor([], dtype=cfg.dtype).element_size()
     return Needs(
@@ -946,8 +942,6 @@ def plan(
     recipe = family.recipe(cfg)
     router_in_float32 = float32_router(recipe)
     acts = activation_terms(cfg, batch, seq, router_in_float32)
-    kv_per_token = cached_per_token(recipe, cfg)
-    kv = kv_cache_bytes(cfg, batch, seq, kv_per_token)
     needs = needs_of(cfg, family, components, layers, batch, seq)
     stored = None if unreadable is None else {"error": unreadable}
     if fmt is not None:
@@ -963,11 +957,7 @@ def plan(
         components=components,
         per_layer=layers,
         activations={"batch": batch, "seq": seq, "terms": acts, "peak": acts["peak"]["bytes"]},
-        kv_cache={
-            "bytes": kv,
-            "counts": f"{cfg.n_layers} layers x batch {batch} x seq {seq} x {kv_per_token} cached values per token "
-            f"and layer x {torch.tensor([], dtype=dtype).element_size()} bytes",
-        },
+        kv_cache=dict(zip(("bytes", "counts"), cache_bytes(recipe, cfg, batch, seq))),
         placement=place(needs, gpu_list, cpu) if fmt is None else stored["modes"][selected]["placement"],
         on_disk=on_disk,
         config={

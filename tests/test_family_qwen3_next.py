@@ -191,3 +191,13 @@ def test_plan_at_full_size_counts_transformers_parameters():
     expected = hf_weights(QWEN3_NEXT_80B, torch.bfloat16)
     assert p.parameters == sum(t.numel() for t in expected.values())
     assert 79e9 < p.parameters < 82e9  # "80B"
+
+
+def test_plan_counts_the_attention_layers_keys_and_the_linear_layers_recurrent_state():
+    """12 full-attention layers cache 2 x 2 kv heads x 256 values per token; 36 Gated DeltaNet layers hold a
+    convolution window (q|k|v: 2 x 16 x 128 + 32 x 128 channels x kernel 4) and a recurrent state (32 value heads x
+    128 x 128) per sequence, whatever its length."""
+    p = plan(QWEN3_NEXT_80B, dtype="bfloat16", gpus=1, gpu_memory="141GB", batch=1, seq=2048)
+    per_token = 12 * 2 * 2 * 256
+    per_sequence = 36 * ((2 * 16 * 128 + 32 * 128) * 4 + 32 * 128 * 128)
+    assert p.kv_cache["bytes"] == (2048 * per_token + per_sequence) * 2
