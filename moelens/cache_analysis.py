@@ -91,6 +91,17 @@ class CacheAnalysis:
             raise ValueError(f"layer must be in [0, {n}] (or None / -1 for the final stream), got {layer}")
         return layer
 
+    def _has_mid(self, layer: int) -> bool:
+        block = self.model.blocks[layer]
+        return block.token_mixer is not None and block.has_ffn
+
+    def _ffn_block(self, layer: int, what: str):
+        """Block `layer`, which must have a feed-forward (mlp_input=True reads the stream its ln2 reads)."""
+        block = self.model.blocks[layer]
+        if not block.has_ffn:
+            raise ValueError(f"{what}: block {layer} has no feed-forward sublayer (no ln2 / mlp): mlp_input=False there")
+        return block
+
     def _resid_name(self, layer: int) -> str:
         n = self.model.cfg.n_layers
         return f"blocks.{n - 1}.hook_resid_post" if layer == n else f"blocks.{layer}.hook_resid_pre"
@@ -120,7 +131,10 @@ class CacheAnalysis:
                 continue
             names.append(f"blocks.{l}.hook_resid_pre")
             labels.append(f"{l}_pre")
-            if (incl_mid and l < layer) or (mlp_input and l == layer):
+            if mlp_input and l == layer:
+                self._ffn_block(l, "accumulated_resid(mlp_input=True)")
+            # a block of one sublayer has no resid_mid (its feed-forward, if any, reads resid_pre)
+            if ((incl_mid and l < layer) or (mlp_input and l == layer)) and self._has_mid(l):
                 names.append(f"blocks.{l}.hook_resid_mid")
                 labels.append(f"{l}_mid")
         self._require("accumulated_resid", names)
@@ -147,12 +161,15 @@ class CacheAnalysis:
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
         if mlp_input and layer == n:
             raise ValueError("mlp_input=True needs a block to input into: layer must be < n_layers")
+        if mlp_input:
+            self._ffn_block(layer, "decompose_resid(mlp_input=True)")
         names, labels = ([("hook_embed")], ["embed"]) if incl_embeds else ([], [])
         for l in range(layer + (1 if mlp_input else 0)):
-            if mode != "mlp":
+            block = self.model.blocks[l]  # a sublayer a block lacks adds no term
+            if mode != "mlp" and block.token_mixer is not None:
                 names.append(f"blocks.{l}.hook_attn_out")
                 labels.append(f"{l}_attn_out")
-            if mode != "attn" and l < layer:
+            if mode != "attn" and l < layer and block.has_ffn:
                 names.append(f"blocks.{l}.hook_mlp_out")
                 labels.append(f"{l}_mlp_out")
         if not names:
@@ -243,7 +260,11 @@ class CacheAnalysis:
         """The cached scale of the norm reading the stream at `layer` (a bound from _layer_bound)."""
         if layer == self.model.cfg.n_layers:
             return "ln_final.hook_scale"
-        return f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
+        if mlp_input:
+            self._ffn_block(layer, "mlp_input=True")
+            return f"blocks.{layer}.ln2.hook_scale"
+        # the norm reading resid_pre: ln1, or ln2 in a block whose only sublayer is its feed-forward
+        return f"blocks.{layer}.ln{1 if self.model.blocks[layer].token_mixer is not None else 2}.hook_scale"
 
     def _norm_weight(self, scale_name: str) -> Float[torch.Tensor, "d_model"]:
         """The factor the norm whose hook_scale is `scale_name` multiplies by (its effective_weight(), as it is
@@ -295,6 +316,10 @@ class CacheAnalysis:
         return self._norm_weight("ln_final.hook_scale").to(stack.device) * normed
 
     # ---- attention heads ---------------------------------------------------------------------------
+    def _attention_layers(self, upto: int) -> list[int]:
+        """The blocks before `upto` whose token mixer is softmax attention (the ones with heads)."""
+        return [l for l in range(upto) if self.model.blocks[l].has_attention]
+
     def _head_result(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
         name = f"blocks.{layer}.attn.hook_result"
         if name in self.cache_dict:
@@ -310,9 +335,9 @@ class CacheAnalysis:
     def compute_head_results(self) -> None:
         """Add blocks.L.attn.hook_result [batch pos head d_model] (each head's output, o_proj's bias not
         included) to the cache, from hook_z and the model's *current* o_proj weight."""
-        n = self.model.cfg.n_layers
-        self._require("compute_head_results", [f"blocks.{l}.attn.hook_z" for l in range(n)])
-        for l in range(n):
+        layers = self._attention_layers(self.model.cfg.n_layers)
+        self._require("compute_head_results", [f"blocks.{l}.attn.hook_z" for l in layers])
+        for l in layers:
             self.cache_dict[f"blocks.{l}.attn.hook_result"] = self._head_result(l)
 
     def stack_head_results(
@@ -325,12 +350,14 @@ class CacheAnalysis:
     ) -> Stack | tuple[Stack, list[str]]:
         """Each head's output ("L{l}H{h}") for blocks before `layer` (-1 / None: all), o_proj biases not
         included (get_full_resid_decomposition has them as "L{l}.attn_bias"). incl_remainder adds
-        "remainder": the stream at `layer` minus the heads. apply_ln: as accumulated_resid."""
+        "remainder": the stream at `layer` minus the heads. apply_ln: as accumulated_resid. On a hybrid only the
+        softmax-attention blocks have heads (a linear-attention or state-space layer's output is in the remainder)."""
         layer = self._layer_bound(layer)
-        self._require("stack_head_results", [f"blocks.{l}.attn.hook_z" for l in range(layer)
+        heads = self._attention_layers(layer)
+        self._require("stack_head_results", [f"blocks.{l}.attn.hook_z" for l in heads
                                              if f"blocks.{l}.attn.hook_result" not in self.cache_dict])
-        parts = [slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0) for l in range(layer)]
-        labels = [f"L{l}H{h}" for l in range(layer) for h in range(self.model.cfg.n_heads)]
+        parts = [slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0) for l in heads]
+        labels = [f"L{l}H{h}" for l in heads for h in range(self.model.cfg.n_heads)]
         if parts:
             stack = torch.cat(parts)
         else:
@@ -500,6 +527,8 @@ class CacheAnalysis:
         project = self._weighted_projection(project, apply_ln, layer, False)
         parts, labels = [], []
         for l in range(layer):
+            if not self.model.blocks[l].has_ffn:
+                continue
             p, lab = self._mlp_neuron_parts(l, pos_slice, neuron_slice, project)
             parts, labels = parts + p, labels + lab
         if parts:
@@ -544,7 +573,7 @@ class CacheAnalysis:
         """The o_proj biases of the first n_attn blocks, summed, as one component [1, *batch_and_pos, d]
         (zeros where no block has one; moelens's MLPs, experts and routers have no bias)."""
         bias = like.new_zeros(like.shape[-1])
-        for l in range(n_attn):
+        for l in self._attention_layers(n_attn):
             b = self.model.blocks[l].attn.o_proj.bias
             if b is not None:
                 bias = bias + b.detach().to(like.device, like.dtype)
@@ -564,7 +593,9 @@ class CacheAnalysis:
         stream, resid_post of the last block) as a sum of components, in TransformerLens's order and with its
         defaults (expand_neurons=True, return_labels=False):
 
-        1. each head "L{l}H{h}", block by block (block `layer`'s too with mlp_input), o_proj bias excluded;
+        1. each head "L{l}H{h}", block by block (block `layer`'s too with mlp_input), o_proj bias excluded; on a
+           hybrid, a block whose token mixer has no heads (linear attention, a state-space layer) gives its
+           whole output "{l}_attn_out" (hook_attn_out) instead, and a block without a token mixer nothing;
         2. block by block, the MLP part. expand_neurons=True: a dense block's neurons "L{l}N{i}"
            (TransformerLens's), a mixture's shared-expert neurons "L{l}.shared.N{i}" then every routed
            expert's neurons "L{l}.E{e}.N{i}" (as stack_neuron_results). expand_neurons=False: a dense block's
@@ -587,17 +618,29 @@ class CacheAnalysis:
         projected = project is not None
         project = self._weighted_projection(project, apply_ln, layer, mlp_input)
         what = "get_full_resid_decomposition"
-        n_attn = layer + 1 if mlp_input else layer  # blocks whose heads are in
-        self._require(what, ["hook_embed"] + [f"blocks.{l}.attn.hook_z" for l in range(n_attn)
-                                               if f"blocks.{l}.attn.hook_result" not in self.cache_dict])
+        if mlp_input:
+            self._ffn_block(layer, "get_full_resid_decomposition(mlp_input=True)")
+        n_attn = layer + 1 if mlp_input else layer  # blocks whose token mixers are in
+        heads = self._attention_layers(n_attn)
+        # a token mixer without heads (linear attention, a state-space layer): its whole output, "{l}_attn_out"
+        mixers = [l for l in range(n_attn) if l not in heads and self.model.blocks[l].token_mixer is not None]
+        self._require(what, ["hook_embed"] + [f"blocks.{l}.attn.hook_z" for l in heads
+                                               if f"blocks.{l}.attn.hook_result" not in self.cache_dict]
+                      + [f"blocks.{l}.hook_attn_out" for l in mixers])
         embed = self._get("hook_embed", pos_slice)[None]
         bias = self._accumulated_bias(n_attn, embed)
         parts, labels = [], []
         for l in range(n_attn):
-            heads = slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0)
-            parts.append(_project(heads, project))
-            labels += [f"L{l}H{h}" for h in range(heads.shape[0])]
+            if l in heads:
+                per_head = slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0)
+                parts.append(_project(per_head, project))
+                labels += [f"L{l}H{h}" for h in range(per_head.shape[0])]
+            elif l in mixers:
+                parts.append(_project(self._get(f"blocks.{l}.hook_attn_out", pos_slice)[None], project))
+                labels.append(f"{l}_attn_out")
         for l in range(layer):
+            if not self.model.blocks[l].has_ffn:
+                continue
             if expand_neurons:
                 mlp_parts, mlp_labels = self._mlp_neuron_parts(l, pos_slice, None, project)
             else:

@@ -52,13 +52,16 @@ def hidden_weight_count(params: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() for name, t in params.items() if t.dim() >= 2 and name not in EMBEDDING_PARAMETERS)
 
 
-class MixtureLayers(dict):
-    """A mixture weight view (W_router, W_gate, W_in, W_out, their biases, the shared expert's) of a model with
-    dense blocks: {block index: that block's tensor} for the mixture blocks only, so that view[L] is block L's,
-    as it is in the stack of an all-mixture model. A dense block's index (or a stacked-tensor attribute such as
-    .shape) is an error saying so. Negative indices count from the last block."""
+class LayerViews(dict):
+    """A per-layer weight view of a model where some blocks lack the module it reads: {block index: that block's
+    tensor} for the blocks that have it, so that view[L] is block L's, as it is in the stack of a model where
+    every block has it. Another block's index (or a stacked-tensor attribute such as .shape) is an error saying
+    so. Negative indices count from the last block."""
 
-    def __init__(self, what: str, per_layer: dict[int, torch.Tensor], n_layers: int) -> None:
+    holders = "blocks"  # which blocks hold the view (in messages)
+    others = "a block without it"
+
+    def __init__(self, what: str, per_layer: dict[int, object], n_layers: int) -> None:
         super().__init__(per_layer)
         self.what, self.n_layers = what, n_layers
 
@@ -66,17 +69,34 @@ class MixtureLayers(dict):
         if isinstance(layer, int) and -self.n_layers <= layer < 0 and layer + self.n_layers in self:
             return self[layer + self.n_layers]
         raise KeyError(
-            f"{self.what}[{layer!r}]: this model's {self.what} is one tensor per mixture layer, {sorted(self)}; "
-            f"block {layer!r} is a dense MLP (read blocks[{layer!r}].mlp) or not a block"
+            f"{self.what}[{layer!r}]: this model's {self.what} is one tensor per {self.holders}, {sorted(self)}; "
+            f"block {layer!r} is {self.others} or not a block"
         )
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(
-            f"{self.what} of a model with dense blocks is a dict {{mixture layer: tensor}} ({sorted(self)}), not a "
+            f"{self.what} of this model is a dict {{layer: tensor}} over its {self.holders} ({sorted(self)}), not a "
             f"stacked tensor: index it by block, e.g. {self.what}[{min(self)}].{name}"
         )
+
+
+class MixtureLayers(LayerViews):
+    """A mixture weight view (W_router, W_gate, W_in, W_out, their biases, the shared expert's) of a model with
+    dense blocks (or blocks without a feed-forward): {mixture block index: tensor}."""
+
+    holders = "mixture layer"
+    others = "a dense MLP (read blocks[L].mlp), a layer without a mixture,"
+
+
+class AttentionLayers(LayerViews):
+    """An attention weight view (W_Q, W_K, W_V, W_O, their biases, QK, OV) of a hybrid model, where some blocks'
+    token mixer is not softmax attention (a linear-attention or state-space mixer: blocks[L].mixer) or absent:
+    {attention block index: tensor}."""
+
+    holders = "softmax-attention layer"
+    others = "a linear-attention / state-space layer (read blocks[L].mixer), a layer without a token mixer,"
 
 
 class WeightViews:
@@ -115,6 +135,8 @@ class WeightViews:
             raise ValueError(f"accumulated_bias: layer must be in [0, {n}], got {layer}")
         total = self.unembed.weight.new_zeros(self.cfg.d_model)
         for l in range(min(n, layer + 1 if mlp_input else layer)):
+            if not self.blocks[l].has_attention:  # other token mixers' output projections have no bias
+                continue
             bias = self.blocks[l].attn.o_proj.bias
             if bias is not None:
                 total = total + bias.to(total.device, total.dtype)
@@ -136,60 +158,75 @@ class WeightViews:
         return self.unembed.weight[tokens].clone()  # its own tensor: an in-place edit must not reach the model
 
     # ---- attention: each block's views (moelens.models.components.attention_views), stacked ---------------
-    def _per_layer(self, fn: Callable[[Attention], torch.Tensor]) -> torch.Tensor:
-        return torch.stack([fn(block.attn) for block in self.blocks])
+    def _per_layer(self, fn: Callable[[Attention], torch.Tensor], what: str = "") -> torch.Tensor | AttentionLayers:
+        """One stack over the blocks where every block's token mixer is softmax attention; else {attention
+        block index: tensor} (a stack over the attention layers alone would renumber them)."""
+        if all(block.has_attention for block in self.blocks):
+            return torch.stack([fn(block.attn) for block in self.blocks])
+        return AttentionLayers(
+            what, {l: fn(block.attn) for l, block in enumerate(self.blocks) if block.has_attention}, self.cfg.n_layers
+        )
 
     @property
     def W_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
-        return self._per_layer(lambda a: a.W_Q)
+        return self._per_layer(lambda a: a.W_Q, "W_Q")
 
     @property
     def W_K_grouped(self) -> Float[torch.Tensor, "n_layers n_kv_heads d_model d_head"]:
-        return self._per_layer(lambda a: a.W_K_grouped)
+        return self._per_layer(lambda a: a.W_K_grouped, "W_K_grouped")
 
     @property
     def W_V_grouped(self) -> Float[torch.Tensor, "n_layers n_kv_heads d_model d_head"]:
-        return self._per_layer(lambda a: a.W_V_grouped)
+        return self._per_layer(lambda a: a.W_V_grouped, "W_V_grouped")
 
     @property
     def W_K(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
-        return self._per_layer(lambda a: a.W_K)
+        return self._per_layer(lambda a: a.W_K, "W_K")
 
     @property
     def W_V(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:
-        return self._per_layer(lambda a: a.W_V)
+        return self._per_layer(lambda a: a.W_V, "W_V")
 
     @property
     def W_O(self) -> Float[torch.Tensor, "n_layers n_heads d_head d_model"]:
-        return self._per_layer(lambda a: a.W_O)
+        return self._per_layer(lambda a: a.W_O, "W_O")
 
     @property
     def b_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._per_layer(lambda a: a.b_Q)
+        return self._per_layer(lambda a: a.b_Q, "b_Q")
 
     @property
     def b_K(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._per_layer(lambda a: a.b_K)
+        return self._per_layer(lambda a: a.b_K, "b_K")
 
     @property
     def b_V(self) -> Float[torch.Tensor, "n_layers n_heads d_head"]:
-        return self._per_layer(lambda a: a.b_V)
+        return self._per_layer(lambda a: a.b_V, "b_V")
 
     @property
     def b_O(self) -> Float[torch.Tensor, "n_layers d_model"]:
-        return self._per_layer(lambda a: a.b_O)
+        return self._per_layer(lambda a: a.b_O, "b_O")
 
     @property
     def QK(self) -> FactoredMatrix:
         """W_Q[l, h] @ W_K[l, h].T, [n_layers, n_heads, d_model, d_model]: the bilinear form of the
         projections only. The real scores also depend on the rotary (position-dependent), on the q/k biases
         and, for Hunyuan, on the per-head q/k norms applied after the rotary; none of these is in QK."""
-        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+        W_K = self.W_K
+        W_K_T = W_K.transpose(-2, -1) if torch.is_tensor(W_K) else {l: w.transpose(-2, -1) for l, w in W_K.items()}
+        return self._circuit("QK", self.W_Q, W_K_T)
 
     @property
     def OV(self) -> FactoredMatrix:
         """W_V[l, h] @ W_O[l, h], [n_layers, n_heads, d_model, d_model] (v biases not included)."""
-        return FactoredMatrix(self.W_V, self.W_O)
+        return self._circuit("OV", self.W_V, self.W_O)
+
+    def _circuit(self, what: str, left, right) -> FactoredMatrix | AttentionLayers:
+        """The stacked circuit where every block is softmax attention (TransformerLens's [n_layers, n_heads, ...]);
+        on a hybrid (per-layer views), {attention block index: that block's [n_heads, ...] circuit}."""
+        if torch.is_tensor(left):
+            return FactoredMatrix(left, right)
+        return AttentionLayers(what, {l: FactoredMatrix(left[l], right[l]) for l in left}, self.cfg.n_layers)
 
     # ---- mixtures -----------------------------------------------------------------------------------
     def _per_moe_layer(self, what: str, fn: Callable[[SparseMoe], torch.Tensor]) -> torch.Tensor | MixtureLayers:

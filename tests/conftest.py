@@ -36,7 +36,7 @@ VARIANTS = {
 # A family's own test module tests/tiny_<family>.py adds its variants here (a dict VARIANTS like this one).
 for _path in sorted(Path(__file__).parent.glob("tiny_*.py")):
     VARIANTS.update(importlib.import_module(_path.stem).VARIANTS)
-FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "llama4_text"]
+FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "llama4_text", "qwen3_next"]
 # The Triton kernels see a family only through its routing weights' dtype: model dtype (Qwen2-MoE; also
 # Qwen3-MoE, OLMoE) or float32 (Hunyuan, softmax; Solar, sigmoid; also Mixtral, DeepSeek-V3). Every family
 # runs the Triton backend end to end against the torch one (every hook tensor); the interpreter-heavy
@@ -116,3 +116,23 @@ def has_shared_expert(model, layer: int | None = None) -> bool:
 def shared_expert_gated(model, layer: int | None = None) -> bool:
     """Whether (that layer's) shared expert is scaled by a gate (Qwen2-MoE's sigmoid)."""
     return any(p.gate is not None for p in shared_parts(model, layer))
+
+
+def norm_factor(norm) -> torch.Tensor:
+    """What a norm multiplies the normalised stream by, written out per kind as transformers computes it: (1 + w)
+    for the zero-centred norms (Qwen3-Next's RMSNorm), w for the others."""
+    w = norm.weight.detach()
+    return 1 + w if type(norm).__name__ == "ZeroCenteredRMSNorm" else w
+
+
+def mixer_labels(model, layer: int) -> list[str]:
+    """The full decomposition's token-mixer components of a block: its heads (softmax attention), its whole
+    output "{l}_attn_out" (a mixer without heads: linear attention, a state-space layer), or none."""
+    block = model.blocks[layer]
+    if block.has_attention:
+        return [f"L{layer}H{h}" for h in range(model.cfg.n_heads)]
+    return [f"{layer}_attn_out"] if block.token_mixer is not None else []
+
+
+def attention_layers(model) -> list[int]:
+    return [l for l, block in enumerate(model.blocks) if block.has_attention]

@@ -5,7 +5,7 @@ Each check is against something computed another way: cached streams, the model'
 
 import pytest
 import torch
-from conftest import FAMILIES, has_shared_expert
+from conftest import FAMILIES, attention_layers, has_shared_expert, mixer_labels, norm_factor
 
 from moelens import HookedTransformer
 from moelens.cache_analysis import MissingHooksError
@@ -48,10 +48,13 @@ def close(a, b, atol=ATOL):
 
 
 def expected_labels(model, expand=False):
-    """TransformerLens's order: every head, then each block's MLP part, then embed, then the summed bias."""
+    """TransformerLens's order: every head (a headless token mixer's whole output), then each block's MLP part,
+    then embed, then the summed bias."""
     cfg = model.cfg
-    labels = [f"L{l}H{h}" for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    labels = [label for l in range(cfg.n_layers) for label in mixer_labels(model, l)]
     for l, block in enumerate(model.blocks):
+        if not block.has_ffn:
+            continue
         if not block.is_moe:
             labels += [f"L{l}N{i}" for i in range(cfg.d_mlp)] if expand else [f"{l}_mlp_out"]
             continue
@@ -136,10 +139,12 @@ def test_full_decomposition_dense_block_and_o_bias(variant_runs, key, expand):
 def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     model, _, cache = runs[family]
     stack, labels = cache.get_full_resid_decomposition(layer=2, expand_neurons=False, return_labels=True)
-    assert labels[-3:] == [f"L1.E{model.cfg.n_experts - 1}", "embed", "bias"] and "L2H0" not in labels
+    assert labels[-3:] == [f"L1.E{model.cfg.n_experts - 1}", "embed", "bias"] and not set(mixer_labels(model, 2)) & set(labels)
+    assert labels[: len(mixer_labels(model, 0) + mixer_labels(model, 1))] == mixer_labels(model, 0) + mixer_labels(model, 1)
     close(stack.sum(0), cache["resid_pre", 2])
     stack, labels = cache.get_full_resid_decomposition(layer=2, mlp_input=True, expand_neurons=False, return_labels=True)
-    assert labels[3 * model.cfg.n_heads - 1] == f"L2H{model.cfg.n_heads - 1}" and "L2.E0" not in labels
+    mixers = [label for l in range(3) for label in mixer_labels(model, l)]
+    assert labels[: len(mixers)] == mixers and "L2.E0" not in labels
     close(stack.sum(0), cache["resid_mid", 2])
     # an int pos_slice drops the pos axis; apply_ln applies ln2: its cached scale and its weight
     stack = cache.get_full_resid_decomposition(layer=1, mlp_input=True, pos_slice=-1, apply_ln=True, return_labels=False)
@@ -168,7 +173,7 @@ def test_accumulated_resid(runs, family):
     assert stack.shape == (n + 1, 2, model.cfg.d_model)
     close(stack[-1], cache["ln_final.hook_normalized"][:, -1])
     resid = cache["resid_pre", 1][:, -1].float()
-    by_hand = model.ln_final.weight * resid / (resid.pow(2).mean(-1, keepdim=True) + model.ln_final.eps).sqrt()
+    by_hand = norm_factor(model.ln_final) * resid / (resid.pow(2).mean(-1, keepdim=True) + model.ln_final.eps).sqrt()
     close(stack[1], by_hand)
     # and through ln1 of a block
     stack = cache.accumulated_resid(layer=2, apply_ln=True)
@@ -219,24 +224,29 @@ def test_head_results(runs, family):
     model, _, cache = runs[family]
     cfg = model.cfg
     stack, labels = cache.stack_head_results(return_labels=True)
-    assert labels == [f"L{l}H{h}" for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
-    per_layer = stack.unflatten(0, (cfg.n_layers, cfg.n_heads))
-    for l in range(cfg.n_layers):
+    heads = attention_layers(model)  # a hybrid's linear-attention layers have no heads in this sense
+    assert labels == [f"L{l}H{h}" for l in heads for h in range(cfg.n_heads)]
+    per_layer = dict(zip(heads, stack.unflatten(0, (len(heads), cfg.n_heads))))
+    for l in heads:
         W = model.blocks[l].attn.o_proj.weight.detach()
         z = cache["z", l]
         d = z.shape[-1]  # a head's value width (MLA: v_head_dim)
         for h in (0, cfg.n_heads - 1):  # head h reads o_proj's input columns of that head
-            close(per_layer[l, h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T)
+            close(per_layer[l][h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T)
         bias = model.blocks[l].attn.o_proj.bias
         close(per_layer[l].sum(0) + (0 if bias is None else bias.detach()), cache["attn_out", l])
-    stack, labels = cache.stack_head_results(layer=2, incl_remainder=True, return_labels=True)
-    assert labels[-1] == "remainder" and len(labels) == 2 * cfg.n_heads + 1
-    close(stack.sum(0), cache["resid_pre", 2])
-    normed = cache.stack_head_results(layer=2, apply_ln=True, pos_slice=0)
-    close(normed, stack[:-1, :, 0] / cache["blocks.2.ln1.hook_scale"][:, 0] * model.blocks[2].ln1.weight.detach())
+    upto = heads[1] + 1 if len(heads) > 1 else cfg.n_layers  # a bound with heads of two layers before it, where there are
+    stack, labels = cache.stack_head_results(layer=upto, incl_remainder=True, return_labels=True)
+    assert labels[-1] == "remainder" and len(labels) == len([l for l in heads if l < upto]) * cfg.n_heads + 1
+    close(stack.sum(0), cache.accumulated_resid(layer=upto)[-1])
+    if upto < cfg.n_layers:
+        normed = cache.stack_head_results(layer=upto, apply_ln=True, pos_slice=0)
+        ln1 = model.blocks[upto].ln1
+        close(normed, stack[:-1, :, 0] / cache[f"blocks.{upto}.ln1.hook_scale"][:, 0] * norm_factor(ln1))
     fresh = model.run_with_cache(torch.zeros(1, 3, dtype=torch.long), names_filter=lambda n: n.endswith("hook_z"))[1]
     fresh.compute_head_results()
-    assert fresh["blocks.0.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)
+    assert fresh[f"blocks.{heads[0]}.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)
+    assert sorted(k for k in fresh.cache_dict if k.endswith("hook_result")) == sorted(f"blocks.{l}.attn.hook_result" for l in heads)
     assert cache.stack_head_results(layer=0).shape == (0, 2, 12, cfg.d_model)
 
 
@@ -269,7 +279,7 @@ def test_logit_attrs_sum_to_logits(runs, toks, family):
     close(cache.logit_attrs(acc, toks)[-1], logits.gather(-1, toks[..., None])[..., 0])
     # a stack normalised already is normalised again (TransformerLens's semantics): not the logits
     twice = cache.logit_attrs(cache.get_full_resid_decomposition(apply_ln=True, return_labels=False), toks)
-    scale, weight = cache["ln_final.hook_scale"], model.ln_final.weight.detach()
+    scale, weight = cache["ln_final.hook_scale"], norm_factor(model.ln_final)
     close(twice, (stack / scale**2 * weight**2 * model.unembed.weight[toks].detach()).sum(-1))
 
 
@@ -288,7 +298,7 @@ def test_expert_logit_attribution(runs, toks, family):
         assert (ela[l] == 0).all()
     # an independent loop for one token: slot outputs / final rms . (W_U column * final norm weight)
     b, p, tok = 1, 7, int(toks[1, 7])
-    direction = model.unembed.weight[tok].detach() * model.ln_final.weight.detach()
+    direction = model.unembed.weight[tok].detach() * norm_factor(model.ln_final)
     rms = cache["ln_final.hook_scale"][b, p, 0]
     for l in cfg.moe_layer_indices:
         expected = torch.zeros(cfg.n_experts)

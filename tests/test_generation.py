@@ -54,11 +54,28 @@ def test_greedy_matches_transformers(family_models, references, family, padded):
     assert torch.equal(got, expected)
 
 
+def reference_stepping_gap(ref, tokens) -> float:
+    """transformers' own float32 gap between one forward and the same tokens in steps of 5, 3 and 1 through its
+    cache: rounding for attention; for a linear-attention layer its chunked form (a prompt) and its recurrent form
+    (one token) sum in different orders (1e-4 on the tiny Qwen3-Next)."""
+    with torch.no_grad():
+        full = ref(tokens).logits
+        out = ref(tokens[:, :5], use_cache=True)
+        parts = [out.logits]
+        for chunk in (tokens[:, 5:8], tokens[:, 8:]):
+            out = ref(chunk, past_key_values=out.past_key_values, use_cache=True)
+            parts.append(out.logits)
+    return (torch.cat(parts, dim=1) - full).abs().max().item()
+
+
 @pytest.mark.parametrize("backend", ["eager", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cached_steps_match_the_uncached_forward(family_models, family, backend):
-    """Prompt in chunks of 5, 3 and 1 tokens through one cache = one forward over everything (left padded)."""
+def test_cached_steps_match_the_uncached_forward(family_models, references, family, backend):
+    """Prompt in chunks of 5, 3 and 1 tokens through one cache = one forward over everything (left padded), to
+    1e-5, or to twice transformers' own gap where its mixers have two forms (linear attention)."""
     model = family_models[family]
+    recurrent = [l for l, block in enumerate(model.blocks) if block.token_mixer is not None and not block.has_attention]
+    tol = max(1e-5, 2 * reference_stepping_gap(references[family], prompt(padded=False)[0])) if recurrent else 1e-5
     tokens, mask = prompt(padded=True)
     model.set_attention_backend(backend)
     try:
@@ -71,9 +88,12 @@ def test_cached_steps_match_the_uncached_forward(family_models, family, backend)
         model.set_attention_backend("eager")
     real = mask.bool()
     diff = (torch.cat(parts, dim=1) - full)[real].abs().max().item()
-    assert diff <= 1e-5, diff
+    assert diff <= tol, (diff, tol)
     assert len(cache) == 9 and torch.equal(cache.attention_mask, mask) and cache.next_position.tolist() == [9, 6, 8]
     for layer, kv in enumerate(cache.layers):  # the cache holds attention's keys: hook_rot_k, kv heads not repeated
+        if layer in recurrent:  # a linear-attention layer holds a state of fixed size instead (its family's suite)
+            assert not hasattr(kv, "keys")
+            continue
         assert kv.keys.shape == (3, 9, model.cfg.n_kv_heads, model.cfg.d_head)
         assert (kv.keys - full_cache[f"blocks.{layer}.attn.hook_rot_k"])[real].abs().max() <= 1e-5
 

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 import torch
-from conftest import BACKEND_CASES, FAMILIES
+from conftest import BACKEND_CASES, FAMILIES, norm_factor
 
-from moelens import HookedTransformer
+from moelens import HookedTransformer, KVCache
 from moelens.hooks import HookShapeError
 from moelens.hooks.sites import SITE_BY_NAME, table_name
 
@@ -33,6 +33,16 @@ def edited(t):
     t = t.clone()
     edit_(t)
     return t
+
+
+def next_token_logits(model, tokens, hook):
+    """The logits of one more token, decoded from the cache that a hooked forward over `tokens` filled."""
+    cache = KVCache.for_model(model)
+    edit = None if hook is None else hook[1]
+    with torch.no_grad():
+        model.run_with_hooks(tokens, past_kv_cache=cache, fwd_hooks=[] if hook is None else
+                             [(hook[0], lambda t, hook: edit(t))])
+        return model(tokens[:, -1:], past_kv_cache=cache)
 
 
 def logits_and_grad(model, tokens, hook, grad: bool):
@@ -75,10 +85,15 @@ def test_editing_in_place_equals_returning_the_edit_at_every_site(backend_models
     plain = model(tokens)
     observed = [s for s in sites if SITE_BY_NAME[table_name(s)].observed]
     assert (len(observed) > 0) == (backend == "torch")  # the router's distribution, hook_router_probs
+    handed_on = [s for s in sites if SITE_BY_NAME[table_name(s)].handed_on]
     for site in sites:
         returned, g_returned = logits_and_grad(model, tokens, (site, lambda t, hook: edited(t)), grad)
         in_place, g_in_place = logits_and_grad(model, tokens, (site, lambda t, hook: edit_(t)), grad)
-        if site in observed:  # an observation site: nothing downstream reads it (test_router_probs: the cache does)
+        if site in handed_on:  # read by the next forward only: this one is unchanged, the next one sees the edit
+            assert torch.equal(returned, plain), f"{site}: an edit of the state handed on changed this forward"
+            returned, in_place = (next_token_logits(model, tokens, (site, edit)) for edit in (edited, edit_))
+            assert not torch.equal(returned, next_token_logits(model, tokens, None)), f"{site}: the edit changed nothing"
+        elif site in observed:  # an observation site: nothing downstream reads it (test_router_probs: the cache does)
             assert torch.equal(returned, plain), f"{site}: an observation site's edit changed the logits"
         else:
             assert not torch.equal(returned, plain), f"{site}: the edit changed nothing"
@@ -97,7 +112,7 @@ def test_norm_divides_by_the_hooked_scale(family_models, family, tokens):
         _, hooked = model.run_with_cache(tokens, names_filter=["blocks.1.ln2.hook_normalized", "blocks.1.hook_resid_mid"])
     x = hooked["blocks.1.hook_resid_mid"].double()
     scale = x.pow(2).mean(-1, keepdim=True).add(model.blocks[1].ln2.eps).sqrt() * 2.0 + 0.5
-    expected = model.blocks[1].ln2.weight.double() * x / scale
+    expected = norm_factor(model.blocks[1].ln2).double() * x / scale
     torch.testing.assert_close(hooked["blocks.1.ln2.hook_normalized"].double(), expected, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(hooked["blocks.1.ln2.hook_normalized"], cache["blocks.1.ln2.hook_normalized"])
 

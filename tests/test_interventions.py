@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, has_shared_expert, shared_expert_gated
+from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, attention_layers, has_shared_expert, shared_expert_gated
 
 from moelens import HookedTransformer
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
@@ -251,24 +251,25 @@ def test_hooks_fire_in_family_order(family_models, family, tokens):
 def test_query_scaling_at_rot_q_survives_into_scores(family_models, family, tokens):
     """hook_rot_q is the query entering attention (after Hunyuan's q norm): scaling it scales the scores."""
     model = family_models[family]
+    L = attention_layers(model)[0]  # a hybrid's first softmax-attention layer
 
     def double_head_1(q, hook):
         q = q.clone()
         q[:, :, 1] *= 2
         return q
 
-    _, clean = model.run_with_cache(tokens, names_filter="blocks.0.attn.hook_attn_scores")
-    with model.hooks([("blocks.0.attn.hook_rot_q", double_head_1)]):
-        _, cache = model.run_with_cache(tokens, names_filter="blocks.0.attn.hook_attn_scores")
+    _, clean = model.run_with_cache(tokens, names_filter=f"blocks.{L}.attn.hook_attn_scores")
+    with model.hooks([(f"blocks.{L}.attn.hook_rot_q", double_head_1)]):
+        _, cache = model.run_with_cache(tokens, names_filter=f"blocks.{L}.attn.hook_attn_scores")
     causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).tril()
-    window = model.cfg.window(0)
+    window = model.cfg.window(L)
     if window is not None:  # a sliding layer sees the keys fewer than `window` positions back
         causal = causal.triu(-(window - 1))
-    chunk = getattr(model.blocks[0].attn, "chunk", None)
+    chunk = getattr(model.blocks[L].attn, "chunk", None)
     if chunk is not None:  # Llama 4's chunked layer sees the keys of the query's chunk
         pos = torch.arange(tokens.shape[1])
         causal &= (pos[:, None] // chunk) == (pos[None, :] // chunk)
-    a, b = clean["attn_scores", 0], cache["attn_scores", 0]
+    a, b = clean["attn_scores", L], cache["attn_scores", L]
     # DeepSeek Sparse Attention also masks the causal keys its indexer did not select (at finfo.min)
     causal = causal & (a[:, 1] > torch.finfo(a.dtype).min)
     torch.testing.assert_close(b[:, 1][causal], 2 * a[:, 1][causal], rtol=1e-5, atol=1e-5)
@@ -283,7 +284,10 @@ def test_shapes_and_support_table(family_models, family, tokens):
     cfg = model.cfg
     for layer in range(cfg.n_layers):
         k = cfg.top_k_per_layer[layer]
-        assert cache[f"blocks.{layer}.attn.hook_pattern"].shape == (b, cfg.n_heads, p, p)
+        if model.blocks[layer].has_attention:  # a hybrid's linear-attention layers have no pattern
+            assert cache[f"blocks.{layer}.attn.hook_pattern"].shape == (b, cfg.n_heads, p, p)
+        else:
+            assert f"blocks.{layer}.attn.hook_pattern" not in cache.cache_dict
         if not model.blocks[layer].is_moe:
             assert cache[f"blocks.{layer}.mlp.hook_post"].shape == (b, p, cfg.d_mlp)
             continue

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, attention_layers
 
 from moelens import HookedTransformer
 
@@ -51,7 +51,10 @@ def test_attn_result_is_each_heads_share_of_the_output(load, family):
     with torch.no_grad():
         out, cache = model.run_with_cache(TOKENS)
     torch.testing.assert_close(out, logits, rtol=0, atol=ATOL)
-    for layer in range(model.cfg.n_layers):
+    layers = attention_layers(model)  # a hybrid's linear-attention layers have no heads: no hook_result there
+    assert sorted(n for n in cache.keys() if n.endswith("attn.hook_result")) == sorted(
+        f"blocks.{l}.attn.hook_result" for l in layers)
+    for layer in layers:
         attn = model.blocks[layer].attn
         z = plain["z", layer]  # [batch pos head d_head]
         n_heads, d_head = z.shape[-2:]
@@ -142,7 +145,9 @@ def test_split_qkv_inputs_are_copies_of_resid_pre_and_the_output_is_unchanged(lo
         out, cache = model.run_with_cache(TOKENS)
     torch.testing.assert_close(out, logits, rtol=0, atol=ATOL)
     cfg = model.cfg
-    for layer in range(cfg.n_layers):
+    layers = attention_layers(model)  # the split inputs are per attention head: only attention blocks have them
+    assert sorted(n for n in cache.keys() if n.endswith("hook_q_input")) == sorted(f"blocks.{l}.hook_q_input" for l in layers)
+    for layer in layers:
         resid = plain["resid_pre", layer]
         for site, heads in (("q_input", cfg.n_heads), ("k_input", cfg.n_kv_heads), ("v_input", cfg.n_kv_heads)):
             got = cache[f"blocks.{layer}.hook_{site}"]
@@ -161,15 +166,16 @@ def test_editing_one_heads_input_changes_only_that_heads_projection(load, family
     model.set_use_split_qkv_input(True)
     _, plain = plain_run(model)
     gen = torch.Generator().manual_seed(0)
-    for site in type(model.blocks[1].attn).linear_hooks:
+    L = [l for l in attention_layers(model) if l > 0][0]
+    for site in type(model.blocks[L].attn).linear_hooks:
         head = 1
 
         def nudge(x, hook):
             x[:, :, head] += torch.randn(x[:, :, head].shape, generator=gen)
 
-        with torch.no_grad(), model.hooks(fwd_hooks=[(f"blocks.1.hook_{site}_input", nudge)]):
-            _, cache = model.run_with_cache(TOKENS, names_filter=[f"blocks.1.attn.hook_{site}"])
-        edited, before = cache[site, 1], plain[site, 1]
+        with torch.no_grad(), model.hooks(fwd_hooks=[(f"blocks.{L}.hook_{site}_input", nudge)]):
+            _, cache = model.run_with_cache(TOKENS, names_filter=[f"blocks.{L}.attn.hook_{site}"])
+        edited, before = cache[site, L], plain[site, L]
         assert not torch.allclose(edited[:, :, head], before[:, :, head]), site
         others = [h for h in range(edited.shape[2]) if h != head]
         assert torch.equal(edited[:, :, others], before[:, :, others]), site

@@ -6,7 +6,7 @@ comparing logits (and routing) with the unprocessed model.
 
 import pytest
 import torch
-from conftest import FAMILIES, has_shared_expert, shared_expert_gated
+from conftest import FAMILIES, attention_layers, has_shared_expert, norm_factor, shared_expert_gated
 
 from moelens import HookedTransformer
 from moelens.factored_matrix import FactoredMatrix
@@ -32,18 +32,36 @@ def close(a, b, atol=ATOL):
 
 
 # ---- views ------------------------------------------------------------------------------------------
+def attention_view(model, name, shape):
+    """model.<name> as {layer: tensor}: a stack [n_layers, *shape] where every block is softmax attention; on a
+    hybrid a dict over the attention blocks (a stack of those alone would renumber them), whose other indices
+    are refused naming what those blocks are."""
+    view, layers = getattr(model, name), attention_layers(model)
+    if len(layers) == model.cfg.n_layers:
+        assert view.shape == (len(layers), *shape), name
+        return dict(enumerate(view))
+    assert isinstance(view, dict) and sorted(view) == layers, name
+    assert all(v.shape == shape for v in view.values()), name
+    other = next(l for l in range(model.cfg.n_layers) if l not in layers)
+    with pytest.raises(KeyError, match=rf"{name}\[{other}\]: .*softmax-attention layer.*linear-attention"):
+        view[other]
+    with pytest.raises(AttributeError, match="index it by block"):
+        view.shape
+    return view
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attention_views_reproduce_hooks(runs, toks, family):
     model, logits, cache = runs[family]
     cfg = model.cfg
-    L, H, G, D, M = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
-    attn = model.blocks[0].attn
+    H, M = cfg.n_heads, cfg.d_model
+    layers = attention_layers(model)
+    attn = model.blocks[layers[0]].attn
     with torch.no_grad():
-        W_O = model.W_O
-        D_v = cache["z", 0].shape[-1]  # each head's value width (MLA's v_head_dim)
-        assert W_O.shape == (L, H, D_v, M) and model.b_O.shape == (L, M)
-        for l in range(L):
-            out = torch.einsum("bphd,hdm->bpm", cache["z", l], W_O[l]) + model.b_O[l]
+        D_v = cache["z", layers[0]].shape[-1]  # each head's value width (MLA's v_head_dim)
+        W_O, b_O = attention_view(model, "W_O", (H, D_v, M)), attention_view(model, "b_O", (M,))
+        for l in layers:
+            out = torch.einsum("bphd,hdm->bpm", cache["z", l], W_O[l]) + b_O[l]
             close(out, cache["attn_out", l])
         if not attn.per_head_projections:  # MLA: keys and values come out of a normed latent
             for view in ("W_Q", "W_K", "W_V", "b_Q"):
@@ -55,7 +73,7 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
         close(cache["ln_final.hook_normalized"] @ model.W_U, logits)
         # the token direction is TransformerLens's W_U column: the final norm's output . direction is the logit
         close(model.tokens_to_residual_directions(toks), model.W_U.T[toks], 0)
-        normed = cache["resid_post", -1] / cache["ln_final.hook_scale"] * model.ln_final.weight
+        normed = cache["resid_post", -1] / cache["ln_final.hook_scale"] * norm_factor(model.ln_final)
         close((normed * model.tokens_to_residual_directions(toks)).sum(-1), logits.gather(-1, toks[..., None])[..., 0])
 
 
@@ -63,22 +81,22 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
 def check_qkv_views(model, cache, attn):
     """x @ W + b of ln1's output gives the hooks that are linear projections (attn.linear_hooks)."""
     cfg = model.cfg
-    L, H, G, D, M = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
-    W_Q, W_K, W_V = model.W_Q, model.W_K, model.W_V
-    assert W_Q.shape == W_K.shape == W_V.shape == (L, H, M, D)
-    assert model.W_K_grouped.shape == model.W_V_grouped.shape == (L, G, M, D)
-    assert model.b_Q.shape == model.b_K.shape == model.b_V.shape == (L, H, D)
-    for l in range(L):
+    H, G, D, M = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
+    W_Q, W_K, W_V = (attention_view(model, name, (H, M, D)) for name in ("W_Q", "W_K", "W_V"))
+    W_K_grouped = attention_view(model, "W_K_grouped", (G, M, D))
+    attention_view(model, "W_V_grouped", (G, M, D))
+    b_Q, b_K, b_V = (attention_view(model, name, (H, D)) for name in ("b_Q", "b_K", "b_V"))
+    for l in attention_layers(model):
         x = cache["blocks.%d.ln1.hook_normalized" % l]
         if "q" in attn.linear_hooks:
-            close(torch.einsum("bpm,hmd->bphd", x, W_Q[l]) + model.b_Q[l], cache["q", l])
+            close(torch.einsum("bpm,hmd->bphd", x, W_Q[l]) + b_Q[l], cache["q", l])
         if "k" in attn.linear_hooks:
-            k = torch.einsum("bpm,gmd->bpgd", x, model.W_K_grouped[l])
-            close(k + model.b_K[l, :: H // G], cache["k", l])
+            k = torch.einsum("bpm,gmd->bpgd", x, W_K_grouped[l])
+            close(k + b_K[l][:: H // G], cache["k", l])
             # the repeated view: query head h uses kv head h // (H / G)
-            close(torch.einsum("bpm,hmd->bphd", x, W_K[l]) + model.b_K[l], cache["k", l].repeat_interleave(H // G, dim=2))
+            close(torch.einsum("bpm,hmd->bphd", x, W_K[l]) + b_K[l], cache["k", l].repeat_interleave(H // G, dim=2))
         assert "v" in attn.linear_hooks
-        close(torch.einsum("bpm,hmd->bphd", x, W_V[l]) + model.b_V[l], cache["v", l].repeat_interleave(H // G, dim=2))
+        close(torch.einsum("bpm,hmd->bphd", x, W_V[l]) + b_V[l], cache["v", l].repeat_interleave(H // G, dim=2))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -346,8 +364,8 @@ def test_block_attention_views_are_transformer_lens_s(runs, family):
     cfg = model.cfg
     H, D, M = cfg.n_heads, cfg.d_head, cfg.d_model
     with torch.no_grad():
-        for l, block in enumerate(model.blocks):
-            attn = block.attn
+        for l in attention_layers(model):
+            attn = model.blocks[l].attn
             assert torch.equal(attn.W_O, model.W_O[l]) and torch.equal(attn.b_O, model.b_O[l])
             out = torch.einsum("bphd,hdm->bpm", cache["z", l], attn.W_O) + attn.b_O
             close(out, cache["attn_out", l])

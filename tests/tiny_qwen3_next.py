@@ -55,4 +55,4 @@ FAMILY_VARIANTS = {
                                                            full_attention_interval=2),
 }
 
-VARIANTS: dict = {}
+VARIANTS = FAMILY_VARIANTS

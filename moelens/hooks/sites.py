@@ -47,6 +47,9 @@ class Site:
     # an observation site: computed for its hooks only, read by nothing downstream, so an edit (returned or in
     # place) reaches later hooks on it and the cache but changes no other site; no gradient reaches it
     observed: bool = False
+    # a state handed on: what the layer's cache keeps for the next forward, read by nothing in this one, so an
+    # edit changes later forwards (every later token) and not this forward's output
+    handed_on: bool = False
 
     @property
     def per_expert(self) -> bool:
@@ -191,7 +194,7 @@ SITES: tuple[Site, ...] = (
           "recurrent state after the last new token, float32: what the cache keeps for the next forward", variants={
               "mamba2": (_MAMBA_STATE, "recurrent state after the last position, as cached, float32; an edit changes "
                          + "later forwards only"),
-          }),
+          }, handed_on=True),
     _site("blocks.L.mixer.hook_z", "batch pos v_head d_v",
           "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)"),
     _site("blocks.L.mixer.hook_normed", _MAMBA_HEADS, "gated norm's output per head: out_proj's input"),

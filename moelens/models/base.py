@@ -511,8 +511,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         pattern: faster, but a run with those hooks and one without then differ by rounding."""
         if backend not in ("eager", "fused"):
             raise ValueError(f"attention backend must be 'eager' or 'fused', got {backend!r}")
-        for block in self.blocks:
+        for block in self.attention_blocks():
             block.attn.backend = backend
+
+    def attention_blocks(self) -> list[Block]:
+        """The blocks whose token mixer is softmax attention: every block, except a hybrid's linear-attention or
+        state-space layers and layers without a token mixer. The attention switches (attn_result, split inputs,
+        attn_in) and the attention backend apply to these; the other blocks have no heads in that sense."""
+        return [block for block in self.blocks if block.has_attention]
 
     # ---- TransformerLens's optional hooks (cfg.use_attn_result and friends say which are on) ----------
     def set_use_attn_result(self, use_attn_result: bool) -> None:
@@ -521,7 +527,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         the plain forward's up to rounding. Off (the default): the hook point does not exist. As
         TransformerLens's; it costs a [batch pos head d_model] tensor per layer."""
         on = _switch_value(use_attn_result, "use_attn_result")
-        for block in self.blocks:
+        for block in self.attention_blocks():
             set_use_attn_result(block.attn, on)
         self._switched("use_attn_result", on)
 
@@ -534,7 +540,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         on = _switch_value(use_split_qkv_input, "use_split_qkv_input")
         if on:
             self._require_per_head_projections("set_use_split_qkv_input")
-        for block in self.blocks:
+        for block in self.attention_blocks():
             block.set_optional_hooks("split_qkv_input", on)
         self._switched("use_split_qkv_input", on)
 
@@ -551,7 +557,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
                     f"groups its {self.cfg.n_heads} query heads over {self.cfg.n_kv_heads} kv heads, so one head's "
                     "input cannot feed its own key and value (model.set_use_split_qkv_input(True))"
                 )
-        for block in self.blocks:
+        for block in self.attention_blocks():
             block.set_optional_hooks("attn_in", on)
         self._switched("use_attn_in", on)
 
@@ -560,12 +566,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         mixture (editing it changes what the MLP reads, not the residual add), as TransformerLens's."""
         on = _switch_value(use_hook_mlp_in, "use_hook_mlp_in")
         for block in self.blocks:
-            block.set_optional_hooks("hook_mlp_in", on)
+            if block.has_ffn:
+                block.set_optional_hooks("hook_mlp_in", on)
         self._switched("use_hook_mlp_in", on)
 
     def _require_per_head_projections(self, method: str) -> None:
-        attn = self.blocks[0].attn
-        if not attn.per_head_projections:
+        blocks = self.attention_blocks()
+        attn = blocks[0].attn if blocks else None
+        if attn is not None and not attn.per_head_projections:
             raise ValueError(
                 f"{method}: {self.cfg.family}'s {type(attn).__name__} has no per-head linear map of the stream (its "
                 "keys and values come out of one shared, normed latent), so a head's own input cannot mean what it "

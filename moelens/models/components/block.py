@@ -72,6 +72,17 @@ class Block(nn.Module):
         self.hook_resid_post = site_hook("blocks.L.hook_resid_post")
 
     @property
+    def has_attention(self) -> bool:
+        """Its token mixer is softmax attention (blocks.L.attn: heads, W_Q, patterns); False for a linear or
+        state-space mixer (blocks.L.mixer) and for a layer without a token mixer."""
+        return self.mixer_attribute == "attn"
+
+    @property
+    def has_ffn(self) -> bool:
+        """It has a feed-forward sublayer (dense MLP or mixture: blocks.L.mlp, hook_mlp_out)."""
+        return hasattr(self, "mlp")
+
+    @property
     def token_mixer(self) -> nn.Module | None:
         """The layer's token mixer (softmax attention as block.attn, another kind as block.mixer), or None."""
         return None if self.mixer_attribute is None else getattr(self, self.mixer_attribute)

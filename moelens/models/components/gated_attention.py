@@ -50,5 +50,29 @@ class OutputGatedAttention(Attention):
         v = self.hook_v(linear_per_head(self.v_proj, xv).view(b, p, self.n_kv_heads, self.d_head))
         return q, gate, k, v
 
+    # TransformerLens's views read only the query half of each head's rows of q_proj (the other half is the gate)
+    @property
+    def W_Q(self) -> Float[torch.Tensor, "n_heads d_model d_head"]:
+        self._require_per_head("W_Q")
+        return self._query_and_gate_rows()[:, : self.d_head].transpose(-2, -1)
+
+    @property
+    def b_Q(self) -> Float[torch.Tensor, "n_heads d_head"]:
+        self._require_per_head("b_Q")
+        return self._bias(self.q_proj, self.n_heads, 2 * self.d_head)[:, : self.d_head]
+
+    @property
+    def W_attn_gate(self) -> Float[torch.Tensor, "n_heads d_model d_head"]:
+        """Each head's gate projection (hook_attn_gate = normed stream @ W_attn_gate + b_attn_gate)."""
+        return self._query_and_gate_rows()[:, self.d_head :].transpose(-2, -1)
+
+    @property
+    def b_attn_gate(self) -> Float[torch.Tensor, "n_heads d_head"]:
+        return self._bias(self.q_proj, self.n_heads, 2 * self.d_head)[:, self.d_head :]
+
+    def _query_and_gate_rows(self) -> Float[torch.Tensor, "n_heads two_d_head d_model"]:
+        """q_proj's weight per head: its query rows then its gate rows (a view: editing it edits q_proj)."""
+        return self.q_proj.weight.view(self.n_heads, 2 * self.d_head, -1)
+
     def position(self, q, k, cos, sin):
         return super().position(self.q_norm(q), self.k_norm(k), cos, sin)
