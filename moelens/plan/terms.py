@@ -1,0 +1,181 @@
+"""Counting: parameters and bytes by component and layer, the activations of a forward, the cache."""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import torch
+
+COMPONENTS = (
+    "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
+)
+# the parts whose matrices block fp8 stores quantized (transformers' fp8 quantizer converts linear layers only)
+LINEAR_COMPONENTS = ("attention", "routed_experts", "shared_experts", "dense_mlp")
+
+
+@dataclass
+class Count:
+    parameters: int = 0
+    bytes: int = 0
+
+    def add(self, parameters: int, nbytes: int) -> None:
+        self.parameters += parameters
+        self.bytes += nbytes
+
+
+@dataclass
+class LayerCount:
+    layer: int
+    kind: str  # "moe" | "dense"
+    parameters: int = 0
+    bytes: int = 0
+    routed_experts_bytes: int = 0
+    n_experts: int = 0
+    top_k: int = 0
+
+
+def build_meta_model(cfg, family):
+    """The model exactly as loading allocates it (family.build): on the meta device (no memory, no weights),
+    in the dtype, float32 routers where the family keeps them (Hunyuan, Solar) so they count 4 bytes each."""
+    return family.build(cfg)
+
+
+def component_of(name: str) -> tuple[str, int | None]:
+    """(component, layer or None) of a moelens parameter or buffer name.
+
+    An unknown name is a RuntimeError: a new module must be given a component, not silently dropped."""
+    if name == "embed.weight":
+        return "embeddings", None
+    if name == "unembed.weight":
+        return "unembedding", None
+    if name == "ln_final.weight":
+        return "norms", None
+    match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if match:
+        layer, rest = int(match.group(1)), match.group(2)
+        norms = ("ln1.", "ln2.", "attn.q_norm.", "attn.k_norm.", "attn.q_a_layernorm.", "attn.kv_a_layernorm.")
+        if rest.startswith(norms):
+            return "norms", layer
+        if rest.startswith(("attn.", "mixer.")):  # the token mixer, whatever its kind
+            return "attention", layer
+        if rest.startswith("mlp.router."):
+            return "routers", layer  # weight and Solar's e_score_correction_bias (a buffer)
+        if rest.startswith("mlp.experts."):
+            return "routed_experts", layer
+        if rest.startswith(("mlp.shared_expert.", "mlp.shared_gate.")):
+            return "shared_experts", layer
+        if rest.startswith(("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.")):
+            return "dense_mlp", layer
+    raise RuntimeError(f"moelens.plan does not know which component {name!r} belongs to")
+
+
+@functools.lru_cache(maxsize=4)
+def meta_tensors(family, cfg) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The parameters (tied ones once) and buffers of build_meta_model(cfg, family), kept for the next plan of
+    the same config (another device set, the stored dtype): building the model's per-expert modules is most
+    of a plan's time, while its meta tensors hold no memory."""
+    model = build_meta_model(cfg, family)
+    return dict(model.named_parameters()), dict(model.named_buffers())
+
+
+def count_model(model) -> tuple[dict[str, Count], list[LayerCount]]:
+    """Sum every parameter and buffer (tied ones once: named_parameters drops duplicates) by component and layer;
+    routed experts held off the model (offloaded, sharded) at their full stacks' size, as if resident."""
+    params = dict(model.named_parameters())
+    for layer, block in enumerate(model.blocks):
+        if block.is_moe:
+            stacks = block.mlp.experts.stacks_held_elsewhere(model.cfg.dtype)
+            params |= {f"blocks.{layer}.mlp.experts.{name}": t for name, t in stacks.items()}
+    return count_tensors(model.cfg, params, dict(model.named_buffers()))
+
+
+def count_tensors(
+    cfg, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+) -> tuple[dict[str, Count], list[LayerCount]]:
+    """count_model of a model's parameters and buffers."""
+    components = {name: Count() for name in COMPONENTS}
+    layers = [
+        LayerCount(i, "moe" if moe else "dense", n_experts=cfg.n_experts if moe else 0, top_k=cfg.top_k_per_layer[i])
+        for i, moe in enumerate(cfg.moe_layers)
+    ]
+    for name, tensor in [*params.items(), *buffers.items()]:
+        numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
+        component, layer = component_of(name)
+        components[component].add(numel, nbytes)
+        if layer is not None:
+            layers[layer].parameters += numel
+            layers[layer].bytes += nbytes
+            if component == "routed_experts":
+                layers[layer].routed_experts_bytes += nbytes
+    return components, layers
+
+
+# ---- activations and KV cache ---------------------------------------------------------------------------
+
+
+def activation_terms(cfg, batch: int, seq: int, float32_router: bool = False) -> dict[str, dict]:
+    """Bytes of the largest tensors alive at once in a forward of batch x seq tokens, without caching hooks.
+
+    Each term names its shapes; `peak` = residual + the largest of (attention, mlp, logits), since only one
+    sublayer's temporaries are alive at a time (no gradients, no run_with_cache: that stores every hook)."""
+    b = torch.tensor([], dtype=cfg.dtype).element_size()
+    tokens = batch * seq
+    # Hunyuan and Solar weigh the slot outputs with float32 router weights, which promotes them to float32
+    slot_bytes = max(b, 4) if float32_router else b
+    moe_k = [k for k, moe in zip(cfg.top_k_per_layer, cfg.moe_layers, strict=True) if moe]
+    k = max(moe_k, default=0)
+    terms = {
+        "residual": (
+            4 * tokens * cfg.d_model * b,
+            "4 x [batch seq d_model]: the stream, the norm's output, the sublayer's output, the new stream",
+        ),
+        "attention": (
+            batch * cfg.n_heads * seq * seq * (2 * b + 4)
+            + tokens * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head * b,
+            "eager: scores and pattern [batch heads seq seq] in the dtype plus the float32 softmax between them; "
+            "q, k, v, z [batch seq heads d_head]",
+        ),
+        "routed_experts": (
+            tokens * k * (3 * cfg.d_expert * b + cfg.d_model * (b + 2 * slot_bytes)) + 3 * tokens * cfg.n_experts * 4
+            if moe_k else 0,
+            "largest layer: [batch*seq*top_k, 2*d_expert] gate/up and [.., d_expert] act*up, [.., d_model] gathered "
+            "inputs, outputs and their unsorted copy; float32 router logits, scores, choice [batch seq n_experts]",
+        ),
+        "shared_or_dense_mlp": (
+            3 * tokens * max(cfg.d_shared, cfg.d_mlp if cfg.dense_layer_indices else 0) * b,
+            "gate, up and act*up [batch seq d_shared or d_mlp]",
+        ),
+        "logits": (
+            tokens * cfg.d_vocab * (b + (4 if b != 4 else 0)),
+            "[batch seq vocab] in the dtype and its float32 copy (the loss and most callers upcast)",
+        ),
+    }
+    out = {name: {"bytes": int(nbytes), "counts": what} for name, (nbytes, what) in terms.items()}
+    # the shared expert's intermediates are freed before the routed experts run (or the other way round)
+    mlp = max(out["routed_experts"]["bytes"], out["shared_or_dense_mlp"]["bytes"])
+    layer = max(out["attention"]["bytes"], mlp)
+    out["layer_peak"] = {"bytes": out["residual"]["bytes"] + layer, "counts": "residual + max(attention, mlp)"}
+    out["peak"] = {
+        "bytes": out["residual"]["bytes"] + max(layer, out["logits"]["bytes"]),
+        "counts": "residual + max(attention, mlp, logits)",
+    }
+    return out
+
+
+def float32_router(recipe) -> bool:
+    """Whether the mixture layers' routers keep float32 weights (their logits are then float32)."""
+    return any(router.float32_weight for router in recipe.routers())
+
+
+def cache_bytes(recipe, cfg, batch: int, seq: int) -> tuple[int, str]:
+    """What a cache of batch x seq positions holds, in the model dtype, and how it was counted: per layer, its
+    mixer's values per token times seq (keys and values; MLA caches decompressed ones of every head) plus its
+    values per sequence (a recurrent state)."""
+    states = recipe.state_bytes(cfg)
+    per_token, per_sequence = sum(s.per_token for s in states), sum(s.per_sequence for s in states)
+    b = torch.tensor([], dtype=cfg.dtype).element_size()
+    counts = (f"batch {batch} x (seq {seq} x {per_token} values per token + {per_sequence} per sequence), summed over "
+              f"{cfg.n_layers} layers, x {b} bytes")
+    return batch * (seq * per_token + per_sequence) * b, counts
