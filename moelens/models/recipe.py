@@ -20,7 +20,7 @@ from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.router import TopKRouter
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor
 
 if TYPE_CHECKING:
     from moelens.config import MoeConfig
@@ -89,6 +89,10 @@ class Recipe:
         """Per layer, what its mixer's state holds (values per token and per sequence); nothing for a layer
         without a mixer."""
         return [StateBytes() if spec.mixer is None else spec.mixer.state_bytes(cfg) for spec in self.layers]
+
+    def state_tensors(self, cfg: MoeConfig) -> list[tuple[StateTensor, ...]]:
+        """Per layer, the tensors its mixer's state holds, each with its dtype; none for a layer without a mixer."""
+        return [() if spec.mixer is None else spec.mixer.state_tensors(cfg) for spec in self.layers]
 
 
 def decoder_recipe(

@@ -53,6 +53,7 @@ from moelens.plan.terms import (
     cache_bytes,
     count_model,
     count_tensors,
+    layer_cache_bytes,
 )
 from moelens.plan.units import human, human_count
 
@@ -61,6 +62,6 @@ __all__ = [
     "PREFERENCE", "Count", "Device", "LayerCount", "Needs", "Plan", "Source", "activation_terms", "assign_parts",
     "auto_device_map", "build_meta_model", "cache_bytes", "check_tokens", "count_model", "count_tensors",
     "device_map", "expert_offload", "expert_parallel", "gpu_devices", "hub_config", "human", "human_count",
-    "map_of", "needs_of", "one_device", "parse_size", "place", "plan", "plan_stored", "read_source",
-    "stored_weights", "system_memory", "to_json_text", "with_experts_offloaded", "with_stored_experts",
+    "layer_cache_bytes", "map_of", "needs_of", "one_device", "parse_size", "place", "plan", "plan_stored",
+    "read_source", "stored_weights", "system_memory", "to_json_text", "with_experts_offloaded", "with_stored_experts",
 ]

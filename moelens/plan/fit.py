@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moelens.placement import parse_size
-from moelens.plan.terms import Count, LayerCount, activation_terms, cache_bytes, count_model, float32_router
+from moelens.plan.terms import Count, LayerCount, activation_terms, count_model, float32_router, layer_cache_bytes
 from moelens.plan.units import human
 
 HEADROOM = 0.10  # of each device's memory, left free: allocator fragmentation, CUDA context, kernels' workspace
@@ -44,7 +44,7 @@ class Needs:
     blocks: list[LayerCount]
     layer_peak: int  # residual + one sublayer's temporaries, on every device that runs blocks
     peak: int  # layer_peak, or residual + logits where larger
-    kv_per_layer: int
+    kv_per_layer: int  # each block's cache where kv_by_layer is None
     batch: int
     seq: int
     # held on every device that runs blocks, besides layer_peak: with the experts offloaded, their cache's
@@ -53,6 +53,13 @@ class Needs:
     # the routed experts kept as stored (see with_stored_experts): the dense bytes of one expert, which a layer
     # dequantizes for each of its active experts while it runs; 0 where the experts are dense
     dequantized_each: int = 0
+    # each block's cache (block i's at i), where layers differ: a hybrid's attention layers cache keys per
+    # token, its linear layers a fixed state per sequence
+    kv_by_layer: list[int] | None = None
+
+    def kv_of(self, i: int) -> int:
+        """Bytes of block i's cache."""
+        return self.kv_per_layer if self.kv_by_layer is None else self.kv_by_layer[i]
 
     @property
     def weights(self) -> int:
@@ -60,7 +67,7 @@ class Needs:
 
     @property
     def kv(self) -> int:
-        return self.kv_per_layer * len(self.blocks)
+        return sum(self.kv_of(i) for i in range(len(self.blocks)))
 
     @property
     def routed_experts(self) -> int:
@@ -136,7 +143,7 @@ def part_cost(needs: Needs, i: int, with_embedding: bool) -> int:
     """Bytes block i brings to a device: its weights and KV cache; block 0 the embedding; the last block the
     final norm, unembedding, the logits beyond a layer's temporaries and, when tied and on a device other
     than the embedding's, a copy of the embedding matrix."""
-    cost = needs.blocks[i].bytes + needs.kv_per_layer
+    cost = needs.blocks[i].bytes + needs.kv_of(i)
     if i == 0:
         cost += needs.embedding
     if i == len(needs.blocks) - 1:
@@ -365,7 +372,7 @@ def needs_of(cfg, family, components: dict[str, Count], layers: list[LayerCount]
     """What the placements weigh, from the model's counts (count_model) and a forward of batch x seq tokens."""
     recipe = family.recipe(cfg)
     acts = activation_terms(cfg, batch, seq, float32_router(recipe))
-    kv, _ = cache_bytes(recipe, cfg, batch, seq)
+    kv = layer_cache_bytes(recipe, cfg, batch, seq)
     embed_bytes = components["embeddings"].bytes
     final_norm = cfg.d_model * torch.tensor([], dtype=cfg.dtype).element_size()
     return Needs(
@@ -375,9 +382,10 @@ def needs_of(cfg, family, components: dict[str, Count], layers: list[LayerCount]
         blocks=layers,
         layer_peak=acts["layer_peak"]["bytes"],
         peak=acts["peak"]["bytes"],
-        kv_per_layer=kv // cfg.n_layers,
+        kv_per_layer=max(kv, default=0),
         batch=batch,
         seq=seq,
+        kv_by_layer=kv,
     )
 
 

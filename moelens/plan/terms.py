@@ -169,13 +169,19 @@ def float32_router(recipe) -> bool:
     return any(router.float32_weight for router in recipe.routers())
 
 
+def layer_cache_bytes(recipe, cfg, batch: int, seq: int) -> list[int]:
+    """Per layer, the bytes its cache holds for batch x seq positions: the tensors its mixer's state holds
+    (state_tensors), each in its own dtype (a recurrent state kept float32 counts 4 bytes a value in any model
+    dtype), those per token (keys and values; MLA caches decompressed ones of every head) times seq, those per
+    sequence (a convolution window, a recurrent state) once, whatever seq."""
+    return [batch * sum(t.nbytes(cfg.dtype, seq) for t in layer) for layer in recipe.state_tensors(cfg)]
+
+
 def cache_bytes(recipe, cfg, batch: int, seq: int) -> tuple[int, str]:
-    """What a cache of batch x seq positions holds, in the model dtype, and how it was counted: per layer, its
-    mixer's values per token times seq (keys and values; MLA caches decompressed ones of every head) plus its
-    values per sequence (a recurrent state)."""
-    states = recipe.state_bytes(cfg)
-    per_token, per_sequence = sum(s.per_token for s in states), sum(s.per_sequence for s in states)
-    b = torch.tensor([], dtype=cfg.dtype).element_size()
-    counts = (f"batch {batch} x (seq {seq} x {per_token} values per token + {per_sequence} per sequence), summed over "
-              f"{cfg.n_layers} layers, x {b} bytes")
-    return batch * (seq * per_token + per_sequence) * b, counts
+    """What a cache of batch x seq positions holds, in bytes (layer_cache_bytes summed), and how it was counted."""
+    tensors = [t for layer in recipe.state_tensors(cfg) for t in layer]
+    per_token = sum(t.nbytes(cfg.dtype, 1) for t in tensors if t.per == "token")
+    per_sequence = sum(t.nbytes(cfg.dtype, 1) for t in tensors if t.per == "sequence")
+    counts = (f"batch {batch} x (seq {seq} x {per_token:,} bytes per token + {per_sequence:,} bytes per sequence), "
+              f"summed over {cfg.n_layers} layers, each state tensor in its own dtype")
+    return sum(layer_cache_bytes(recipe, cfg, batch, seq)), counts

@@ -20,7 +20,7 @@ from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary
 from moelens.models.context import LayerInputs
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
 from moelens.state import KVState
 
 
@@ -180,8 +180,13 @@ class Attention(AttentionWeightViews, nn.Module):
         return KVState(reserve)
 
     @classmethod
+    def state_tensors(cls, cfg: MoeConfig) -> tuple[StateTensor, ...]:
+        """Keys and values, per token, in the model's dtype."""
+        return (StateTensor("kv", cls.cached_per_token(cfg), "token"),)
+
+    @classmethod
     def state_bytes(cls, cfg: MoeConfig) -> StateBytes:
-        return StateBytes(per_token=cls.cached_per_token(cfg))
+        return values_of(cls.state_tensors(cfg))
 
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         """The pattern from the masked scores: a float32 softmax over the keys, in the scores' dtype."""

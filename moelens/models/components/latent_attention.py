@@ -28,7 +28,7 @@ from moelens.hooks.sites import site_hook
 from moelens.models.components.attention import attend, project_out, rows_contiguous
 from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.context import LayerInputs
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
 from moelens.state import KVState
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
@@ -132,8 +132,13 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
         return KVState(reserve)
 
     @classmethod
+    def state_tensors(cls, cfg) -> tuple[StateTensor, ...]:
+        """Decompressed keys and values (and an indexer's keys), per token, in the model's dtype."""
+        return (StateTensor("kv", cls.cached_per_token(cfg), "token"),)
+
+    @classmethod
     def state_bytes(cls, cfg) -> StateBytes:
-        return StateBytes(per_token=cls.cached_per_token(cfg))
+        return values_of(cls.state_tensors(cfg))
 
     @staticmethod
     def cached_per_token(cfg) -> int:

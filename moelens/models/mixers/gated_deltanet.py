@@ -42,7 +42,7 @@ from torch import nn
 
 from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
 from moelens.models.mixers.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from moelens.models.mixers.gated_norm import GatedRMSNorm
 from moelens.state import RecurrentState
@@ -145,14 +145,21 @@ class GatedDeltaNet(nn.Module):
         """An empty state (its size does not grow with the sequence, so `reserve` changes nothing)."""
         return RecurrentState()
 
-    @staticmethod
-    def state_bytes(cfg: object) -> StateBytes:
-        """Values per sequence: the convolution window (conv_dim x kernel, the model's dtype) and the recurrent
-        state (v_head x d_k x d_v). The recurrent state is float32 whatever the model's dtype, so in bfloat16 it
-        takes twice the bytes these values count at the model's dtype."""
+    @classmethod
+    def state_tensors(cls, cfg: object) -> tuple[StateTensor, ...]:
+        """Per sequence: the convolution window (conv_dim x kernel, the model's dtype) and the recurrent state
+        (v_head x d_k x d_v), float32 whatever the model's dtype (the delta rule computes and returns it so,
+        and transformers' cache keeps it as returned)."""
         conv_dim = 2 * cfg.linear_n_key_heads * cfg.linear_d_key + cfg.linear_n_value_heads * cfg.linear_d_value
         recurrent = cfg.linear_n_value_heads * cfg.linear_d_key * cfg.linear_d_value
-        return StateBytes(per_token=0, per_sequence=conv_dim * cfg.linear_conv_kernel + recurrent)
+        return (
+            StateTensor("conv", conv_dim * cfg.linear_conv_kernel, "sequence"),
+            StateTensor("recurrent", recurrent, "sequence", torch.float32),
+        )
+
+    @classmethod
+    def state_bytes(cls, cfg: object) -> StateBytes:
+        return values_of(cls.state_tensors(cfg))
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs

@@ -29,7 +29,7 @@ from torch import nn
 
 from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
 from moelens.state import RecurrentState
 
 
@@ -224,13 +224,20 @@ class Mamba2Mixer(nn.Module):
     def input_projections(self) -> list[nn.Linear]:
         return [self.in_proj]
 
-    @staticmethod
-    def state_bytes(cfg: Mamba2Config) -> StateBytes:
-        """The convolution window (the model's dtype) and the recurrent state (float32, whatever the model's
-        dtype: the planner's values times the model's dtype size undercount it by 2x in bfloat16)."""
+    @classmethod
+    def state_tensors(cls, cfg: Mamba2Config) -> tuple[StateTensor, ...]:
+        """Per sequence: the convolution window (the model's dtype) and the recurrent state [head d_head
+        d_state], float32 whatever the model's dtype (the scan's, kept as transformers' cache keeps it)."""
         h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
         conv_dim = h * p + 2 * g * n
-        return StateBytes(per_sequence=conv_dim * cfg.mamba_d_conv + h * p * n)
+        return (
+            StateTensor("conv", conv_dim * cfg.mamba_d_conv, "sequence"),
+            StateTensor("recurrent", h * p * n, "sequence", torch.float32),
+        )
+
+    @classmethod
+    def state_bytes(cls, cfg: Mamba2Config) -> StateBytes:
+        return values_of(cls.state_tensors(cfg))
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
