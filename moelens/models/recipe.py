@@ -11,6 +11,7 @@ Mamba-2, attention or MoE); a block then has only the sublayer it has.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.router import TopKRouter
 from moelens.models.mixers.base import StateBytes, StateTensor
+from moelens.models.terms import ParamTerm, under
 
 if TYPE_CHECKING:
     from moelens.config import MoeConfig
@@ -33,6 +35,9 @@ class Dense:
     mlp: type[GatedMLP] = GatedMLP
     is_moe = False
 
+    def param_terms(self, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return self.mlp.param_terms(cfg.d_model, cfg.d_mlp, "dense_mlp")
+
     def build(self, cfg: MoeConfig, layer: int) -> nn.Module:
         return self.mlp(cfg.d_model, cfg.d_mlp, cfg.act_fn)
 
@@ -44,6 +49,9 @@ class Mixture:
     moe: type[SparseMoe]
     router: type[TopKRouter]
     is_moe = True
+
+    def param_terms(self, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return self.moe.param_terms(cfg, layer, self.router)
 
     def build(self, cfg: MoeConfig, layer: int) -> nn.Module:
         return self.moe(cfg, layer, self.router)
@@ -84,6 +92,25 @@ class Recipe:
 
     def routers(self) -> list[type[TopKRouter]]:
         return [spec.ffn.router for spec in self.layers if spec.is_moe]
+
+    def param_terms(self, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
+        """Every parameter and buffer of the model, named as HookedTransformer names them, from the classes of
+        its parts (no module built): the embedding, per layer its norms, token mixer (under the mixer class's
+        block_attribute) and feed-forward (under mlp), the final norm and, untied, the unembedding."""
+        terms = [ParamTerm("embed.weight", (cfg.d_vocab, cfg.d_model), "embeddings")]
+        for layer, spec in enumerate(self.layers):
+            block, own = f"blocks.{layer}", []
+            if spec.mixer is not None:
+                own += under(f"{block}.ln1", spec.norm.param_terms(cfg.d_model))
+                own += under(f"{block}.{spec.mixer.block_attribute}", spec.mixer.param_terms(cfg, layer))
+            if spec.ffn is not None:
+                own += under(f"{block}.ln2", spec.norm.param_terms(cfg.d_model))
+                own += under(f"{block}.mlp", spec.ffn.param_terms(cfg, layer))
+            terms += [dataclasses.replace(t, layer=layer) for t in own]
+        terms += under("ln_final", self.final_norm.param_terms(cfg.d_model))
+        if not cfg.tie_word_embeddings:  # tied: the embedding's matrix, counted once
+            terms.append(ParamTerm("unembed.weight", (cfg.d_vocab, cfg.d_model), "unembedding"))
+        return tuple(terms)
 
     def state_bytes(self, cfg: MoeConfig) -> list[StateBytes]:
         """Per layer, what its mixer's state holds (values per token and per sequence); nothing for a layer

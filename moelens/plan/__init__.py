@@ -4,9 +4,10 @@
 embedded default name, a Hub id fetched as that one file, or a config dict). Where safetensors files are
 present their headers are read, never their data, to show what is stored next to what is computed.
 
-Parameters are counted on the moelens model itself, built on the meta device as the loader builds it, so the
-count cannot drift from what loading allocates: routers kept float32 in low-precision models count 4 bytes,
-tied embeddings count once.
+Parameters are counted from the recipe's parts, each class saying what it holds for a config
+(moelens.models.terms; no model is built, so 671B plans as fast as a tiny one); tests hold those terms to the
+model loading builds, name by name: routers kept float32 in low-precision models count 4 bytes, tied
+embeddings count once. The cache is counted from each mixer's state tensors in their own dtypes.
 
 A config with a quantization_config (block fp8, MXFP4) is also counted as the checkpoint stores it
 (moelens.stored_size), and placed under both run-time modes: dequantized at load (every weight dense in the
@@ -52,16 +53,17 @@ from moelens.plan.terms import (
     build_meta_model,
     cache_bytes,
     count_model,
-    count_tensors,
+    count_terms,
     layer_cache_bytes,
+    model_terms,
 )
 from moelens.plan.units import human, human_count
 
 __all__ = [
     "COMPONENTS", "DEFAULT_BATCH", "DEFAULT_SEQ", "EXPERT_STORAGE", "HEADROOM", "MAX_EXPERT_MODULES", "MAX_GPUS",
     "PREFERENCE", "Count", "Device", "LayerCount", "Needs", "Plan", "Source", "activation_terms", "assign_parts",
-    "auto_device_map", "build_meta_model", "cache_bytes", "check_tokens", "count_model", "count_tensors",
+    "auto_device_map", "build_meta_model", "cache_bytes", "check_tokens", "count_model", "count_terms",
     "device_map", "expert_offload", "expert_parallel", "gpu_devices", "hub_config", "human", "human_count",
-    "layer_cache_bytes", "map_of", "needs_of", "one_device", "parse_size", "place", "plan", "plan_stored",
+    "layer_cache_bytes", "map_of", "model_terms", "needs_of", "one_device", "parse_size", "place", "plan", "plan_stored",
     "read_source", "stored_weights", "system_memory", "to_json_text", "with_experts_offloaded", "with_stored_experts",
 ]

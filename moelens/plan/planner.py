@@ -20,7 +20,9 @@ from moelens.plan.fit import (
 from moelens.plan.report import plan_text
 from moelens.plan.source import read_source, stored_weights
 from moelens.plan.stored import check_expert_storage, plan_stored
-from moelens.plan.terms import Count, LayerCount, activation_terms, cache_bytes, count_tensors, float32_router, meta_tensors
+from moelens.plan.terms import (
+    Count, LayerCount, activation_terms, cache_bytes, count_terms, float32_router, meta_tensors, model_terms,
+)
 from moelens.weights import hidden_weight_count
 
 # Beyond this a plan measures nothing real: the largest published models have ~15k (mixture layer, expert)
@@ -127,7 +129,7 @@ def plan(
     if cfg.tie_word_embeddings and on_disk and on_disk.get("has_lm_head"):
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a stored head wins, as the loader does
     cfg = dataclasses.replace(cfg, dtype=dtype)
-    components, layers = count_tensors(cfg, *meta_tensors(family, cfg))
+    components, layers = count_terms(cfg, model_terms(family, cfg))
     recipe = family.recipe(cfg)
     router_in_float32 = float32_router(recipe)
     acts = activation_terms(cfg, batch, seq, router_in_float32)

@@ -16,7 +16,8 @@ from moelens.loaders.errors import CheckpointError
 from moelens.loaders.quantized import MXFP4_GROUP, SUPPORTED, Format, Fp8Blocks
 from moelens.plan.fit import Device, Needs, expert_bytes_each, place
 from moelens.plan.source import Source
-from moelens.plan.terms import COMPONENTS, LINEAR_COMPONENTS, Count, component_of, meta_tensors
+from moelens.models.terms import COMPONENTS
+from moelens.plan.terms import LINEAR_COMPONENTS, Count, meta_tensors, model_terms
 from moelens.stored_size import scale_bytes, stored_tensors
 
 # run-time modes of a quantized checkpoint: every weight dense in the dtype, or the routed experts as stored
@@ -67,23 +68,24 @@ class StoredCounts:
 
 @functools.lru_cache(maxsize=4)
 def count_stored(family, stored_cfg, fmt: Format, scale_dtype: str) -> StoredCounts:
-    """The checkpoint of stored_cfg (its dtype: what dense tensors are stored in) as fmt stores it; kept, as
-    meta_tensors, for the next plan of the same config."""
+    """The checkpoint of stored_cfg (its dtype: what dense tensors are stored in) as fmt stores it; kept for the
+    next plan of the same config (another device set)."""
+    terms = {t.name: t for t in model_terms(family, stored_cfg)}
     params, buffers = meta_tensors(family, stored_cfg)
     tensors = stored_tensors(
         family.site_map(stored_cfg), params, buffers, fmt, stored_cfg.dtype,
-        lambda name: component_of(name)[0] in LINEAR_COMPONENTS, scale_dtype,
+        lambda name: terms[name].component in LINEAR_COMPONENTS, scale_dtype,
     )
     components = {name: Count() for name in COMPONENTS}
     layer_bytes, expert_bytes = [0] * stored_cfg.n_layers, [0] * stored_cfg.n_layers
     for param, stored in tensors.items():
-        component, layer = component_of(param)
+        term = terms[param]
         for t in stored:
-            components[component].add(math.prod(t.shape), t.bytes)
-            if layer is not None:
-                layer_bytes[layer] += t.bytes
-                if component == "routed_experts":
-                    expert_bytes[layer] += t.bytes
+            components[term.component].add(math.prod(t.shape), t.bytes)
+            if term.layer is not None:
+                layer_bytes[term.layer] += t.bytes
+                if term.component == "routed_experts":
+                    expert_bytes[term.layer] += t.bytes
     return StoredCounts(
         tuple((name, c.parameters, c.bytes) for name, c in components.items()), tuple(layer_bytes), tuple(expert_bytes),
         sum(t.values for stored in tensors.values() for t in stored),

@@ -1,16 +1,19 @@
-"""Counting: parameters and bytes by component and layer, the activations of a forward, the cache."""
+"""Counting: parameters and bytes by component and layer, the activations of a forward, the cache.
+
+Every count asks the model's parts: the recipe's Recipe.param_terms(cfg) (each mixer's, feed-forward's, norm's
+and router's class says what it holds, moelens.models.terms), the mixers' state_tensors for the cache. Nothing
+is built, so a 671B config plans in the time its config takes to read.
+"""
 
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 import torch
 
-COMPONENTS = (
-    "embeddings", "attention", "norms", "routers", "routed_experts", "shared_experts", "dense_mlp", "unembedding",
-)
+from moelens.models.terms import COMPONENTS, ParamTerm
+
 # the parts whose matrices block fp8 stores quantized (transformers' fp8 quantizer converts linear layers only)
 LINEAR_COMPONENTS = ("attention", "routed_experts", "shared_experts", "dense_mlp")
 
@@ -37,78 +40,64 @@ class LayerCount:
 
 
 def build_meta_model(cfg, family):
-    """The model exactly as loading allocates it (family.build): on the meta device (no memory, no weights),
-    in the dtype, float32 routers where the family keeps them (Hunyuan, Solar) so they count 4 bytes each."""
+    """The model exactly as loading allocates it (family.build), on the meta device. Planning does not build
+    it (model_terms says the same from the parts' classes); kept for callers that want the modules."""
     return family.build(cfg)
 
 
-def component_of(name: str) -> tuple[str, int | None]:
-    """(component, layer or None) of a moelens parameter or buffer name.
-
-    An unknown name is a RuntimeError: a new module must be given a component, not silently dropped."""
-    if name == "embed.weight":
-        return "embeddings", None
-    if name == "unembed.weight":
-        return "unembedding", None
-    if name == "ln_final.weight":
-        return "norms", None
-    match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
-    if match:
-        layer, rest = int(match.group(1)), match.group(2)
-        norms = ("ln1.", "ln2.", "attn.q_norm.", "attn.k_norm.", "attn.q_a_layernorm.", "attn.kv_a_layernorm.")
-        if rest.startswith(norms):
-            return "norms", layer
-        if rest.startswith(("attn.", "mixer.")):  # the token mixer, whatever its kind
-            return "attention", layer
-        if rest.startswith("mlp.router."):
-            return "routers", layer  # weight and Solar's e_score_correction_bias (a buffer)
-        if rest.startswith("mlp.experts."):
-            return "routed_experts", layer
-        if rest.startswith(("mlp.shared_expert.", "mlp.shared_gate.")):
-            return "shared_experts", layer
-        if rest.startswith(("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.")):
-            return "dense_mlp", layer
-    raise RuntimeError(f"moelens.plan does not know which component {name!r} belongs to")
+@functools.lru_cache(maxsize=8)
+def model_terms(family, cfg) -> tuple[ParamTerm, ...]:
+    """Every parameter and buffer of family's model for cfg, from its recipe's parts (tied ones once)."""
+    return family.recipe(cfg).param_terms(cfg)
 
 
-@functools.lru_cache(maxsize=4)
 def meta_tensors(family, cfg) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The parameters (tied ones once) and buffers of build_meta_model(cfg, family), kept for the next plan of
-    the same config (another device set, the stored dtype): building the model's per-expert modules is most
-    of a plan's time, while its meta tensors hold no memory."""
-    model = build_meta_model(cfg, family)
-    return dict(model.named_parameters()), dict(model.named_buffers())
+    """model_terms as (parameters, buffers) on the meta device (no memory), named and typed as the built
+    model's, for the code that reads tensors by name (the stored sizes, TransformerLens's n_params)."""
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for term in model_terms(family, cfg):
+        (buffers if term.buffer else params)[term.name] = torch.empty(term.shape, dtype=term.dtype(cfg.dtype), device="meta")
+    return params, buffers
 
 
 def count_model(model) -> tuple[dict[str, Count], list[LayerCount]]:
-    """Sum every parameter and buffer (tied ones once: named_parameters drops duplicates) by component and layer;
-    routed experts held off the model (offloaded, sharded) at their full stacks' size, as if resident."""
+    """Sum every parameter and buffer of a built model (tied ones once: named_parameters drops duplicates) by
+    component and layer, as its recipe's terms classify them; routed experts held off the model (offloaded,
+    sharded) at their full stacks' size, as if resident. A tensor the terms do not name is a RuntimeError:
+    a part whose param_terms leave it out must say what it holds."""
     params = dict(model.named_parameters())
     for layer, block in enumerate(model.blocks):
         if block.is_moe:
             stacks = block.mlp.experts.stacks_held_elsewhere(model.cfg.dtype)
             params |= {f"blocks.{layer}.mlp.experts.{name}": t for name, t in stacks.items()}
-    return count_tensors(model.cfg, params, dict(model.named_buffers()))
+    terms = {t.name: t for t in model_terms(type(model), model.cfg)}
+    found = []
+    for name, tensor in [*params.items(), *model.named_buffers()]:
+        if name not in terms:
+            raise RuntimeError(f"moelens.plan: {type(model).__name__}'s recipe terms do not name {name!r}")
+        found.append((terms[name], tensor.numel(), tensor.numel() * tensor.element_size()))
+    return _sum(model.cfg, found)
 
 
-def count_tensors(
-    cfg, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
-) -> tuple[dict[str, Count], list[LayerCount]]:
-    """count_model of a model's parameters and buffers."""
+def count_terms(cfg, terms: tuple[ParamTerm, ...]) -> tuple[dict[str, Count], list[LayerCount]]:
+    """model_terms summed by component and by layer, in cfg.dtype (float32 where a term keeps it)."""
+    return _sum(cfg, [(t, t.numel, t.nbytes(cfg.dtype)) for t in terms])
+
+
+def _sum(cfg, found: list[tuple[ParamTerm, int, int]]) -> tuple[dict[str, Count], list[LayerCount]]:
     components = {name: Count() for name in COMPONENTS}
     layers = [
         LayerCount(i, "moe" if moe else "dense", n_experts=cfg.n_experts if moe else 0, top_k=cfg.top_k_per_layer[i])
         for i, moe in enumerate(cfg.moe_layers)
     ]
-    for name, tensor in [*params.items(), *buffers.items()]:
-        numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
-        component, layer = component_of(name)
-        components[component].add(numel, nbytes)
-        if layer is not None:
-            layers[layer].parameters += numel
-            layers[layer].bytes += nbytes
-            if component == "routed_experts":
-                layers[layer].routed_experts_bytes += nbytes
+    for term, numel, nbytes in found:
+        components[term.component].add(numel, nbytes)
+        if term.layer is not None:
+            layers[term.layer].parameters += numel
+            layers[term.layer].bytes += nbytes
+            if term.component == "routed_experts":
+                layers[term.layer].routed_experts_bytes += nbytes
     return components, layers
 
 

@@ -18,6 +18,7 @@ from jaxtyping import Bool, Float, Int
 from torch import nn
 
 from moelens.models.components.layer_norm import LayerNorm
+from moelens.models.terms import ParamTerm, linear, under
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
 from moelens.state import IndexedKVState
 
@@ -26,6 +27,14 @@ INDEX_KEY_NORM_EPS = 1e-6
 
 
 class LightningIndexer(nn.Module):
+    @staticmethod
+    def param_terms(cfg) -> tuple[ParamTerm, ...]:
+        """All "attention", its key norm too: the indexer is a part of the attention."""
+        n, d = cfg.index_n_heads, cfg.index_head_dim
+        return (linear("wq_b", cfg.q_lora_rank, n * d, False, "attention") + linear("wk", cfg.d_model, d, False, "attention")
+                + under("k_norm", LayerNorm.param_terms(d, "attention"))
+                + linear("weights_proj", cfg.d_model, n, False, "attention"))
+
     def __init__(self, cfg) -> None:
         super().__init__()
         self.n_heads, self.d_head, self.d_rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
