@@ -7,6 +7,10 @@ family for each layer from its config, and the final norm.
 A family's `recipe(cfg)` returns it (most families: `decoder_recipe`, softmax attention on every layer and a
 mixture where cfg.moe_layers says). A layer may lack a mixer or a feed-forward (a layer of Nemotron-H is one of
 Mamba-2, attention or MoE); a block then has only the sublayer it has.
+
+Each part says, from the config, what it holds (`param_terms`: a mixer class's (cfg, layer), a feed-forward's
+(cfg, layer), a norm class's (d), a router class's (cfg)) and a mixer what its state holds (`state_tensors`);
+Recipe.param_terms and Recipe.state_tensors gather them for moelens plan, which builds nothing.
 """
 
 from __future__ import annotations

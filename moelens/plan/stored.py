@@ -14,9 +14,9 @@ import torch
 from moelens.dtypes import parse_dtype
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.quantized import MXFP4_GROUP, SUPPORTED, Format, Fp8Blocks
+from moelens.models.terms import COMPONENTS
 from moelens.plan.fit import Device, Needs, expert_bytes_each, place
 from moelens.plan.source import Source
-from moelens.models.terms import COMPONENTS
 from moelens.plan.terms import LINEAR_COMPONENTS, Count, meta_tensors, model_terms
 from moelens.stored_size import scale_bytes, stored_tensors
 

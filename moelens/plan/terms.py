@@ -71,7 +71,7 @@ def count_model(model) -> tuple[dict[str, Count], list[LayerCount]]:
         if block.is_moe:
             stacks = block.mlp.experts.stacks_held_elsewhere(model.cfg.dtype)
             params |= {f"blocks.{layer}.mlp.experts.{name}": t for name, t in stacks.items()}
-    terms = {t.name: t for t in model_terms(type(model), model.cfg)}
+    terms = {t.name: t for t in model.recipe(model.cfg).param_terms(model.cfg)}
     found = []
     for name, tensor in [*params.items(), *model.named_buffers()]:
         if name not in terms:

@@ -20,8 +20,8 @@ from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary
 from moelens.models.context import LayerInputs
-from moelens.models.terms import ParamTerm, linear, under
 from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.terms import ParamTerm, linear, under
 from moelens.state import KVState
 
 

@@ -12,8 +12,8 @@ from moelens.config import MoeConfig
 from moelens.hooks.sites import site_hook
 from moelens.models.components.attention import Attention, SplitInputs, linear_per_head, project_out, split_inputs
 from moelens.models.components.norm import ZeroCenteredRMSNorm
-from moelens.models.terms import ParamTerm, under
 from moelens.models.context import LayerInputs
+from moelens.models.terms import ParamTerm, under
 
 
 class OutputGatedAttention(Attention):

@@ -18,8 +18,8 @@ from jaxtyping import Bool, Float, Int
 from torch import nn
 
 from moelens.models.components.layer_norm import LayerNorm
-from moelens.models.terms import ParamTerm, linear, under
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
+from moelens.models.terms import ParamTerm, linear, under
 from moelens.state import IndexedKVState
 
 # transformers builds the indexer's k_norm as nn.LayerNorm(index_head_dim, eps=1e-6), whatever rms_norm_eps says

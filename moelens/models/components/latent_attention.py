@@ -28,8 +28,8 @@ from moelens.hooks.sites import site_hook
 from moelens.models.components.attention import attend, project_out, rows_contiguous
 from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.context import LayerInputs
-from moelens.models.terms import ParamTerm, linear, under
 from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.terms import ParamTerm, linear, under
 from moelens.state import KVState
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved

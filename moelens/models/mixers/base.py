@@ -9,6 +9,7 @@ DeltaNet, Mamba-2, ...).
     type(mixer).state_tensors(cfg)  StateTensor each: what its state holds, per token or per sequence, and in
                                   which dtype (plan counts the bytes from them)
     type(mixer).state_bytes(cfg)  StateBytes: the same as values per token and per sequence
+    type(mixer).param_terms(cfg, layer)  ParamTerm each: what it holds (moelens.models.terms; plan)
 
 A block holds its mixer under `block_attribute`: "attn" for softmax attention (TransformerLens's
 blocks.L.attn.* sites), "mixer" for the others (their sites are blocks.L.mixer.*). Whatever the kind, the
@@ -29,6 +30,7 @@ from moelens.state import LayerState
 
 if TYPE_CHECKING:
     from moelens.config import MoeConfig
+    from moelens.models.terms import ParamTerm
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class Mixer(Protocol):
     def new_state(self, reserve: int = 0) -> LayerState: ...
 
     def input_projections(self) -> list[nn.Linear]: ...
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]: ...
 
     @classmethod
     def state_tensors(cls, cfg: MoeConfig) -> tuple[StateTensor, ...]: ...

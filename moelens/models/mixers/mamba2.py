@@ -29,8 +29,8 @@ from torch import nn
 
 from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
-from moelens.models.terms import ParamTerm, depthwise_conv, linear, under, vector
 from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.terms import ParamTerm, depthwise_conv, linear, under, vector
 from moelens.state import RecurrentState
 
 
