@@ -101,6 +101,18 @@ def test_a_tensor_the_terms_leave_out_is_named():
         ParamTerm("w", (1,), "experts")
 
 
+def test_a_part_that_says_nothing_is_named():
+    """A new mixer class without param_terms: planning names it instead of failing on an attribute."""
+    class Silent(torch.nn.Module):
+        block_attribute = "mixer"
+
+    family, cfg = cfg_of(CONFIGS["tiny_qwen3_moe"], torch.float32)
+    recipe = family.recipe(cfg)
+    layers = (dataclasses.replace(recipe.layers[0], mixer=Silent), *recipe.layers[1:])
+    with pytest.raises(TypeError, match="the token mixer Silent has no param_terms"):
+        dataclasses.replace(recipe, layers=layers).param_terms(cfg)
+
+
 def test_a_671b_plan_builds_nothing(monkeypatch):
     """DeepSeek-V3.2 at full size (671.9B) planned from its config alone, with building a model forbidden."""
     from test_family_deepseek_v32 import DEEPSEEK_V32

@@ -105,13 +105,13 @@ class Recipe:
         for layer, spec in enumerate(self.layers):
             block, own = f"blocks.{layer}", []
             if spec.mixer is not None:
-                own += under(f"{block}.ln1", spec.norm.param_terms(cfg.d_model))
-                own += under(f"{block}.{spec.mixer.block_attribute}", spec.mixer.param_terms(cfg, layer))
+                own += under(f"{block}.ln1", _asked(spec.norm, "norm")(cfg.d_model))
+                own += under(f"{block}.{spec.mixer.block_attribute}", _asked(spec.mixer, "token mixer")(cfg, layer))
             if spec.ffn is not None:
-                own += under(f"{block}.ln2", spec.norm.param_terms(cfg.d_model))
-                own += under(f"{block}.mlp", spec.ffn.param_terms(cfg, layer))
+                own += under(f"{block}.ln2", _asked(spec.norm, "norm")(cfg.d_model))
+                own += under(f"{block}.mlp", _asked(spec.ffn, "feed-forward")(cfg, layer))
             terms += [dataclasses.replace(t, layer=layer) for t in own]
-        terms += under("ln_final", self.final_norm.param_terms(cfg.d_model))
+        terms += under("ln_final", _asked(self.final_norm, "norm")(cfg.d_model))
         if not cfg.tie_word_embeddings:  # tied: the embedding's matrix, counted once
             terms.append(ParamTerm("unembed.weight", (cfg.d_vocab, cfg.d_model), "unembedding"))
         return tuple(terms)
@@ -124,6 +124,16 @@ class Recipe:
     def state_tensors(self, cfg: MoeConfig) -> list[tuple[StateTensor, ...]]:
         """Per layer, the tensors its mixer's state holds, each with its dtype; none for a layer without a mixer."""
         return [() if spec.mixer is None else spec.mixer.state_tensors(cfg) for spec in self.layers]
+
+
+def _asked(part, kind: str):
+    """part.param_terms, or an error naming the part that does not say what it holds."""
+    terms = getattr(part, "param_terms", None)
+    if terms is None:
+        name = getattr(part, "__name__", type(part).__name__)
+        raise TypeError(f"the {kind} {name} has no param_terms: each part of a recipe says what it holds for a config "
+                        "(moelens.models.terms), which moelens plan counts")
+    return terms
 
 
 def decoder_recipe(
