@@ -141,3 +141,26 @@ def test_each_layer_places_its_own_cache():
     assert [b - a for a, b in zip(needs.kv_by_layer, longer.kv_by_layer, strict=True)] == [
         kv if kind == "full_attention" else 0 for kv, kind in zip(needs.kv_by_layer, kinds, strict=True)]
     assert needs.kv == plan(dict(raw), dtype="bfloat16", batch=2, seq=100, cpu_memory="1GB").kv_cache["bytes"]
+
+
+def test_forward_flops_by_hand_and_the_published_activated_sizes():
+    """Solar-Open-100B by hand: per layer q, k, v, o, the router, 8 of 128 experts and the shared expert, then
+    the unembedding, 2 FLOPs per multiply-add. DeepSeek-V3.2 and Qwen3-Next against their published activated
+    sizes (37B; "A3B"), which count the same matrices."""
+    from test_family_deepseek_v32 import DEEPSEEK_V32
+    from test_family_qwen3_next import QWEN3_NEXT_80B
+    from test_plan import FULL_CONFIGS
+
+    solar = plan(dict(FULL_CONFIGS["Solar-Open-100B"]), dtype="bfloat16", cpu_memory="1TB", batch=2, seq=100)
+    layer = 4096 * (8192 + 1024 + 1024) + 8192 * 4096 + 128 * 4096 + 8 * 3 * 4096 * 1280 + 3 * 4096 * 1280
+    assert solar.flops["per_token"] == 2 * (48 * layer + 196608 * 4096) == 22_498_246_656
+    assert solar.flops["forward"] == 200 * solar.flops["per_token"]
+    activated = plan(dict(DEEPSEEK_V32), dtype="bfloat16", cpu_memory="2TB").flops["per_token"] / 2
+    assert activated / 1e9 == pytest.approx(37, abs=0.5)
+    assert 3e9 < plan(QWEN3_NEXT_80B, dtype="bfloat16", cpu_memory="2TB").flops["per_token"] / 2 < 4e9
+
+
+def test_tying_the_embedding_changes_the_parameters_not_the_flops():
+    untied = plan(dict(CONFIGS["tiny_qwen2_moe"], tie_word_embeddings=False), cpu_memory="1GB")
+    tied = plan(dict(VARIANTS["qwen2_moe_tied"]), cpu_memory="1GB")
+    assert tied.parameters < untied.parameters and tied.flops == untied.flops

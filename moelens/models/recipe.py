@@ -101,7 +101,9 @@ class Recipe:
         """Every parameter and buffer of the model, named as HookedTransformer names them, from the classes of
         its parts (no module built): the embedding, per layer its norms, token mixer (under the mixer class's
         block_attribute) and feed-forward (under mlp), the final norm and, untied, the unembedding."""
-        terms = [ParamTerm("embed.weight", (cfg.d_vocab, cfg.d_model), "embeddings")]
+        head = 2 * cfg.d_vocab * cfg.d_model  # the unembedding's matmul, whichever term holds its matrix
+        terms = [ParamTerm("embed.weight", (cfg.d_vocab, cfg.d_model), "embeddings",
+                           flops=head if cfg.tie_word_embeddings else 0)]
         for layer, spec in enumerate(self.layers):
             block, own = f"blocks.{layer}", []
             if spec.mixer is not None:
@@ -113,7 +115,7 @@ class Recipe:
             terms += [dataclasses.replace(t, layer=layer) for t in own]
         terms += under("ln_final", _asked(self.final_norm, "norm")(cfg.d_model))
         if not cfg.tie_word_embeddings:  # tied: the embedding's matrix, counted once
-            terms.append(ParamTerm("unembed.weight", (cfg.d_vocab, cfg.d_model), "unembedding"))
+            terms.append(ParamTerm("unembed.weight", (cfg.d_vocab, cfg.d_model), "unembedding", flops=head))
         return tuple(terms)
 
     def state_bytes(self, cfg: MoeConfig) -> list[StateBytes]:

@@ -2,6 +2,9 @@
 size: each parameter or buffer as a ParamTerm (its name under the part, shape, plan component, whether it is
 kept float32).
 
+A term also says what multiplying by it costs a token (`flops`), so the plan's forward FLOPs are the parts'
+own too.
+
 A part's class answers `param_terms(...)` (a classmethod): a mixer class `param_terms(cfg, layer)`, a
 feed-forward of the recipe (Dense, Mixture) `param_terms(cfg, layer)`, a norm class `param_terms(d)`, a router
 class `param_terms(cfg)`. A new mixer or feed-forward supplies its own; Recipe.param_terms(cfg) puts a whole
@@ -35,6 +38,10 @@ class ParamTerm:
     float32: bool = False
     buffer: bool = False
     layer: int | None = None  # the block it belongs to (Recipe.param_terms sets it); None: outside the blocks
+    # what multiplying by it costs one token's forward, in FLOPs (2 per multiply-add): a matrix every token
+    # multiplies 2 x its size, a routed expert stack its top_k experts' share; 0 for a tensor only added,
+    # scaled or looked up (biases, norms, an untied embedding)
+    flops: int = 0
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:
@@ -63,13 +70,13 @@ def kept_float32(terms: tuple[ParamTerm, ...], float32: bool) -> tuple[ParamTerm
 
 def linear(name: str, d_in: int, d_out: int, bias: bool, component: str) -> tuple[ParamTerm, ...]:
     """An nn.Linear(d_in, d_out): weight [d_out, d_in] and, with bias, bias [d_out]."""
-    weight = ParamTerm(f"{name}.weight", (d_out, d_in), component)
+    weight = ParamTerm(f"{name}.weight", (d_out, d_in), component, flops=2 * d_in * d_out)
     return (weight, ParamTerm(f"{name}.bias", (d_out,), component)) if bias else (weight,)
 
 
 def depthwise_conv(name: str, channels: int, kernel: int, bias: bool, component: str) -> tuple[ParamTerm, ...]:
     """An nn.Conv1d(channels, channels, kernel, groups=channels): weight [channels, 1, kernel], bias [channels]."""
-    weight = ParamTerm(f"{name}.weight", (channels, 1, kernel), component)
+    weight = ParamTerm(f"{name}.weight", (channels, 1, kernel), component, flops=2 * channels * kernel)
     return (weight, ParamTerm(f"{name}.bias", (channels,), component)) if bias else (weight,)
 
 

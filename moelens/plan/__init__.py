@@ -57,6 +57,7 @@ from moelens.plan.terms import (
     cache_bytes,
     count_model,
     count_terms,
+    forward_flops,
     layer_cache_bytes,
     model_terms,
 )
@@ -66,8 +67,8 @@ __all__ = [
     "COMPONENTS", "DEFAULT_BATCH", "DEFAULT_SEQ", "EXPERT_STORAGE", "HEADROOM", "MAX_EXPERT_MODULES", "MAX_GPUS",
     "PREFERENCE", "Count", "Device", "LayerCount", "Needs", "Plan", "Source", "activation_terms", "assign_parts",
     "auto_device_map", "build_meta_model", "cache_bytes", "check_tokens", "count_model", "count_terms", "device_map",
-    "expert_offload", "expert_parallel", "gpu_devices", "hf_hub_download", "hub_config", "human", "human_count",
-    "layer_cache_bytes", "map_of", "model_terms", "needs_of", "one_device", "parse_size", "place", "plan",
-    "plan_stored", "read_source", "snapshot_download", "stored_weights", "system_memory", "to_json_text",
+    "expert_offload", "expert_parallel", "forward_flops", "gpu_devices", "hf_hub_download", "hub_config", "human",
+    "human_count", "layer_cache_bytes", "map_of", "model_terms", "needs_of", "one_device", "parse_size", "place",
+    "plan", "plan_stored", "read_source", "snapshot_download", "stored_weights", "system_memory", "to_json_text",
     "with_experts_offloaded", "with_stored_experts",
 ]

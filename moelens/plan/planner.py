@@ -21,7 +21,8 @@ from moelens.plan.report import plan_text
 from moelens.plan.source import read_source, stored_weights
 from moelens.plan.stored import check_expert_storage, plan_stored
 from moelens.plan.terms import (
-    Count, LayerCount, activation_terms, cache_bytes, count_terms, float32_router, meta_tensors, model_terms,
+    Count, LayerCount, activation_terms, cache_bytes, count_terms, float32_router, forward_flops, meta_tensors,
+    model_terms,
 )
 from moelens.weights import hidden_weight_count
 
@@ -51,6 +52,8 @@ class Plan:
     # TransformerLens's n_params (the loaded model's cfg.n_params): the weight matrices outside the embedding and
     # unembedding, no norms or biases; `parameters` counts everything, embeddings included
     n_params: int = 0
+    # forward FLOPs in the weights' matmuls, from the parts' terms (terms.forward_flops)
+    flops: dict | None = None
 
     def to_json(self) -> dict:
         out = {
@@ -68,6 +71,7 @@ class Plan:
             "placement": self.placement,
             "on_disk": self.on_disk,
             "config": self.config,
+            "flops": self.flops,
         }
         return out if self.stored is None else out | {"stored": self.stored}
 
@@ -157,4 +161,5 @@ def plan(
             "tie_word_embeddings": cfg.tie_word_embeddings, "router_in_float32": router_in_float32,
         },
         stored=stored,
+        flops=forward_flops(model_terms(family, cfg), batch, seq),
     )

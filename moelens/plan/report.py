@@ -53,6 +53,8 @@ def plan_text(p: Plan) -> list[str]:
     for name, term in a["terms"].items():
         lines.append(f"  {name:<20}{human(term['bytes']):>11}  {term['counts']}")
     lines.append(f"kv cache             {human(p.kv_cache['bytes']):>11}  {p.kv_cache['counts']}")
+    if p.flops is not None:
+        lines.append(f"forward FLOPs        {p.flops['forward']:>11.3e}  {p.flops['counts']}")
     if p.stored is None or "error" in p.stored:
         return [*lines, "", *_placement_text(p.placement)]
     return lines + _modes_text(p)

@@ -80,6 +80,19 @@ def count_model(model) -> tuple[dict[str, Count], list[LayerCount]]:
     return _sum(model.cfg, found)
 
 
+def forward_flops(terms: tuple[ParamTerm, ...], batch: int, seq: int) -> dict:
+    """FLOPs of a forward of batch x seq tokens in its weights' matmuls, each term's own cost per token (a
+    routed expert stack's top_k share, the unembedding's matrix whichever term holds it) summed; the
+    attention over the context and the elementwise work are not counted."""
+    per_token = sum(t.flops for t in terms)
+    return {
+        "per_token": per_token,
+        "forward": per_token * batch * seq,
+        "counts": f"{per_token:,} per token (2 x each weight a token multiplies, routed experts' top_k share) x batch "
+                  f"{batch} x seq {seq}; attention over the context and elementwise work not counted",
+    }
+
+
 def count_terms(cfg, terms: tuple[ParamTerm, ...]) -> tuple[dict[str, Count], list[LayerCount]]:
     """model_terms summed by component and by layer, in cfg.dtype (float32 where a term keeps it)."""
     return _sum(cfg, [(t, t.numel, t.nbytes(cfg.dtype)) for t in terms])

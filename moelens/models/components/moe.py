@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -277,8 +278,13 @@ class SparseMoe(nn.Module):
     @classmethod
     def param_terms(cls, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> tuple[ParamTerm, ...]:
         """The router's and the routed experts' stacks (cfg.expert_spec(): dense, as if resident, wherever a
-        placement keeps them); a subclass adds its shared expert."""
-        experts = tuple(ParamTerm(name, shape, "routed_experts") for name, shape in cfg.expert_spec().shapes().items())
+        placement keeps them; a token multiplies top_k of the n_experts matrices of a stack [n_experts out in],
+        and only adds its biases); a subclass adds its shared expert."""
+        top_k = cfg.top_k_per_layer[layer]
+        experts = tuple(
+            ParamTerm(name, shape, "routed_experts", flops=2 * math.prod(shape[1:]) * top_k if len(shape) == 3 else 0)
+            for name, shape in cfg.expert_spec().shapes().items()
+        )
         return under("router", router.param_terms(cfg)) + under("experts", experts)
 
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:

@@ -30,7 +30,8 @@ class TopKRouter(nn.Module):
     @classmethod
     def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
         """The weight [n_experts, d_model] (a subclass adds its bias); float32 where the class keeps it so."""
-        return (ParamTerm("weight", (cfg.n_experts, cfg.d_model), "routers", cls.float32_weight),)
+        return (ParamTerm("weight", (cfg.n_experts, cfg.d_model), "routers", cls.float32_weight,
+                          flops=2 * cfg.n_experts * cfg.d_model),)
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__()
