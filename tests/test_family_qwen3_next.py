@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 import family_harness as harness
+import tiny
 import tiny_qwen3_next as tiny_q3n
 from family_harness import MODEL_SITES, References, build_checkpoints, check_greedy_generation, left_padded, tokens
 
@@ -194,10 +195,47 @@ def test_plan_at_full_size_counts_transformers_parameters():
 
 
 def test_plan_counts_the_attention_layers_keys_and_the_linear_layers_recurrent_state():
-    """12 full-attention layers cache 2 x 2 kv heads x 256 values per token; 36 Gated DeltaNet layers hold a
-    convolution window (q|k|v: 2 x 16 x 128 + 32 x 128 channels x kernel 4) and a recurrent state (32 value heads x
-    128 x 128) per sequence, whatever its length."""
+    """12 full-attention layers cache 2 x 2 kv heads x 256 values per token (bfloat16); 36 Gated DeltaNet layers hold
+    a convolution window (q|k|v: 2 x 16 x 128 + 32 x 128 channels x kernel 4, bfloat16) and a recurrent state (32
+    value heads x 128 x 128, float32 whatever the model's dtype) per sequence, whatever its length."""
     p = plan(QWEN3_NEXT_80B, dtype="bfloat16", gpus=1, gpu_memory="141GB", batch=1, seq=2048)
-    per_token = 12 * 2 * 2 * 256
-    per_sequence = 36 * ((2 * 16 * 128 + 32 * 128) * 4 + 32 * 128 * 128)
-    assert p.kv_cache["bytes"] == (2048 * per_token + per_sequence) * 2
+    per_token = 12 * 2 * 2 * 256 * 2
+    conv = 36 * (2 * 16 * 128 + 32 * 128) * 4 * 2
+    recurrent = 36 * 32 * 128 * 128 * 4
+    assert p.kv_cache["bytes"] == 2048 * per_token + conv + recurrent == 2048 * 24_576 + 2_359_296 + 75_497_472
+
+
+def hf_cache_bytes(config, dtype, batch: int, seq: int) -> int:
+    """The bytes of every tensor transformers' cache holds after a forward of batch x seq tokens: keys and values
+    of the attention layers, convolution and recurrent states of the linear ones, each in its own dtype."""
+    from transformers import Qwen3NextForCausalLM
+
+    model = tiny.new_model(Qwen3NextForCausalLM, config, 0).to(dtype).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, config.vocab_size, (batch, seq)), use_cache=True).past_key_values
+    tensors = []
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            tensors += [value] if isinstance(value, torch.Tensor) else [
+                t for t in (value.values() if isinstance(value, dict) else ()) if isinstance(t, torch.Tensor)]
+    assert any(t.dtype == torch.float32 for t in tensors) or dtype == torch.float32  # the recurrent state
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plan_cache_is_what_transformers_cache_holds(dtype):
+    """The plan's cache against transformers' own after a forward, in bfloat16 (the recurrent state float32 all the
+    same) and float32; the linear layers' state counted per sequence (batch scales it, seq does not), the attention
+    layer's keys and values per token."""
+    config = tiny_q3n.qwen3_next_config()
+    raw = config.to_dict()
+    sizes = [(1, 5), (2, 5), (2, 13)]
+    planned = {bs: plan(dict(raw), dtype=dtype, batch=bs[0], seq=bs[1], cpu_memory="1GB").kv_cache["bytes"] for bs in sizes}
+    for bs in sizes:
+        assert planned[bs] == hf_cache_bytes(config, dtype, *bs), bs
+    element = torch.finfo(dtype).bits // 8
+    per_token = 2 * 2 * 16 * element  # the one full-attention layer: keys and values of 2 kv heads x 16
+    per_sequence = 3 * ((2 * 2 * 8 + 4 * 12) * 4 * element + 4 * 8 * 12 * 4)  # 3 linear layers: conv, recurrent
+    assert planned[1, 5] == 5 * per_token + per_sequence
+    assert planned[2, 5] == 2 * planned[1, 5]
+    assert planned[2, 13] - planned[2, 5] == 2 * 8 * per_token  # longer sequences add keys and values only

@@ -346,3 +346,28 @@ def test_devices_take_their_memory_from_torch_cuda(monkeypatch):
         gpu_devices("cuda:2", None, None)
     p = plan("tiny-solar-open", devices="cuda:0,cuda:1", cpu_memory="1GB")
     assert p.placement["recommended"]["device"] == "cuda:0"
+
+
+def test_a_hub_id_asks_the_local_cache_then_the_hub_for_config_json_only(monkeypatch, tmp_path):
+    """Where the planner asks the Hub (moelens.plan.source): the cache first, then config.json alone; a name
+    that is no Hub id asks neither."""
+    import moelens.plan.source as source
+
+    calls = []
+
+    def record(kind):
+        def call(repo, *args, **kwargs):
+            calls.append((kind, repo, kwargs.get("local_files_only"), kwargs.get("allow_patterns")))
+            raise OSError("no network")
+        return call
+
+    monkeypatch.setattr(source, "hf_hub_download", record("file"))
+    monkeypatch.setattr(source, "snapshot_download", record("snapshot"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="someone/some-moe"):
+        plan("someone/some-moe")
+    assert calls == [("file", "someone/some-moe", True, None), ("snapshot", "someone/some-moe", None, ["config.json"])]
+    calls.clear()
+    with pytest.raises(FileNotFoundError):
+        plan("./nowhere")
+    assert calls == []

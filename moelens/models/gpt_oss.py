@@ -33,6 +33,7 @@ from moelens.models.components.norm import CastAfterWeightRMSNorm
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
 from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map
+from moelens.models.terms import ParamTerm, kept_float32, vector
 from moelens.sitemap import (
     AS_STORED,
     ExpertStack,
@@ -70,6 +71,10 @@ class SinkAttention(SlidingWindowAttention):
 
     fusable: ClassVar[bool] = False  # SDPA has no sink
 
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return super().param_terms(cfg, layer) + vector("sinks", cfg.n_heads, "attention")
+
     def __init__(self, cfg: MoeConfig, layer: int) -> None:
         super().__init__(cfg, layer)
         self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
@@ -92,6 +97,10 @@ class LogitTopKSoftmax(TopKRouter):
     scoring = "top-k logits, softmax over the k"
     scores_form = "top_k_logits"  # hook_router_scores holds the logits the top-k is taken on
     probs_form = "softmax_of_logits"
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
+        return super().param_terms(cfg) + kept_float32(vector("bias", cfg.n_experts, "routers"), cls.float32_weight)
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)

@@ -36,6 +36,7 @@ from moelens.models.components import SparseMoe, TopKRouter
 from moelens.models.components.projection_norm_attention import ClipQKVConfig, ProjectionQKNormAttention
 from moelens.models.mixtral import W1_W3_W2
 from moelens.models.recipe import Recipe, decoder_recipe
+from moelens.models.terms import ParamTerm
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, router_references, routed_experts
 from moelens.sitemap import ExpertStack, Reference, SiteMap, Weight
 
@@ -70,6 +71,11 @@ class SigmoidTopKFloat32Weights(TopKRouter):
     choice_bias = True
     scoring = "sigmoid"
     scores_form = probs_form = "sigmoid"
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
+        bias = ParamTerm("e_score_correction_bias", (cfg.n_experts,), "routers", cls.float32_weight, buffer=True)
+        return (*super().param_terms(cfg), bias)
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)

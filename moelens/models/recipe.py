@@ -7,10 +7,15 @@ family for each layer from its config, and the final norm.
 A family's `recipe(cfg)` returns it (most families: `decoder_recipe`, softmax attention on every layer and a
 mixture where cfg.moe_layers says). A layer may lack a mixer or a feed-forward (a layer of Nemotron-H is one of
 Mamba-2, attention or MoE); a block then has only the sublayer it has.
+
+Each part says, from the config, what it holds (`param_terms`: a mixer class's (cfg, layer), a feed-forward's
+(cfg, layer), a norm class's (d), a router class's (cfg)) and a mixer what its state holds (`state_tensors`);
+Recipe.param_terms and Recipe.state_tensors gather them for moelens plan, which builds nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +25,8 @@ from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.router import TopKRouter
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor
+from moelens.models.terms import ParamTerm, under
 
 if TYPE_CHECKING:
     from moelens.config import MoeConfig
@@ -33,6 +39,9 @@ class Dense:
     mlp: type[GatedMLP] = GatedMLP
     is_moe = False
 
+    def param_terms(self, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return self.mlp.param_terms(cfg.d_model, cfg.d_mlp, "dense_mlp")
+
     def build(self, cfg: MoeConfig, layer: int) -> nn.Module:
         return self.mlp(cfg.d_model, cfg.d_mlp, cfg.act_fn)
 
@@ -44,6 +53,9 @@ class Mixture:
     moe: type[SparseMoe]
     router: type[TopKRouter]
     is_moe = True
+
+    def param_terms(self, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return self.moe.param_terms(cfg, layer, self.router)
 
     def build(self, cfg: MoeConfig, layer: int) -> nn.Module:
         return self.moe(cfg, layer, self.router)
@@ -85,10 +97,45 @@ class Recipe:
     def routers(self) -> list[type[TopKRouter]]:
         return [spec.ffn.router for spec in self.layers if spec.is_moe]
 
+    def param_terms(self, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
+        """Every parameter and buffer of the model, named as HookedTransformer names them, from the classes of
+        its parts (no module built): the embedding, per layer its norms, token mixer (under the mixer class's
+        block_attribute) and feed-forward (under mlp), the final norm and, untied, the unembedding."""
+        head = 2 * cfg.d_vocab * cfg.d_model  # the unembedding's matmul, whichever term holds its matrix
+        terms = [ParamTerm("embed.weight", (cfg.d_vocab, cfg.d_model), "embeddings",
+                           flops=head if cfg.tie_word_embeddings else 0)]
+        for layer, spec in enumerate(self.layers):
+            block, own = f"blocks.{layer}", []
+            if spec.mixer is not None:
+                own += under(f"{block}.ln1", _asked(spec.norm, "norm")(cfg.d_model))
+                own += under(f"{block}.{spec.mixer.block_attribute}", _asked(spec.mixer, "token mixer")(cfg, layer))
+            if spec.ffn is not None:
+                own += under(f"{block}.ln2", _asked(spec.norm, "norm")(cfg.d_model))
+                own += under(f"{block}.mlp", _asked(spec.ffn, "feed-forward")(cfg, layer))
+            terms += [dataclasses.replace(t, layer=layer) for t in own]
+        terms += under("ln_final", _asked(self.final_norm, "norm")(cfg.d_model))
+        if not cfg.tie_word_embeddings:  # tied: the embedding's matrix, counted once
+            terms.append(ParamTerm("unembed.weight", (cfg.d_vocab, cfg.d_model), "unembedding", flops=head))
+        return tuple(terms)
+
     def state_bytes(self, cfg: MoeConfig) -> list[StateBytes]:
         """Per layer, what its mixer's state holds (values per token and per sequence); nothing for a layer
         without a mixer."""
         return [StateBytes() if spec.mixer is None else spec.mixer.state_bytes(cfg) for spec in self.layers]
+
+    def state_tensors(self, cfg: MoeConfig) -> list[tuple[StateTensor, ...]]:
+        """Per layer, the tensors its mixer's state holds, each with its dtype; none for a layer without a mixer."""
+        return [() if spec.mixer is None else spec.mixer.state_tensors(cfg) for spec in self.layers]
+
+
+def _asked(part, kind: str):
+    """part.param_terms, or an error naming the part that does not say what it holds."""
+    terms = getattr(part, "param_terms", None)
+    if terms is None:
+        name = getattr(part, "__name__", type(part).__name__)
+        raise TypeError(f"the {kind} {name} has no param_terms: each part of a recipe says what it holds for a config "
+                        "(moelens.models.terms), which moelens plan counts")
+    return terms
 
 
 def decoder_recipe(

@@ -20,7 +20,8 @@ from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary
 from moelens.models.context import LayerInputs
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.terms import ParamTerm, linear, under
 from moelens.state import KVState
 
 
@@ -126,6 +127,17 @@ class Attention(AttentionWeightViews, nn.Module):
     # whether SDPA computes the same thing when nothing reads the scores or pattern (backend "fused")
     fusable: ClassVar[bool] = True
 
+    q_proj_factor: ClassVar[int] = 1  # q_proj's rows per head and d_head (2: a query and an output gate)
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        """q, k, v, o (biases where the config has them); a subclass adds its own."""
+        q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+        return (linear("q_proj", cfg.d_model, q * cls.q_proj_factor, cfg.qkv_bias, "attention")
+                + linear("k_proj", cfg.d_model, kv, cfg.qkv_bias, "attention")
+                + linear("v_proj", cfg.d_model, kv, cfg.qkv_bias, "attention")
+                + linear("o_proj", q, cfg.d_model, cfg.o_bias, "attention"))
+
     def __init__(self, cfg: MoeConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -180,8 +192,13 @@ class Attention(AttentionWeightViews, nn.Module):
         return KVState(reserve)
 
     @classmethod
+    def state_tensors(cls, cfg: MoeConfig) -> tuple[StateTensor, ...]:
+        """Keys and values, per token, in the model's dtype."""
+        return (StateTensor("kv", cls.cached_per_token(cfg), "token"),)
+
+    @classmethod
     def state_bytes(cls, cfg: MoeConfig) -> StateBytes:
-        return StateBytes(per_token=cls.cached_per_token(cfg))
+        return values_of(cls.state_tensors(cfg))
 
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         """The pattern from the masked scores: a float32 softmax over the keys, in the scores' dtype."""
@@ -221,6 +238,11 @@ class Attention(AttentionWeightViews, nn.Module):
 
 class QKNormAfterRotaryAttention(Attention):
     """RMSNorm of each rotated query and key head, one weight [d_head] shared by the heads (Hunyuan)."""
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return (super().param_terms(cfg, layer) + under("q_norm", RMSNorm.param_terms(cfg.d_head))
+                + under("k_norm", RMSNorm.param_terms(cfg.d_head)))
 
     def __init__(self, cfg: MoeConfig, layer: int) -> None:
         super().__init__(cfg, layer)

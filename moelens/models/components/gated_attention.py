@@ -13,12 +13,20 @@ from moelens.hooks.sites import site_hook
 from moelens.models.components.attention import Attention, SplitInputs, linear_per_head, project_out, split_inputs
 from moelens.models.components.norm import ZeroCenteredRMSNorm
 from moelens.models.context import LayerInputs
+from moelens.models.terms import ParamTerm, under
 
 
 class OutputGatedAttention(Attention):
     """hook_q: each head's query half of q_proj (before the norm); hook_attn_gate: its gate half, before the
     sigmoid; hook_z: the heads' outputs after the gate (what o_proj reads, so head results and W_O views
     describe it)."""
+
+    q_proj_factor = 2
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return (super().param_terms(cfg, layer) + under("q_norm", ZeroCenteredRMSNorm.param_terms(cfg.d_head))
+                + under("k_norm", ZeroCenteredRMSNorm.param_terms(cfg.d_head)))
 
     def __init__(self, cfg: MoeConfig, layer: int) -> None:
         super().__init__(cfg, layer)

@@ -19,6 +19,7 @@ from torch import nn
 
 from moelens.models.components.layer_norm import LayerNorm
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
+from moelens.models.terms import ParamTerm, linear, under
 from moelens.state import IndexedKVState
 
 # transformers builds the indexer's k_norm as nn.LayerNorm(index_head_dim, eps=1e-6), whatever rms_norm_eps says
@@ -26,6 +27,14 @@ INDEX_KEY_NORM_EPS = 1e-6
 
 
 class LightningIndexer(nn.Module):
+    @staticmethod
+    def param_terms(cfg) -> tuple[ParamTerm, ...]:
+        """All "attention", its key norm too: the indexer is a part of the attention."""
+        n, d = cfg.index_n_heads, cfg.index_head_dim
+        return (linear("wq_b", cfg.q_lora_rank, n * d, False, "attention") + linear("wk", cfg.d_model, d, False, "attention")
+                + under("k_norm", LayerNorm.param_terms(d, "attention"))
+                + linear("weights_proj", cfg.d_model, n, False, "attention"))
+
     def __init__(self, cfg) -> None:
         super().__init__()
         self.n_heads, self.d_head, self.d_rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim

@@ -28,7 +28,8 @@ from moelens.hooks.sites import site_hook
 from moelens.models.components.attention import attend, project_out, rows_contiguous
 from moelens.models.components.attention_views import AttentionWeightViews
 from moelens.models.context import LayerInputs
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.terms import ParamTerm, linear, under
 from moelens.state import KVState
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.rotary import apply_rotary, apply_rotary_interleaved
@@ -64,6 +65,20 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
     linear_hooks: ClassVar[tuple[str, ...]] = ()
     per_head_projections: ClassVar[bool] = False
     use_attn_result = False  # model.set_use_attn_result switches it per instance (o_proj is per head here too)
+
+    @classmethod
+    def param_terms(cls, cfg, layer: int) -> tuple[ParamTerm, ...]:
+        d_model, n_heads, d_head = cfg.d_model, cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            q = linear("q_proj", d_model, n_heads * d_head, False, "attention")
+        else:
+            q = (linear("q_a_proj", d_model, cfg.q_lora_rank, cfg.qkv_bias, "attention")
+                 + under("q_a_layernorm", RMSNorm.param_terms(cfg.q_lora_rank))
+                 + linear("q_b_proj", cfg.q_lora_rank, n_heads * d_head, False, "attention"))
+        return (q + linear("kv_a_proj_with_mqa", d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.qkv_bias, "attention")
+                + under("kv_a_layernorm", RMSNorm.param_terms(cfg.kv_lora_rank))
+                + linear("kv_b_proj", cfg.kv_lora_rank, n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), False, "attention")
+                + linear("o_proj", n_heads * cfg.v_head_dim, d_model, cfg.o_bias, "attention"))
 
     def __init__(self, cfg, layer: int) -> None:
         super().__init__()
@@ -132,8 +147,13 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
         return KVState(reserve)
 
     @classmethod
+    def state_tensors(cls, cfg) -> tuple[StateTensor, ...]:
+        """Decompressed keys and values (and an indexer's keys), per token, in the model's dtype."""
+        return (StateTensor("kv", cls.cached_per_token(cfg), "token"),)
+
+    @classmethod
     def state_bytes(cls, cfg) -> StateBytes:
-        return StateBytes(per_token=cls.cached_per_token(cfg))
+        return values_of(cls.state_tensors(cfg))
 
     @staticmethod
     def cached_per_token(cfg) -> int:

@@ -7,10 +7,16 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import nn
 
+from moelens.models.terms import ParamTerm, vector
+
 
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last dim: torch's layer_norm, as transformers'
     nn.LayerNorm computes it (in the input's dtype)."""
+
+    @staticmethod
+    def param_terms(d: int, component: str = "norms") -> tuple[ParamTerm, ...]:
+        return vector("weight", d, component) + vector("bias", d, component)
 
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()

@@ -9,12 +9,18 @@ from torch import nn
 from moelens.experts.activations import activation
 from moelens.hooks.sites import site_hook
 from moelens.models.components.parts import GatedMlpPart
+from moelens.models.terms import ParamTerm, linear
 
 # the table's sites of a gated MLP, by its width's name: a dense block's MLP or a shared expert
 _SITE_OF_WIDTH = {"d_mlp": "blocks.L.mlp", "d_shared": "blocks.L.mlp.shared_expert"}
 
 
 class GatedMLP(nn.Module):
+    @staticmethod
+    def param_terms(d_model: int, d_mlp: int, component: str) -> tuple[ParamTerm, ...]:
+        return (linear("gate_proj", d_model, d_mlp, False, component) + linear("up_proj", d_model, d_mlp, False, component)
+                + linear("down_proj", d_mlp, d_model, False, component))
+
     def __init__(self, d_model: int, d_mlp: int, act_fn: str, width_name: str = "d_mlp", hook_out: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(d_model, d_mlp, bias=False)

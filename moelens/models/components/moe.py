@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -22,6 +23,7 @@ from moelens.kernels.offload import OffloadedExperts, offloaded_routed_experts
 from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.parts import GatedMlpPart, MlpPart, PartGate, RoutedPart
 from moelens.models.components.router import TopKRouter
+from moelens.models.terms import ParamTerm, linear, under
 
 
 def weight_form(spec: ExpertSpec) -> str:
@@ -273,6 +275,18 @@ class SparseMoe(nn.Module):
     each one's forward runs its parts in the family's order, which is the order its hooks fire in, and parts()
     lists them as data (moelens.models.components.parts) for the code that works on every arrangement."""
 
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> tuple[ParamTerm, ...]:
+        """The router's and the routed experts' stacks (cfg.expert_spec(): dense, as if resident, wherever a
+        placement keeps them; a token multiplies top_k of the n_experts matrices of a stack [n_experts out in],
+        and only adds its biases); a subclass adds its shared expert."""
+        top_k = cfg.top_k_per_layer[layer]
+        experts = tuple(
+            ParamTerm(name, shape, "routed_experts", flops=2 * math.prod(shape[1:]) * top_k if len(shape) == 3 else 0)
+            for name, shape in cfg.expert_spec().shapes().items()
+        )
+        return under("router", router.param_terms(cfg)) + under("experts", experts)
+
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__()
         self.router = router(cfg, cfg.top_k_per_layer[layer])
@@ -354,6 +368,11 @@ class SharedExpertMoe(SparseMoe):
     """Routed experts, then a shared expert (d_shared wide) that every token goes through, added ungated
     (Solar-Open, DeepSeek-V3)."""
 
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> tuple[ParamTerm, ...]:
+        return super().param_terms(cfg, layer, router) + under(
+            "shared_expert", GatedMLP.param_terms(cfg.d_model, cfg.d_shared, "shared_experts"))
+
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__(cfg, layer, router)
         self.shared_expert = GatedMLP(cfg.d_model, cfg.d_shared, cfg.act_fn, "d_shared", hook_out=True)
@@ -378,6 +397,10 @@ class SharedFirstMoe(SharedExpertMoe):
 class GatedSharedExpertMoe(SharedExpertMoe):
     """The shared expert first; after the routed experts it is scaled by sigmoid(shared_gate(x)), a
     one-output linear map of the block input (Qwen2-MoE)."""
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> tuple[ParamTerm, ...]:
+        return super().param_terms(cfg, layer, router) + linear("shared_gate", cfg.d_model, 1, False, "shared_experts")
 
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__(cfg, layer, router)

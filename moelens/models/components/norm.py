@@ -9,6 +9,7 @@ from jaxtyping import Float
 from torch import nn
 
 from moelens.hooks.sites import site_hook
+from moelens.models.terms import ParamTerm, kept_float32, vector
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +21,10 @@ class RMSNorm(nn.Module):
     """
 
     float32_weight: ClassVar[bool] = False  # kept float32 whatever the model's dtype (HookedTransformer.build)
+
+    @classmethod
+    def param_terms(cls, d: int, component: str = "norms") -> tuple[ParamTerm, ...]:
+        return kept_float32(vector("weight", d, component), cls.float32_weight)
 
     def __init__(self, d: int, eps: float, hooked: bool = True, site: str = "ln_final") -> None:
         """site: the norm's name in the table of hook sites (blocks.L.ln1, blocks.L.ln2, ln_final), for its hooks."""

@@ -17,6 +17,7 @@ from moelens.config import MoeConfig
 from moelens.hooks.sites import site_hook
 from moelens.models.components.attention import Attention, SplitInputs, linear_per_head, split_inputs
 from moelens.models.components.norm import RMSNorm
+from moelens.models.terms import ParamTerm, under
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class ProjectionQKNormAttention(Attention):
 
     # hook_q and hook_k are after the norms: W_Q / W_K are the projections before them
     linear_hooks = ("v",)
+
+    @classmethod
+    def param_terms(cls, cfg: ClipQKVConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return (super().param_terms(cfg, layer) + under("q_norm", RMSNorm.param_terms(cfg.n_heads * cfg.d_head))
+                + under("k_norm", RMSNorm.param_terms(cfg.n_kv_heads * cfg.d_head)))
 
     def __init__(self, cfg: ClipQKVConfig, layer: int) -> None:
         super().__init__(cfg, layer)

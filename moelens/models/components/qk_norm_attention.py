@@ -5,12 +5,18 @@ from __future__ import annotations
 from moelens.config import MoeConfig
 from moelens.models.components.attention import Attention
 from moelens.models.components.norm import RMSNorm
+from moelens.models.terms import ParamTerm, under
 
 
 class QKNormBeforeRotaryAttention(Attention):
     """RMSNorm of each query and key head (one weight [d_head] shared by the heads), then the rotary
     (Qwen3-MoE). hook_q / hook_k hold the projections before the norm; hook_rot_q / hook_rot_k what enters
     the scores, after the norm and the rotary. The normed, not yet rotated heads have no hook."""
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
+        return (super().param_terms(cfg, layer) + under("q_norm", RMSNorm.param_terms(cfg.d_head))
+                + under("k_norm", RMSNorm.param_terms(cfg.d_head)))
 
     def __init__(self, cfg: MoeConfig, layer: int) -> None:
         super().__init__(cfg, layer)

@@ -15,6 +15,7 @@ from jaxtyping import Float, Int
 from torch import nn
 
 from moelens.config import MoeConfig
+from moelens.models.terms import ParamTerm
 
 
 class TopKRouter(nn.Module):
@@ -25,6 +26,12 @@ class TopKRouter(nn.Module):
     scoring: ClassVar[str] = ""
     scores_form: ClassVar[str] = "default"  # hook_router_scores' form in the table of hook sites
     probs_form: ClassVar[str] = "default"  # hook_router_probs' form: how probabilities() makes a distribution
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
+        """The weight [n_experts, d_model] (a subclass adds its bias); float32 where the class keeps it so."""
+        return (ParamTerm("weight", (cfg.n_experts, cfg.d_model), "routers", cls.float32_weight,
+                          flops=2 * cfg.n_experts * cfg.d_model),)
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__()
@@ -90,6 +97,11 @@ class SigmoidGroupedTopK(TopKRouter):
     choice_bias = True
     scoring = "sigmoid"
     scores_form = probs_form = "sigmoid"
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
+        bias = ParamTerm("e_score_correction_bias", (cfg.n_experts,), "routers", cls.float32_weight, buffer=True)
+        return (*super().param_terms(cfg), bias)
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)

@@ -18,6 +18,7 @@ from moelens.hooks.sites import site_hook
 from moelens.models.components.indexer import LightningIndexer, narrowed, top_keys
 from moelens.models.components.latent_attention import MultiHeadLatentAttention
 from moelens.models.context import LayerInputs
+from moelens.models.terms import ParamTerm, under
 from moelens.state import IndexedKVState
 
 # the name under which a layer's key selection is carried to the layers after it (LayerInputs.carried)
@@ -25,6 +26,10 @@ SELECTION = "dsa_selection"
 
 
 class IndexedLatentAttention(MultiHeadLatentAttention):
+    @classmethod
+    def param_terms(cls, cfg, layer: int) -> tuple[ParamTerm, ...]:
+        return super().param_terms(cfg, layer) + under("indexer", LightningIndexer.param_terms(cfg))
+
     def __init__(self, cfg, layer: int) -> None:
         super().__init__(cfg, layer)
         if self.q_lora_rank is None:

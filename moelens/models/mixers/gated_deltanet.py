@@ -42,9 +42,10 @@ from torch import nn
 
 from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
 from moelens.models.mixers.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from moelens.models.mixers.gated_norm import GatedRMSNorm
+from moelens.models.terms import ParamTerm, depthwise_conv, linear, under, vector
 from moelens.state import RecurrentState
 
 
@@ -97,6 +98,21 @@ class GatedDeltaNet(nn.Module):
 
     block_attribute: ClassVar[str] = "mixer"
 
+    @classmethod
+    def param_terms(cls, cfg: object, layer: int) -> tuple[ParamTerm, ...]:
+        """The convolution, decay and gated norm (all "attention": the token mixer's), the output projection and
+        the input projections (a subclass's: in_projections)."""
+        key_dim, value_dim = cfg.linear_n_key_heads * cfg.linear_d_key, cfg.linear_n_value_heads * cfg.linear_d_value
+        return (cls.in_projections(cfg)
+                + depthwise_conv("conv1d", 2 * key_dim + value_dim, cfg.linear_conv_kernel, False, "attention")
+                + vector("dt_bias", cfg.linear_n_value_heads, "attention") + vector("A_log", cfg.linear_n_value_heads, "attention")
+                + under("norm", GatedRMSNorm.param_terms(cfg.linear_d_value, "attention"))
+                + linear("out_proj", value_dim, cfg.d_model, False, "attention"))
+
+    @staticmethod
+    def in_projections(cfg: object) -> tuple[ParamTerm, ...]:
+        raise NotImplementedError
+
     def __init__(self, cfg: object, layer: int) -> None:
         super().__init__()
         _check_sizes(cfg)
@@ -145,14 +161,21 @@ class GatedDeltaNet(nn.Module):
         """An empty state (its size does not grow with the sequence, so `reserve` changes nothing)."""
         return RecurrentState()
 
-    @staticmethod
-    def state_bytes(cfg: object) -> StateBytes:
-        """Values per sequence: the convolution window (conv_dim x kernel, the model's dtype) and the recurrent
-        state (v_head x d_k x d_v). The recurrent state is float32 whatever the model's dtype, so in bfloat16 it
-        takes twice the bytes these values count at the model's dtype."""
+    @classmethod
+    def state_tensors(cls, cfg: object) -> tuple[StateTensor, ...]:
+        """Per sequence: the convolution window (conv_dim x kernel, the model's dtype) and the recurrent state
+        (v_head x d_k x d_v), float32 whatever the model's dtype (the delta rule computes and returns it so,
+        and transformers' cache keeps it as returned)."""
         conv_dim = 2 * cfg.linear_n_key_heads * cfg.linear_d_key + cfg.linear_n_value_heads * cfg.linear_d_value
         recurrent = cfg.linear_n_value_heads * cfg.linear_d_key * cfg.linear_d_value
-        return StateBytes(per_token=0, per_sequence=conv_dim * cfg.linear_conv_kernel + recurrent)
+        return (
+            StateTensor("conv", conv_dim * cfg.linear_conv_kernel, "sequence"),
+            StateTensor("recurrent", recurrent, "sequence", torch.float32),
+        )
+
+    @classmethod
+    def state_bytes(cls, cfg: object) -> StateBytes:
+        return values_of(cls.state_tensors(cfg))
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
@@ -251,6 +274,14 @@ class GatedDeltaNet(nn.Module):
 class SeparateProjectionsGatedDeltaNet(GatedDeltaNet):
     """Qwen3.5's projections: in_proj_qkv (q|k|v, in the convolution's order), in_proj_z, in_proj_b, in_proj_a."""
 
+    @staticmethod
+    def in_projections(cfg: object) -> tuple[ParamTerm, ...]:
+        key_dim, value_dim = cfg.linear_n_key_heads * cfg.linear_d_key, cfg.linear_n_value_heads * cfg.linear_d_value
+        d, v = cfg.d_model, cfg.linear_n_value_heads
+        return (linear("in_proj_qkv", d, 2 * key_dim + value_dim, False, "attention")
+                + linear("in_proj_z", d, value_dim, False, "attention") + linear("in_proj_b", d, v, False, "attention")
+                + linear("in_proj_a", d, v, False, "attention"))
+
     def __init__(self, cfg: object, layer: int) -> None:
         super().__init__(cfg, layer)
         self.in_proj_qkv = nn.Linear(self.d_model, self.conv_dim, bias=False)
@@ -273,6 +304,12 @@ class FusedProjectionsGatedDeltaNet(GatedDeltaNet):
     i's group holds [q_i (d_k) | k_i (d_k) | v of its value heads (group x d_v) | z of its value heads] in
     in_proj_qkvz and [b of its value heads (group) | a of its value heads (group)] in in_proj_ba, where group =
     v_head / k_head; they are regrouped into the convolution's order (every q, every k, every v)."""
+
+    @staticmethod
+    def in_projections(cfg: object) -> tuple[ParamTerm, ...]:
+        key_dim, value_dim = cfg.linear_n_key_heads * cfg.linear_d_key, cfg.linear_n_value_heads * cfg.linear_d_value
+        return (linear("in_proj_qkvz", cfg.d_model, 2 * key_dim + 2 * value_dim, False, "attention")
+                + linear("in_proj_ba", cfg.d_model, 2 * cfg.linear_n_value_heads, False, "attention"))
 
     def __init__(self, cfg: object, layer: int) -> None:
         super().__init__(cfg, layer)

@@ -8,12 +8,18 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import nn
 
+from moelens.models.terms import ParamTerm, vector
+
 
 class GatedRMSNorm(nn.Module):
     """weight * x / sqrt(mean(x^2) + eps) * silu(gate), over the last axis.
 
     The order of transformers' Qwen3NextRMSNormGated: the norm in float32, cast back to x's dtype, times the
     weight (in that dtype), times silu of the float32 gate (a float32 product), cast back to x's dtype."""
+
+    @staticmethod
+    def param_terms(d: int, component: str) -> tuple[ParamTerm, ...]:
+        return vector("weight", d, component)
 
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()

@@ -29,7 +29,8 @@ from torch import nn
 
 from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
-from moelens.models.mixers.base import StateBytes
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.terms import ParamTerm, depthwise_conv, linear, under, vector
 from moelens.state import RecurrentState
 
 
@@ -63,6 +64,10 @@ class GroupedGatedRMSNorm(nn.Module):
     """weight * RMSNorm(y * silu(z)) with the norm taken over each of n_groups equal slices of the channels
     (Mamba-2's norm_before_gate=False), computed in float32; the result comes back in y's dtype before the
     weight multiplies it (transformers' NemotronHRMSNormGated), so the product is in the wider of the two."""
+
+    @staticmethod
+    def param_terms(d: int, component: str) -> tuple[ParamTerm, ...]:
+        return vector("weight", d, component)
 
     def __init__(self, d: int, n_groups: int, eps: float) -> None:
         super().__init__()
@@ -183,6 +188,17 @@ class Mamba2Mixer(nn.Module):
 
     block_attribute: ClassVar[str] = "mixer"
 
+    @classmethod
+    def param_terms(cls, cfg: Mamba2Config, layer: int) -> tuple[ParamTerm, ...]:
+        """All "attention" (the token mixer's)."""
+        h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
+        conv_dim = h * p + 2 * g * n
+        return (linear("in_proj", cfg.d_model, h * p + conv_dim + h, cfg.mamba_proj_bias, "attention")
+                + depthwise_conv("conv1d", conv_dim, cfg.mamba_d_conv, cfg.mamba_conv_bias, "attention")
+                + vector("dt_bias", h, "attention") + vector("A_log", h, "attention") + vector("D", h, "attention")
+                + under("norm", GroupedGatedRMSNorm.param_terms(h * p, "attention"))
+                + linear("out_proj", h * p, cfg.d_model, cfg.mamba_proj_bias, "attention"))
+
     def __init__(self, cfg: Mamba2Config, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -224,13 +240,20 @@ class Mamba2Mixer(nn.Module):
     def input_projections(self) -> list[nn.Linear]:
         return [self.in_proj]
 
-    @staticmethod
-    def state_bytes(cfg: Mamba2Config) -> StateBytes:
-        """The convolution window (the model's dtype) and the recurrent state (float32, whatever the model's
-        dtype: the planner's values times the model's dtype size undercount it by 2x in bfloat16)."""
+    @classmethod
+    def state_tensors(cls, cfg: Mamba2Config) -> tuple[StateTensor, ...]:
+        """Per sequence: the convolution window (the model's dtype) and the recurrent state [head d_head
+        d_state], float32 whatever the model's dtype (the scan's, kept as transformers' cache keeps it)."""
         h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
         conv_dim = h * p + 2 * g * n
-        return StateBytes(per_sequence=conv_dim * cfg.mamba_d_conv + h * p * n)
+        return (
+            StateTensor("conv", conv_dim * cfg.mamba_d_conv, "sequence"),
+            StateTensor("recurrent", h * p * n, "sequence", torch.float32),
+        )
+
+    @classmethod
+    def state_bytes(cls, cfg: Mamba2Config) -> StateBytes:
+        return values_of(cls.state_tensors(cfg))
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
