@@ -95,7 +95,8 @@ def test_cached_steps_match_the_uncached_forward(family_models, references, fami
             assert not hasattr(kv, "keys")
             continue
         assert kv.keys.shape == (3, 9, model.cfg.n_kv_heads, model.cfg.d_head)
-        assert (kv.keys - full_cache[f"blocks.{layer}.attn.hook_rot_k"])[real].abs().max() <= 1e-5
+        # (on a hybrid the stream entering an attention layer carries the linear layers' gap)
+        assert (kv.keys - full_cache[f"blocks.{layer}.attn.hook_rot_k"])[real].abs().max() <= tol
 
 
 def test_cached_hooks_see_only_new_positions(family_models):

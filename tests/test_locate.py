@@ -4,6 +4,7 @@ that does not exist is a FileNotFoundError at once, naming it, with the nearest 
 import pytest
 
 from moelens import HookedTransformer, plan
+from moelens.plan import source as plan_source
 from moelens.cli import main
 from moelens.loaders import hub
 from moelens.locate import is_hub_id, looks_like_path
@@ -19,7 +20,7 @@ def hub_calls(monkeypatch):
         raise OSError(f"no network for {repo_id}")
 
     monkeypatch.setattr(hub, "snapshot_download", download)
-    monkeypatch.setattr(plan, "hf_hub_download", download)
+    monkeypatch.setattr(plan_source, "hf_hub_download", download)
     return calls
 
 

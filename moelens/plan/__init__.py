@@ -15,11 +15,8 @@ dtype, from_pretrained's default) and with the routed experts kept as stored (th
 
 The modules, one job each: source (config.json and the files' headers), terms (counts by component and
 layer, activations, the cache), fit (needs and placements), stored (a quantized checkpoint), report (the
-printout), planner (plan() putting them together). hf_hub_download and snapshot_download stay importable
-from here as before; moelens.plan.source is where the planner calls them.
+printout), planner (plan() putting them together). The Hub is asked in moelens.plan.source only.
 """
-
-from huggingface_hub import hf_hub_download, snapshot_download
 
 from moelens.placement import parse_size
 from moelens.plan.fit import (
@@ -67,8 +64,8 @@ __all__ = [
     "COMPONENTS", "DEFAULT_BATCH", "DEFAULT_SEQ", "EXPERT_STORAGE", "HEADROOM", "MAX_EXPERT_MODULES", "MAX_GPUS",
     "PREFERENCE", "Count", "Device", "LayerCount", "Needs", "Plan", "Source", "activation_terms", "assign_parts",
     "auto_device_map", "build_meta_model", "cache_bytes", "check_tokens", "count_model", "count_terms", "device_map",
-    "expert_offload", "expert_parallel", "forward_flops", "gpu_devices", "hf_hub_download", "hub_config", "human",
+    "expert_offload", "expert_parallel", "forward_flops", "gpu_devices", "hub_config", "human",
     "human_count", "layer_cache_bytes", "map_of", "model_terms", "needs_of", "one_device", "parse_size", "place",
-    "plan", "plan_stored", "read_source", "snapshot_download", "stored_weights", "system_memory", "to_json_text",
+    "plan", "plan_stored", "read_source", "stored_weights", "system_memory", "to_json_text",
     "with_experts_offloaded", "with_stored_experts",
 ]
