@@ -205,8 +205,8 @@ def component_of(name: str) -> tuple[str, int | None]:
             return "attention", layer
         if rest.startswith("mlp.router."):
             return "routers", layer  # weight and Solar's e_score_correction_bias (a buffer)
-        if rest.startswith("mlp.experts."):
-            return "routed_experts", layer
+        if rest.startswith(("mlp.experts.", "mlp.fc1_latent_proj.", "mlp.fc2_latent_proj.")):
+            return "routed_experts", layer  # a latent mixture's projections serve its routed experts only
         if rest.startswith(("mlp.shared_expert.", "mlp.shared_gate.")):
             return "shared_experts", layer
         if rest.startswith(("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.")):

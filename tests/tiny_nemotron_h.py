@@ -74,8 +74,11 @@ def fused(folder: Path) -> Path:
 FAMILY_VARIANTS = {
     ("nemotron_h", "base"): lambda d: build_nemotron_h(d, seed=0),
     ("nemotron_h", "fused"): lambda d: fused(build_nemotron_h(d, seed=1)),
+    # four layers: later Mamba-2 layers amplify the mixer's float32 rounding (see test_long_latent_stack_...)
     ("nemotron_h", "latent"): lambda d: build_nemotron_h(d, seed=2, moe_latent_size=24, n_group=1, norm_topk_prob=False,
-                                                         routed_scaling_factor=1.0),
+                                                         routed_scaling_factor=1.0, hybrid_override_pattern="ME*E"),
+    ("nemotron_h", "latent_long"): lambda d: build_nemotron_h(d, seed=2, moe_latent_size=24, n_group=1,
+                                                              norm_topk_prob=False, routed_scaling_factor=1.0),
 }
 
 VARIANTS: dict = {}
