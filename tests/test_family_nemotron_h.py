@@ -99,14 +99,20 @@ def test_the_layers_are_what_the_config_says(ckpts, base):
     assert latent.blocks[1].mlp.fc1_latent_proj.weight.shape == (24, 64)
 
 
-def test_hook_pre_of_ungated_experts_is_what_relu2_reads(base):
-    """An ungated expert's hook_pre holds up(x) (TransformerLens's pre-activation), hook_post relu2 of it;
-    hook_pre_linear never fires. Zeroing hook_post removes the routed term."""
+def test_ungated_sites_hold_what_relu2_reads(base):
+    """A routed ungated expert's up projection is experts.hook_pre_linear (TransformerLens's per-expert hook_pre
+    views its rows), hook_post relu2 of it, and experts.hook_pre (a gate) never fires; the dense MLP's and the
+    shared expert's hook_pre hold up(x), as TransformerLens's non-gated MLP. Zeroing hook_post removes the
+    routed term."""
     toks = tokens(shape=(1, 12))
-    _, cache = base.run_with_cache(toks, names_filter=lambda n: "blocks.1.mlp" in n)
-    pre, post = cache["blocks.1.mlp.experts.hook_pre"], cache["blocks.1.mlp.experts.hook_post"]
-    assert torch.equal(post, torch.square(torch.relu(pre)))
-    assert "blocks.1.mlp.experts.hook_pre_linear" not in cache
+    _, cache = base.run_with_cache(toks, names_filter=lambda n: n.startswith(("blocks.1.mlp", "blocks.3.mlp")))
+    up, post = cache["blocks.1.mlp.experts.hook_pre_linear"], cache["blocks.1.mlp.experts.hook_post"]
+    assert torch.equal(post, torch.square(torch.relu(up)))
+    assert "blocks.1.mlp.experts.hook_pre" not in cache
+    expert = int(cache["blocks.1.mlp.hook_expert_indices"][0, 0, 0])
+    assert torch.equal(cache[f"blocks.1.mlp.experts.{expert}.hook_pre"][0], up[0, 0, 0])
+    for mlp in ("blocks.3.mlp", "blocks.1.mlp.shared_expert"):
+        assert torch.equal(cache[f"{mlp}.hook_post"], torch.square(torch.relu(cache[f"{mlp}.hook_pre"])))
     routed = []
     base.run_with_hooks(toks, fwd_hooks=[("blocks.1.mlp.experts.hook_post", lambda t, hook: t * 0),
                                          ("blocks.1.mlp.hook_routed_out", lambda t, hook: routed.append(t))])
@@ -358,8 +364,13 @@ def test_plan_counts_attention_keys_and_the_mamba_state():
 
 def test_support_lists_each_layer_kinds_sites(base):
     rows = {r.name: r for r in base.support(print_table=False).rows}
-    assert rows["blocks.L.mixer.hook_state_out"].reference is None or "mixer" in str(rows["blocks.L.mixer.hook_state_out"])
-    assert "blocks.L.mlp.experts.hook_pre" in rows and "blocks.L.attn.hook_pattern" in rows
+    assert rows["blocks.L.hook_attn_out"].layers == "0,2,4,6" and rows["blocks.L.hook_attn_out"].reference == "model.layers.L.mixer"
+    assert rows["blocks.L.hook_mlp_out"].layers == "1,3,5,7"
+    assert rows["blocks.L.mixer.hook_state_out"].layers == "0,4" and rows["blocks.L.attn.hook_pattern"].layers == "2,6"
+    assert rows["blocks.L.mlp.experts.hook_pre"].meaning.startswith("never fires")
+    assert rows["blocks.L.mlp.experts.hook_post"].meaning == "expert neurons per slot: relu2(up), no gate"
+    assert rows["blocks.L.mlp.hook_post"].meaning == "neurons: act(up)" and rows["blocks.L.mlp.hook_post"].layers == "3"
+    assert "blocks.L.hook_resid_mid" not in rows
 
 
 def test_embedded_default_verify_and_generate(tmp_path, monkeypatch, capsys):

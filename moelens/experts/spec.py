@@ -8,7 +8,7 @@ An expert maps a token row x [d_model] to
     out      = W_down @ neurons (+ b_down)          # [d_model]
 
 or, for an ungated expert (activation Ungated: Nemotron-H's up / relu2 / down), W_gate_up holds the up rows only
-([d_expert, d_model] per expert) and neurons = act(up); its hook_pre holds up (what the activation reads, as TransformerLens's non-gated MLP) and hook_pre_linear never fires.
+([d_expert, d_model] per expert) and neurons = act(up); its hook_pre_linear holds up (the up projection; TransformerLens's per-expert hook_pre) and hook_pre never fires.
 
 and the mixture adds weight * out over a token's routing slots (`weight_at` "output", the default), or, where
 the router weight scales the expert's input instead (`weight_at` "input": Llama 4), expert(weight * x)

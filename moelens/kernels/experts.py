@@ -266,9 +266,9 @@ def routed_experts_torch(
     gate_up = linear(rows, tensors.gate_up, counts)
     if tensors.gate_up_bias is not None:
         gate_up = gate_up + bias_rows(tensors.gate_up_bias, sorted_experts)
-    if not activation.gated:  # the up rows alone are what the activation reads: hook_pre (as TransformerLens's
-        # non-gated MLP), no hook_pre_linear
-        post = hooked_sorted("post", activation(hooked_sorted("pre", gate_up)))
+    if not activation.gated:  # the up rows alone: hook_pre_linear (the up projection, TransformerLens's per-expert
+        # hook_pre); no gate, so hook_pre never fires
+        post = hooked_sorted("post", activation(hooked_sorted("pre_linear", gate_up)))
         return _down_and_weigh(post, tensors, linear, counts, bias_rows, sorted_experts, hooked_sorted, weights,
                                order, unsort, hooks, batch_pos, weight_at, T, k, x.dtype)
     pre, pre_linear = gate_up.chunk(2, dim=-1)

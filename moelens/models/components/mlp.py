@@ -68,7 +68,8 @@ class GatedMLP(nn.Module):
 
 class UngatedMLP(GatedMLP):
     """down(act(up(x))), no gate (Nemotron-H's relu2 MLP and shared expert). hook_pre holds up(x), as
-    TransformerLens's hook_pre of a non-gated MLP; there is no hook_pre_linear. `bias`: up and down have biases."""
+    TransformerLens's hook_pre of a non-gated MLP (routed ungated experts hook it at experts.hook_pre_linear,
+    TransformerLens's per-expert hook_pre); there is no hook_pre_linear. `bias`: up and down have biases."""
 
     def __init__(self, d_model: int, d_mlp: int, act_fn: str, width_name: str = "d_mlp", hook_out: bool = False,
                  bias: bool = False):
@@ -79,8 +80,8 @@ class UngatedMLP(GatedMLP):
         if width_name not in _SITE_OF_WIDTH:
             raise ValueError(f"UngatedMLP width_name must be one of {sorted(_SITE_OF_WIDTH)}, got {width_name!r}")
         site = _SITE_OF_WIDTH[width_name]
-        self.hook_pre = site_hook(f"{site}.hook_pre")
-        self.hook_post = site_hook(f"{site}.hook_post")
+        self.hook_pre = site_hook(f"{site}.hook_pre", "ungated")
+        self.hook_post = site_hook(f"{site}.hook_post", "ungated")
         self.has_hook_out = hook_out
         if hook_out:
             self.hook_out = site_hook(f"{site}.hook_out")

@@ -92,7 +92,7 @@ class Experts(nn.Module):
         self.resolved_for: torch.device | None = None
         self.backend = "auto"  # resolves executor for resolved_for (the property below)
         form = weight_form(self.spec)
-        self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre", form)
+        self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre", form if self.spec.activation.gated else "ungated")
         self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear", form)
         self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", form, formula=self.spec.activation.formula)
         self.hook_out = site_hook("blocks.L.mlp.experts.hook_out")
