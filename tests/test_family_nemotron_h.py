@@ -203,6 +203,10 @@ def test_both_config_spellings_read_as_transformers():
                                             for k in saved["layers_block_type"]]}
     ours = [HookedNemotronH.config_from_hf(raw) for raw in (saved, hub, legacy)]
     assert ours[0] == ours[1] == ours[2]
+    # transformers' attention has no biases whatever attention_bias says: read as it reads it, reported unused
+    biased = HookedNemotronH.config_from_hf(saved | {"attention_bias": True})
+    assert biased == ours[0] and "attention_bias" in biased.fields_ignored
+    assert transformers.NemotronHForCausalLM(tiny_nh.nemotron_h_config(attention_bias=True)).model.layers[2].mixer.q_proj.bias is None
     theirs = transformers.NemotronHConfig(**{k: v for k, v in hub.items() if k != "model_type"})
     assert list(ours[1].layer_types) == theirs.layers_block_type
     assert (ours[1].mamba_n_groups, ours[1].mamba_d_conv, ours[1].mamba_chunk_size) == (

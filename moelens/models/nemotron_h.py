@@ -48,10 +48,13 @@ MIXERS = ("linear_attention", "full_attention")
 # the Hub's spelling first (backbone.), then transformers' (model.)
 PREFIXES = ("backbone.", "model.")
 UP_DOWN = PerExpertKeys(None, "{e}.up_proj.weight", "{e}.down_proj.weight")
-# config.json fields transformers reads but that change nothing it computes
+# config.json fields that change nothing transformers 5.24 computes (its attention has no biases and no
+# positions, the Mamba-2 width is mamba_num_heads * mamba_head_dim, the multi-token-prediction layers are not run)
 IGNORED_FIELDS = ("residual_in_fp32", "n_shared_experts", "moe_shared_expert_overlap", "num_logits_to_keep",
                   "use_mamba_kernels", "mamba_ssm_cache_dtype", "rescale_prenorm_residual", "time_step_max",
-                  "time_step_floor", "time_step_limit", "sliding_window")
+                  "time_step_floor", "time_step_limit", "sliding_window", "attention_bias", "expand",
+                  "mamba_proj_bias", "norm_eps", "rope_theta", "partial_rotary_factor", "num_nextn_predict_layers",
+                  "mtp_hybrid_override_pattern", "mtp_layers_block_type")
 
 
 @dataclass(frozen=True)
@@ -170,8 +173,6 @@ class HookedNemotronH(HookedTransformer):
         if stated is not None and stated != n_layers:
             where = "layers_block_type" if "layers_block_type" in raw else "hybrid_override_pattern"
             raise ValueError(f"num_hidden_layers = {stated}, but {where} gives {n_layers} layers")
-        if hf.integer("num_nextn_predict_layers", 0, at_least=0):
-            pass  # the multi-token-prediction layers (mtp.*) are not run, as in transformers
         for flag in ("mlp_bias",):
             if hf.flag(flag, False):
                 raise ValueError(f"{flag} = true: moelens's Nemotron-H reads MLPs, shared experts and latent projections "
@@ -188,7 +189,6 @@ class HookedNemotronH(HookedTransformer):
         if any_moe:
             SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k_per_layer"]), n_group, topk_group)
         n_heads = hf.integer("num_attention_heads", 32, at_least=1)
-        bias = hf.flag("attention_bias", False)
         time_step_min = aliased(hf, hf.number, "time_step_min", "mamba_dt_min", 0.001, at_least=0)
         return NemotronHConfig(
             family=cls.model_type,
@@ -201,8 +201,6 @@ class HookedNemotronH(HookedTransformer):
             norm_eps=hf.number("layer_norm_epsilon", 1e-5, at_least=0),
             rope=RopeConfig(theta=10000.0),  # built by the model, never applied: no positional encoding
             max_position_embeddings=hf.integer("max_position_embeddings", 4096, at_least=1),
-            qkv_bias=bias,
-            o_bias=bias,
             act_fn=hf.text("mlp_hidden_act", "relu2"),
             d_mlp=hf.integer("intermediate_size", 21504, at_least=1) if "mlp" in kinds else 0,
             **routed,
@@ -269,10 +267,8 @@ def _layer_sites(cfg: NemotronHConfig, layer: int, kind: str, src: str, dst: str
         return [Weight(f"{dst}.mixer.{n}", keys(f"{here}.{n}")) for n in names]
     if kind == "full_attention":
         entries: list[Entry] = []
-        for proj in "qkvo":
+        for proj in "qkvo":  # no biases, whatever attention_bias says (as transformers)
             entries.append(Weight(f"{dst}.attn.{proj}_proj.weight", keys(f"{here}.{proj}_proj.weight")))
-            if cfg.qkv_bias:
-                entries.append(Weight(f"{dst}.attn.{proj}_proj.bias", keys(f"{here}.{proj}_proj.bias")))
             if proj != "o":
                 entries.append(Reference(f"{dst}.attn.hook_{proj}", f"{mixer}.{proj}_proj"))
         return entries + [Reference(f"{dst}.attn.hook_z", f"{mixer}.o_proj", "in")]
