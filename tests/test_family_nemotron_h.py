@@ -391,3 +391,10 @@ def test_embedded_default_verify_and_generate(tmp_path, monkeypatch, capsys):
     assert main(["verify", "tiny-nemotron-h"]) == 0
     out = capsys.readouterr().out
     assert "float32: OK" in out and "bfloat16: OK" in out and "blocks.1.mlp.hook_router_logits" in out
+
+
+def test_triton_backend_is_refused_naming_the_ungated_experts(base):
+    """The Triton kernels compute gated experts only; "auto" takes the torch path for these, "triton" is refused."""
+    assert all(b.mlp.experts.executor == "torch" for b in base.blocks if b.is_moe)
+    with pytest.raises(ValueError, match="relu2\\(up\\), no gate"):
+        base.set_experts_backend("triton")
