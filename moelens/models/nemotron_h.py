@@ -190,6 +190,11 @@ class HookedNemotronH(HookedTransformer):
             SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k_per_layer"]), n_group, topk_group)
         n_heads = hf.integer("num_attention_heads", 32, at_least=1)
         time_step_min = aliased(hf, hf.number, "time_step_min", "mamba_dt_min", 0.001, at_least=0)
+        mamba_heads = hf.integer("mamba_num_heads", 128, at_least=1)
+        mamba_groups = aliased(hf, hf.integer, "n_groups", "mamba_n_groups", 8, at_least=1)
+        if mamba_heads % mamba_groups:
+            raise ValueError(f"mamba_num_heads ({mamba_heads}) must be a multiple of n_groups ({mamba_groups}): each "
+                             "group's B and C serve mamba_num_heads / n_groups heads")
         return NemotronHConfig(
             family=cls.model_type,
             d_model=hf.integer("hidden_size", 4096, at_least=1),
@@ -212,9 +217,9 @@ class HookedNemotronH(HookedTransformer):
             tie_word_embeddings=hf.flag("tie_word_embeddings", False),
             layer_types=kinds,
             moe_latent_size=(hf.integer("moe_latent_size", None, at_least=1) or 0) if any_moe else 0,
-            mamba_n_heads=hf.integer("mamba_num_heads", 128, at_least=1),
+            mamba_n_heads=mamba_heads,
             mamba_d_head=hf.integer("mamba_head_dim", 64, at_least=1),
-            mamba_n_groups=aliased(hf, hf.integer, "n_groups", "mamba_n_groups", 8, at_least=1),
+            mamba_n_groups=mamba_groups,
             mamba_d_state=hf.integer("ssm_state_size", 128, at_least=1),
             mamba_d_conv=aliased(hf, hf.integer, "conv_kernel", "mamba_d_conv", 4, at_least=1),
             mamba_chunk_size=aliased(hf, hf.integer, "chunk_size", "mamba_chunk_size", 128, at_least=1),
