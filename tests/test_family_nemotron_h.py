@@ -391,3 +391,16 @@ def test_triton_backend_is_refused_naming_the_ungated_experts(base):
     assert all(b.mlp.experts.executor == "torch" for b in base.blocks if b.is_moe)
     with pytest.raises(ValueError, match="relu2\\(up\\), no gate"):
         base.set_experts_backend("triton")
+
+
+@pytest.mark.parametrize("variant", ["base", "latent"])
+def test_fold_ln_keeps_the_logits(ckpts, variant):
+    """Each block's one norm folds into what reads it: a Mamba-2 layer's in_proj, attention's q/k/v, a mixture's
+    router and shared expert and its experts' up rows (a latent mixture's fc1_latent_proj instead), a dense MLP's
+    up projection."""
+    plain = HookedTransformer.from_pretrained(ckpts[variant], progress=False)
+    folded = HookedTransformer.from_pretrained(ckpts[variant], progress=False, fold_ln=True)
+    assert all(torch.equal(sub.norm.weight, torch.ones_like(sub.norm.weight)) for b in folded.blocks for sub in b.sublayers())
+    toks = tokens(shape=(2, 30))
+    with torch.no_grad():
+        assert (plain(toks) - folded(toks)).abs().max() <= 1e-5

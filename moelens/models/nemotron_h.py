@@ -19,6 +19,7 @@ mixer does the same with the block's mask); attention masks padded keys.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from moelens.models.components.attention import Attention
 from moelens.models.components.mlp import UngatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import CastAfterWeightRMSNorm
-from moelens.models.components.parts import GatedMlpPart, MlpPart
+from moelens.models.components.parts import GatedMlpPart, MlpPart, RoutedPart
 from moelens.models.components.router import SigmoidGroupedTopK, TopKRouter
 from moelens.models.mixers.mamba2 import Mamba2Mixer
 from moelens.models.recipe import Dense, LayerSpec, Mixture, Recipe
@@ -150,6 +151,25 @@ class NemotronHMoe(SparseMoe):
 
     def parts(self) -> tuple[MlpPart, ...]:
         return (GatedMlpPart("shared", self.shared_expert, out=self.hook_shared_out), self._routed_part())
+
+    def _routed_part(self) -> RoutedPart:
+        part = super()._routed_part()
+        if not hasattr(self, "fc1_latent_proj"):
+            return part
+        fields = {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
+        return LatentRoutedPart(**fields, latent=self.fc1_latent_proj)
+
+
+@dataclass(frozen=True)
+class LatentRoutedPart(RoutedPart):
+    """The routed part of a latent mixture: what reads the MLP's input is the router and fc1_latent_proj (the
+    experts read its output). Its neurons write through fc2_latent_proj, which the neuron decompositions do not
+    apply yet."""
+
+    latent: nn.Linear | None = None
+
+    def input_weights(self) -> tuple[torch.Tensor, ...]:
+        return (self.router.weight, self.latent.weight)
 
 
 class HookedNemotronH(HookedTransformer):
