@@ -270,6 +270,8 @@ def link_prefetch(model, stores: dict[int, OffloadedExperts]) -> None:
     """Prefetch for each mixture layer from the one before it. The predictor: the next layer's router applied
     to this layer's mixture input (the normed residual stream one layer early; the stream changes little
     from one layer to the next, so its top-k is mostly the experts the next layer will choose)."""
+    if model.cfg.expert_spec().d_model != model.cfg.d_model:
+        return  # the experts read a latent projection of the mixture input, which no router reads: no prediction
     layers = sorted(stores)
     for here, after in zip(layers, layers[1:]):
         stores[here].prefetch_next(stores[after], partial(route, model.blocks[after].mlp.router))

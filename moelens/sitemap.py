@@ -17,11 +17,17 @@ import torch
 
 @dataclass(frozen=True)
 class PerExpertKeys:
-    """One spelling of the routed experts as separate tensors; "{e}" stands for the expert's index."""
+    """One spelling of the routed experts as separate tensors; "{e}" stands for the expert's index. gate None:
+    ungated experts (moelens.experts.spec.Ungated), whose W_gate_up is the up tensor alone."""
 
-    gate: str
+    gate: str | None
     up: str
     down: str
+
+    @property
+    def first(self) -> str:
+        """The key whose expert-0 presence says the files use this spelling."""
+        return self.up if self.gate is None else self.gate
 
 
 class Layout:

@@ -256,11 +256,14 @@ class WeightViews:
     @property
     def W_gate(self) -> Float[torch.Tensor, "n_layers n_experts d_model d_expert"]:
         d = self.cfg.d_expert
+        if not self.cfg.expert_spec().activation.gated:
+            raise AttributeError(f"W_gate: this model's routed experts have no gate ({self.cfg.expert_spec().describe()}); "
+                                 "their up projections are W_in")
         return self._per_moe_layer("W_gate", lambda m: m.experts.tensors().gate_up[:, :d].transpose(-2, -1))
 
     @property
     def W_in(self) -> Float[torch.Tensor, "n_layers n_experts d_model d_expert"]:
-        d = self.cfg.d_expert
+        d = self.cfg.d_expert if self.cfg.expert_spec().activation.gated else 0  # ungated: the up rows alone
         return self._per_moe_layer("W_in", lambda m: m.experts.tensors().gate_up[:, d:].transpose(-2, -1))
 
     @property

@@ -6,6 +6,7 @@ reads its rows and absent list from the table, and the table's short and standar
 from __future__ import annotations
 
 import pytest
+import tiny_nemotron_h
 import tiny_qwen3_next
 from conftest import FAMILIES, VARIANTS
 
@@ -18,13 +19,12 @@ SWITCHES = ("set_use_attn_result", "set_use_split_qkv_input", "set_use_attn_in",
 # every variant but those differing only in how the checkpoint is stored (same hook points)
 MODEL_KEYS = sorted(k for k in VARIANTS if k[1] not in ("sharded", "fused"))
 
-# Sites of token mixers (blocks.L.mixer.*): Qwen3-Next builds Gated DeltaNet's (the default forms); the Mamba-2
-# forms await a family, and tests/test_mixer_mamba2.py checks that the mixer builds each with the table's layout
-# and meaning.
+# Sites of token mixers (blocks.L.mixer.*): Qwen3-Next builds Gated DeltaNet's (the default forms), Nemotron-H
+# Mamba-2's.
 MIXER_ONLY = {s.name for s in SITES if s.name.startswith("blocks.L.mixer.")}
-AWAITING_FAMILY_FORMS = {"mamba2"}
+AWAITING_FAMILY_FORMS: set[str] = set()
 # hybrid models, not yet in conftest's generic suites (no TransformerLens switch on them)
-HYBRID_BUILDERS = {("qwen3_next", "base"): tiny_qwen3_next.build_qwen3_next}
+HYBRID_BUILDERS = {("qwen3_next", "base"): tiny_qwen3_next.build_qwen3_next, ("nemotron_h", "base"): tiny_nemotron_h.build_nemotron_h}
 
 # a form's meaning fields, as the model fills them: (model, layer) -> value
 FIELDS = {"formula": lambda model, layer: model.blocks[layer].mlp.experts.spec.activation.formula}
@@ -83,9 +83,7 @@ def test_every_site_and_form_of_the_table_is_some_models(models):
         for name, forms in forms_used(model).items():
             used.setdefault(name, set()).update(forms)
     for site in SITES:
-        if site.name not in used:  # Mamba-2's own rows await Nemotron-H
-            assert site.name in MIXER_ONLY, f"no family has {site.name}"
-            continue
+        assert site.name in used, f"no family has {site.name}"
         unused = set(site.forms) - used[site.name] - (AWAITING_FAMILY_FORMS if site.name in MIXER_ONLY else set())
         assert not unused, f"{site.name}: forms no family uses: {unused}"
     assert {f for f, _ in MODEL_KEYS} == set(FAMILIES)

@@ -13,6 +13,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),  # squared ReLU (Nemotron-H), as transformers computes it
 }
 
 

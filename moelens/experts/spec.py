@@ -7,6 +7,9 @@ An expert maps a token row x [d_model] to
     neurons  = activation(gate, up)                 # [d_expert]
     out      = W_down @ neurons (+ b_down)          # [d_model]
 
+or, for an ungated expert (activation Ungated: Nemotron-H's up / relu2 / down), W_gate_up holds the up rows only
+([d_expert, d_model] per expert) and neurons = act(up); its hook_pre_linear holds up (the up projection; TransformerLens's per-expert hook_pre) and hook_pre never fires.
+
 and the mixture adds weight * out over a token's routing slots (`weight_at` "output", the default), or, where
 the router weight scales the expert's input instead (`weight_at` "input": Llama 4), expert(weight * x)
 over them; the weight then is inside the expert, never applied to its output too. A layer's experts are stacked along a first
@@ -29,9 +32,11 @@ from moelens.experts.activations import activation as activation_fn
 
 
 class GatedActivation(ABC):
-    """neurons = f(gate, up), elementwise. `silu_glu`: it is SiLU(gate) * up, what the Triton kernels fuse."""
+    """neurons = f(gate, up), elementwise. `silu_glu`: it is SiLU(gate) * up, what the Triton kernels fuse.
+    `gated` False: the expert has no gate rows and neurons = f(up) (Ungated)."""
 
     silu_glu = False
+    gated = True
 
     @abstractmethod
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
@@ -84,6 +89,25 @@ class ClampedSwiGLU(GatedActivation):
     @property
     def formula(self) -> str:
         return f"(clamp(up, ±{self.limit}) + 1) * g * sigmoid({self.alpha} * g), g = clamp(gate, max={self.limit})"
+
+
+@dataclass(frozen=True)
+class Ungated(GatedActivation):
+    """act(up) with no gate: W_gate_up is the up projection alone, [E, d_expert, d_model] (Nemotron-H's relu2
+    experts). Called with the up rows only."""
+
+    act: str = "relu2"
+    gated = False
+
+    def __post_init__(self) -> None:
+        activation_fn(self.act)
+
+    def __call__(self, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return activation_fn(self.act)(up)
+
+    @property
+    def formula(self) -> str:
+        return f"{self.act}(up), no gate"
 
 
 class ExpertTensors(NamedTuple):
@@ -144,7 +168,8 @@ class ExpertSpec:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Each stacked parameter's shape [n_experts, ...]."""
         E, H, I = self.n_experts, self.d_model, self.d_expert
-        all_shapes = {"W_gate_up": (E, 2 * I, H), "W_down": (E, H, I), "b_gate_up": (E, 2 * I), "b_down": (E, H)}
+        rows = 2 * I if self.activation.gated else I  # an ungated expert's W_gate_up is its up rows alone
+        all_shapes = {"W_gate_up": (E, rows, H), "W_down": (E, H, I), "b_gate_up": (E, rows), "b_down": (E, H)}
         return {name: all_shapes[name] for name in self.param_names}
 
     def expert_nbytes(self, dtype: torch.dtype) -> int:

@@ -209,9 +209,11 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.ln2.hook_normalized", _RESID, "normed stream entering the MLP / mixture",
           standard="mlp_norm_output", aliases=("mlp_input", "ln2_normalized")),
     # a dense block's MLP
-    _site("blocks.L.mlp.hook_pre", "batch pos d_mlp", "gate pre-activation", short="pre"),
+    _site("blocks.L.mlp.hook_pre", "batch pos d_mlp", "gate pre-activation", short="pre", variants={
+        "ungated": ("batch pos d_mlp", "up projection, what the activation reads (an ungated MLP: no gate)")}),
     _site("blocks.L.mlp.hook_pre_linear", "batch pos d_mlp", "up projection", short="pre_linear"),
-    _site("blocks.L.mlp.hook_post", "batch pos d_mlp", "neurons: act(gate) * up", standard="mlp_neurons", short="post"),
+    _site("blocks.L.mlp.hook_post", "batch pos d_mlp", "neurons: act(gate) * up", standard="mlp_neurons", short="post",
+          variants={"ungated": ("batch pos d_mlp", "neurons: act(up)")}),
     # a mixture block: the router
     _site("blocks.L.mlp.hook_router_logits", "batch pos n_experts", "router logits, before scoring",
           standard="router_logits", short="router_logits"),
@@ -249,6 +251,8 @@ SITES: tuple[Site, ...] = (
           short="expert_pre", variants={
               "weighted_input": ("batch pos top_k d_expert",
                                  "gate pre-activation per slot, of the input scaled by the slot's weight"),
+              "ungated": ("batch pos top_k d_expert", "never fires: these experts have no gate (their up projection "
+                          "is experts.hook_pre_linear)"),
           }),
     _site("blocks.L.mlp.experts.hook_pre_linear", "batch pos top_k d_expert", "up projection per slot",
           short="expert_pre_linear", variants={
@@ -281,10 +285,12 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.mlp.hook_routed_out", _RESID, "routed experts' combined output", standard="routed_output",
           short="routed_out"),
     # the shared expert
-    _site("blocks.L.mlp.shared_expert.hook_pre", "batch pos d_shared", "gate pre-activation", short="shared_pre"),
+    _site("blocks.L.mlp.shared_expert.hook_pre", "batch pos d_shared", "gate pre-activation", short="shared_pre",
+          variants={"ungated": ("batch pos d_shared", "up projection, what the activation reads (no gate)")}),
     _site("blocks.L.mlp.shared_expert.hook_pre_linear", "batch pos d_shared", "up projection",
           short="shared_pre_linear"),
-    _site("blocks.L.mlp.shared_expert.hook_post", "batch pos d_shared", "neurons: act(gate) * up", short="shared_post"),
+    _site("blocks.L.mlp.shared_expert.hook_post", "batch pos d_shared", "neurons: act(gate) * up", short="shared_post",
+          variants={"ungated": ("batch pos d_shared", "neurons: act(up)")}),
     _site("blocks.L.mlp.shared_expert.hook_out", _RESID, "shared expert output, ungated", short="shared_expert_out"),
     _site("blocks.L.mlp.hook_shared_gate", "batch pos 1", "shared expert gate logit, before the sigmoid",
           short="shared_gate"),

@@ -266,6 +266,11 @@ def routed_experts_torch(
     gate_up = linear(rows, tensors.gate_up, counts)
     if tensors.gate_up_bias is not None:
         gate_up = gate_up + bias_rows(tensors.gate_up_bias, sorted_experts)
+    if not activation.gated:  # the up rows alone: hook_pre_linear (the up projection, TransformerLens's per-expert
+        # hook_pre); no gate, so hook_pre never fires
+        post = hooked_sorted("post", activation(hooked_sorted("pre_linear", gate_up)))
+        return _down_and_weigh(post, tensors, linear, counts, bias_rows, sorted_experts, hooked_sorted, weights,
+                               order, unsort, hooks, batch_pos, weight_at, T, k, x.dtype)
     pre, pre_linear = gate_up.chunk(2, dim=-1)
     new_pre, new_pre_linear = hooked_sorted("pre", pre), hooked_sorted("pre_linear", pre_linear)
     if new_pre is not pre or new_pre_linear is not pre_linear:
@@ -273,10 +278,17 @@ def routed_experts_torch(
         # layouts, and a run must not depend on which hooks are on
         pre, pre_linear = torch.cat([new_pre, new_pre_linear], dim=-1).chunk(2, dim=-1)
     post = hooked_sorted("post", activation(pre, pre_linear))
+    return _down_and_weigh(post, tensors, linear, counts, bias_rows, sorted_experts, hooked_sorted, weights, order,
+                           unsort, hooks, batch_pos, weight_at, T, k, x.dtype)
+
+
+def _down_and_weigh(post, tensors, linear, counts, bias_rows, sorted_experts, hooked_sorted, weights, order, unsort,
+                    hooks, batch_pos, weight_at, T, k, dtype):
+    """routed_experts_torch's second half: the down GEMM on the sorted neurons, back to slot order, weighted, summed."""
     down = linear(post, tensors.down, counts)
     if tensors.down_bias is not None:
         down = down + bias_rows(tensors.down_bias, sorted_experts)
     down = hooked_sorted("out", down)  # the unweighted outputs; the weighted ones are computed from what it returns
     out = down * weights.reshape(-1)[order].unsqueeze(-1) if weight_at == "output" else down
     weighted = hooked(hooks.outputs, out[unsort].view(T, k, -1), batch_pos)
-    return weighted.sum(dim=1).to(x.dtype)
+    return weighted.sum(dim=1).to(dtype)

@@ -47,15 +47,18 @@ def _expert_keys(stack: ExpertStack, present: set[str] | SafetensorsFiles) -> di
     expert 0 is there); the first per-expert spelling when none is (the fused one where the family has no
     per-expert spelling or puts it first, stack.fused_first), so that they are reported missing."""
     fused = stack.fused.keys()
-    per_expert_present = any(k.gate.format(e=0) in present for k in stack.per_expert)
+    per_expert_present = any(k.first.format(e=0) in present for k in stack.per_expert)
     if fused[0][0] in present or not stack.per_expert or (stack.fused_first and not per_expert_present):
         return {key: Target(param, (), layout) for (key, layout), param in zip(fused, stack.params)}
     w_gate_up, w_down = stack.params
-    spelling = next((k for k in stack.per_expert if k.gate.format(e=0) in present), stack.per_expert[0])
+    spelling = next((k for k in stack.per_expert if k.first.format(e=0) in present), stack.per_expert[0])
     gate, up = slice(0, stack.d_expert), slice(stack.d_expert, 2 * stack.d_expert)
     keys = {}
+    if spelling.gate is None:  # ungated: the up tensor is the whole W_gate_up row block
+        up = slice(0, stack.d_expert)
     for e in range(stack.n_experts):
-        keys[spelling.gate.format(e=e)] = Target(w_gate_up, (e, gate))
+        if spelling.gate is not None:
+            keys[spelling.gate.format(e=e)] = Target(w_gate_up, (e, gate))
         keys[spelling.up.format(e=e)] = Target(w_gate_up, (e, up))
         keys[spelling.down.format(e=e)] = Target(w_down, (e,))
     return keys

@@ -111,14 +111,14 @@ def _check_experts(cfg: MoeConfig, stack: ExpertStack, files: SafetensorsFiles, 
                 f"{files.shapes[stack.fused.gate_up]} ({stored} experts)"
             )
         return
-    spelling = next((k for k in stack.per_expert if k.gate.format(e=0) in files), None)
+    spelling = next((k for k in stack.per_expert if k.first.format(e=0) in files), None)
     if spelling is None:
         return
     stored = 0
-    while spelling.gate.format(e=stored) in files:  # at most as many steps as the files hold tensors
+    while spelling.first.format(e=stored) in files:  # at most as many steps as the files hold tensors
         stored += 1
     if stored != stack.n_experts:
-        beyond = spelling.gate.format(e=stored) if stored < stack.n_experts else spelling.gate.format(e=stack.n_experts)
+        beyond = spelling.first.format(e=stored) if stored < stack.n_experts else spelling.first.format(e=stack.n_experts)
         raise CheckpointError(
             f"{config}: {field} = {stack.n_experts:,}, but layer {layer} of the checkpoint stores {stored} experts "
             f"(experts 0 to {stored - 1}; {'no' if stored < stack.n_experts else 'also'} {beyond!r})"

@@ -13,6 +13,7 @@ from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
 from moelens.models.llama4_text import HookedLlama4
 from moelens.models.minimax_m2 import HookedMiniMaxM2
 from moelens.models.mixtral import HookedMixtral
+from moelens.models.nemotron_h import HookedNemotronH
 from moelens.models.olmoe import HookedOlmoe
 from moelens.models.qwen2_moe import HookedQwen2Moe
 from moelens.models.qwen3_moe import HookedQwen3Moe
@@ -28,4 +29,5 @@ __all__ = [
     "HookedDeepseekV32",
     "HookedGlmMoeDsa",
     "HookedLlama4",
+    "HookedNemotronH",
 ]

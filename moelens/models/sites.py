@@ -81,16 +81,18 @@ def dense_mlp(src: str, dst: str) -> list[Entry]:
 
 
 def routed_experts(
-    cfg: MoeConfig, src_experts: tuple[str, ...], dst: str, per_expert: tuple[PerExpertKeys, ...] = (GATE_UP_DOWN,)
+    cfg: MoeConfig, src_experts: tuple[str, ...], dst: str, per_expert: tuple[PerExpertKeys, ...] = (GATE_UP_DOWN,),
+    fused_gate_up: str = "gate_up_proj",
 ) -> ExpertStack:
     """The experts of one layer. src_experts: checkpoint prefixes the per-expert keys may sit under (first
-    for the fused pair, transformers 5's); every (prefix, spelling) pair is accepted."""
+    for the fused pair, transformers 5's); every (prefix, spelling) pair is accepted. fused_gate_up: the fused
+    stack's name for W_gate_up (an ungated family's "up_proj")."""
     spellings = tuple(
-        PerExpertKeys(f"{p}.{k.gate}", f"{p}.{k.up}", f"{p}.{k.down}") for p in src_experts for k in per_expert
+        PerExpertKeys(k.gate and f"{p}.{k.gate}", f"{p}.{k.up}", f"{p}.{k.down}") for p in src_experts for k in per_expert
     )
     return ExpertStack(
         f"{dst}.mlp.experts", cfg.n_experts, cfg.d_expert, spellings,
-        FusedExperts(f"{src_experts[0]}.gate_up_proj", f"{src_experts[0]}.down_proj"),
+        FusedExperts(f"{src_experts[0]}.{fused_gate_up}", f"{src_experts[0]}.down_proj"),
     )
 
 

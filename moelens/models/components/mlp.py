@@ -1,4 +1,4 @@
-"""Gated (SwiGLU) MLP: dense blocks and shared experts."""
+"""Gated (SwiGLU) MLP: dense blocks and shared experts; and the ungated up / act / down MLP (Nemotron-H)."""
 
 from __future__ import annotations
 
@@ -69,4 +69,47 @@ class GatedMLP(nn.Module):
         pre = self.hook_pre(self.gate_proj(x))
         pre_linear = self.hook_pre_linear(self.up_proj(x))
         out = self.down_proj(self.hook_post(self.act(pre) * pre_linear))
+        return self.hook_out(out) if self.has_hook_out else out
+
+
+class UngatedMLP(GatedMLP):
+    """down(act(up(x))), no gate (Nemotron-H's relu2 MLP and shared expert). hook_pre holds up(x), as
+    TransformerLens's hook_pre of a non-gated MLP (routed ungated experts hook it at experts.hook_pre_linear,
+    TransformerLens's per-expert hook_pre); there is no hook_pre_linear. `bias`: up and down have biases."""
+
+    @staticmethod
+    def param_terms(d_model: int, d_mlp: int, component: str) -> tuple[ParamTerm, ...]:
+        return linear("up_proj", d_model, d_mlp, False, component) + linear("down_proj", d_mlp, d_model, False, component)
+
+    def __init__(self, d_model: int, d_mlp: int, act_fn: str, width_name: str = "d_mlp", hook_out: bool = False,
+                 bias: bool = False):
+        nn.Module.__init__(self)
+        self.up_proj = nn.Linear(d_model, d_mlp, bias=bias)
+        self.down_proj = nn.Linear(d_mlp, d_model, bias=bias)
+        self.act = activation(act_fn)
+        if width_name not in _SITE_OF_WIDTH:
+            raise ValueError(f"UngatedMLP width_name must be one of {sorted(_SITE_OF_WIDTH)}, got {width_name!r}")
+        site = _SITE_OF_WIDTH[width_name]
+        self.hook_pre = site_hook(f"{site}.hook_pre", "ungated")
+        self.hook_post = site_hook(f"{site}.hook_post", "ungated")
+        self.has_hook_out = hook_out
+        if hook_out:
+            self.hook_out = site_hook(f"{site}.hook_out")
+
+    @property
+    def W_gate(self):
+        raise AttributeError("UngatedMLP has no gate projection (down(act(up(x))))")
+
+    @property
+    def b_in(self) -> Float[torch.Tensor, "d_mlp"]:
+        bias = self.up_proj.bias
+        return self.up_proj.weight.new_zeros(self.up_proj.weight.shape[0]) if bias is None else bias
+
+    @property
+    def b_out(self) -> Float[torch.Tensor, "d_model"]:
+        bias = self.down_proj.bias
+        return self.down_proj.weight.new_zeros(self.down_proj.weight.shape[0]) if bias is None else bias
+
+    def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        out = self.down_proj(self.hook_post(self.act(self.hook_pre(self.up_proj(x)))))
         return self.hook_out(out) if self.has_hook_out else out

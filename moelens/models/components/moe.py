@@ -94,7 +94,7 @@ class Experts(nn.Module):
         self.resolved_for: torch.device | None = None
         self.backend = "auto"  # resolves executor for resolved_for (the property below)
         form = weight_form(self.spec)
-        self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre", form)
+        self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre", form if self.spec.activation.gated else "ungated")
         self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear", form)
         self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", form, formula=self.spec.activation.formula)
         self.hook_out = site_hook("blocks.L.mlp.experts.hook_out")
@@ -360,8 +360,17 @@ class SparseMoe(nn.Module):
         hooks = self._expert_hooks
         if self.experts.views.any_hooked():  # the per-expert views take the real ids (before offload renumbers)
             hooks = dataclasses.replace(hooks, views=self.experts.views.bind(indices.reshape(b * p, -1), (b, p)))
-        routed = self.experts(x.reshape(b * p, d), indices.reshape(b * p, -1), weights.reshape(b * p, -1), hooks, (b, p))
-        return self.hook_routed_out(routed.view(b, p, d))
+        rows = self.expert_input(x)
+        routed = self.experts(rows.reshape(b * p, -1), indices.reshape(b * p, -1), weights.reshape(b * p, -1), hooks, (b, p))
+        return self.hook_routed_out(self.expert_output(routed.view(b, p, -1)))
+
+    def expert_input(self, x: Float[torch.Tensor, "batch pos d_model"]) -> torch.Tensor:
+        """What the routed experts read: the block's normed input (a family with a latent projection maps it)."""
+        return x
+
+    def expert_output(self, routed: torch.Tensor) -> Float[torch.Tensor, "batch pos d_model"]:
+        """The routed experts' weighted sum as added to the stream (a latent family projects it back)."""
+        return routed
 
 
 class SharedExpertMoe(SparseMoe):

@@ -77,7 +77,8 @@ class GatedMlpPart:
 
     def input_weights(self) -> tuple[Float[torch.Tensor, "out d_model"], ...]:
         """Every weight that reads the MLP's input, [..., d_model] (gate and up projections, the gate's map)."""
-        reads = (self.module.gate_proj.weight, self.module.up_proj.weight)
+        gate = getattr(self.module, "gate_proj", None)  # an ungated MLP (UngatedMLP) has none
+        reads = (self.module.up_proj.weight,) if gate is None else (gate.weight, self.module.up_proj.weight)
         return reads + ((self.gate.module.weight,) if self.gate is not None else ())
 
     def write_weight(self) -> Float[torch.Tensor, "d_model n"]:
