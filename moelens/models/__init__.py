@@ -15,6 +15,7 @@ from moelens.models.minimax_m2 import HookedMiniMaxM2
 from moelens.models.mixtral import HookedMixtral
 from moelens.models.olmoe import HookedOlmoe
 from moelens.models.qwen2_moe import HookedQwen2Moe
+from moelens.models.qwen3_5_moe import HookedQwen3_5Moe
 from moelens.models.qwen3_moe import HookedQwen3Moe
 from moelens.models.qwen3_next import HookedQwen3Next
 from moelens.models.solar_open import HookedSolarOpen
@@ -25,6 +26,7 @@ __all__ = [
     "HookedGlm4Moe",
     "HookedMiniMaxM2",
     "HookedQwen3Next",
+    "HookedQwen3_5Moe",
     "HookedDeepseekV32",
     "HookedGlmMoeDsa",
     "HookedLlama4",
