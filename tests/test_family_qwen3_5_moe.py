@@ -384,11 +384,16 @@ def test_plan_counts_the_attention_layers_keys_and_the_linear_layers_recurrent_s
     assert p.kv_cache["bytes"] == (2048 * per_token + per_sequence) * 2
 
 
-def test_support_names_the_separate_projections(ckpts):
+def test_support_names_the_mixers_and_the_fields_read(ckpts):
     table = load(ckpts["base"]).support(print_table=False)
     rows = {r.name: r for r in table.rows}
-    assert rows["blocks.L.mixer.hook_q"].reference is not None or "blocks.L.mixer.hook_q" in rows
-    assert "linear_num_value_heads" in table.config_fields
+    assert "causal convolution" in rows["blocks.L.mixer.hook_q"].meaning
+    assert rows["blocks.L.hook_attn_out"].reference == "model.layers.L.linear_attn"
+    assert rows["blocks.L.attn.hook_z"].reference.startswith("model.layers.L.self_attn.o_proj")
+    assert rows["blocks.L.mlp.hook_shared_gate"].reference == "model.layers.L.mlp.shared_expert_gate"
+    fields = set(table.config_fields)
+    assert {"linear_num_value_heads", "layer_types", "shared_expert_intermediate_size"} <= fields
+    assert not fields & {"norm_topk_prob", "mlp_only_layers", "decoder_sparse_step", "intermediate_size"}
 
 
 def test_embedded_default_verify_and_generate(tmp_path, monkeypatch):
