@@ -416,3 +416,17 @@ def test_embedded_default_verify_and_generate(tmp_path, monkeypatch):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "float32: OK" in run.stdout and "bfloat16: OK" in run.stdout
+
+
+def test_fp8_checkpoint_equals_transformers_dequantized(tmp_path):
+    """Qwen publishes Qwen3.5-35B-A3B-FP8 (128 x 128 blocks): the tiny checkpoint in that format loads as
+    transformers' dequantizing load reads it, float32 within 1e-5 and bfloat16 bit for bit."""
+    from test_quantized_checkpoints import assert_params_equal, check_logits, quantize_folder, transformers_dequantized
+
+    folder = tiny_q35.build_text(tmp_path / "fp8", seed=5)
+    quantize_folder(folder, (128, 128))
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = transformers_dequantized(folder, dtype)
+        model = load(folder, dtype=dtype)
+        assert_params_equal(model, hf.state_dict())
+        check_logits(model, hf, dtype)
