@@ -34,10 +34,9 @@ from moelens.state import RecurrentState
 from moelens.verify import compare, load_reference
 from test_plan import hf_weights
 
+# every variant, the five-layer one (two full attention layers before Gated DeltaNet layers) too, within 1e-5 of
+# transformers' eager attention at every site (0 measured; transformers' own eager and SDPA differ by 7.6e-5 there)
 VARIANTS = [v for (_, v) in tiny_q35.FAMILY_VARIANTS]
-# five layers, two full attention layers before Gated DeltaNet layers: compared within transformers' own
-# eager-vs-SDPA noise, as Qwen3-Next's (test_interval_variant_...)
-SITE_VARIANTS = [v for v in VARIANTS if v != "interval"]
 LINEAR_SITES = ("hook_resid_pre", "ln1.hook_normalized", "hook_attn_out", "ln2.hook_normalized", "hook_mlp_out",
                 "hook_resid_post", "mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices",
                 "mlp.hook_routed_out")
@@ -72,25 +71,14 @@ def multimodal_reference(folder, dtype=torch.float32):
 # ---- equivalence ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", SITE_VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_float32_every_site(ckpts, refs, variant):
     model = load(ckpts[variant])
     assert type(model) is HookedQwen3_5Moe
     harness.check_report(compare(model, refs(variant), tokens(shape=(2, 80))), model, block_sites(model), 1e-5, MODEL_SITES)
 
 
-def test_interval_variant_within_transformers_own_attention_noise(ckpts, refs):
-    toks = tokens(shape=(2, 80))
-    model = load(ckpts["interval"])
-    sdpa = transformers.AutoModelForCausalLM.from_pretrained(ckpts["interval"], dtype=torch.float32, attn_implementation="sdpa")
-    with torch.no_grad():
-        noise = float((refs("interval")(toks).logits - sdpa(toks).logits).abs().max())
-    report = compare(model, refs("interval"), toks)
-    assert report.index_mismatches == 0
-    assert report.max_logit_diff <= max(1e-5, noise), (report.max_logit_diff, noise)
-
-
-@pytest.mark.parametrize("variant", ["base", "fused", "multimodal"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_bfloat16_is_bit_exact(ckpts, refs, variant):
     model = load(ckpts[variant], dtype=torch.bfloat16)
     check_bit_exact(compare(model, refs(variant, torch.bfloat16), tokens(shape=(2, 80))))
