@@ -27,6 +27,7 @@ from moelens.models import (
     HookedQwen2Moe,
     HookedQwen3Moe,
     HookedQwen3Next,
+    HookedQwen3_5Moe,
     HookedSolarOpen,
     HookedTransformer,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "HookedQwen2Moe",
     "HookedQwen3Moe",
     "HookedQwen3Next",
+    "HookedQwen3_5Moe",
     "HookedRootModule",
     "HookedSolarOpen",
     "HookedTransformer",

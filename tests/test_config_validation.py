@@ -9,6 +9,7 @@ import pytest
 import tiny
 import tiny_deepseek_v3
 import tiny_deepseek_v32
+import tiny_qwen3_5_moe
 import tiny_qwen3_next
 import tiny_glm_moe_dsa
 import tiny_glm4_moe
@@ -35,6 +36,8 @@ BUILDERS = {
     "qwen3_next": tiny_qwen3_next.build_qwen3_next,
     # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
     "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
+    "qwen3_5_moe_text": tiny_qwen3_5_moe.build_text,
+    "qwen3_5_moe": tiny_qwen3_5_moe.build_multimodal,  # the Hub's multimodal spelling (text_config nested)
 }
 
 

@@ -278,6 +278,29 @@ CASES = {
             "shared_expert_intermediate_size", "tie_word_embeddings", "vocab_size"],
         ignored=(),
     ),
+    "qwen3_5_moe_text": Case(
+        # as transformers writes the tiny text config (its rotary's mrope_section / mrope_interleaved aside: only
+        # images and videos read them; the family's own suite checks they are reported ignored)
+        raw={"attention_bias": False, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "layer_types":
+            ["linear_attention", "linear_attention", "linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_value_head_dim": 12,
+            "max_position_embeddings": 512, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_experts": 8,
+            "num_experts_per_tok": 3, "num_hidden_layers": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+            "rope_parameters": {"partial_rotary_factor": 0.5, "rope_theta": 10000.0, "rope_type": "default"},
+            "shared_expert_intermediate_size": 40, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, partial_rotary_factor=0.5), max_position_embeddings=512,
+            moe_layers=(True, True, True, True), n_experts=8, top_k_per_layer=(3, 3, 3, 3), d_expert=32, d_shared=40,
+            norm_topk_prob=True, layer_types=("linear_attention",) * 3 + ("full_attention",), linear_n_key_heads=2,
+            linear_n_value_heads=4, linear_d_key=8, linear_d_value=12, linear_conv_kernel=4),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "layer_types", "linear_conv_kernel_dim",
+            "linear_key_head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim",
+            "max_position_embeddings", "moe_intermediate_size", "num_attention_heads", "num_experts",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "partial_rotary_factor", "rms_norm_eps",
+            "rope_parameters", "rope_scaling", "rope_theta", "shared_expert_intermediate_size", "tie_word_embeddings",
+            "vocab_size"],
+        ignored=(),
+    ),
 }
 
 # config.json with only what the family requires (and what its defaults would contradict): transformers' defaults
@@ -385,6 +408,16 @@ MINIMAL = {
             d_shared=512, norm_topk_prob=True, layer_types=("linear_attention",) * 3 + ("full_attention",),
             linear_n_key_heads=16, linear_n_value_heads=32, linear_d_key=128, linear_d_value=128, linear_conv_kernel=4),
     ),
+    "qwen3_5_moe_text": (
+        # transformers' defaults are Qwen3.5-35B-A3B's sizes; a mixture on every layer, layer_types from
+        # full_attention_interval 4
+        {"num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 96},
+        dict(d_model=2048, n_layers=4, n_heads=4, n_kv_heads=4, d_head=256, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, partial_rotary_factor=0.25), max_position_embeddings=32768,
+            moe_layers=(True, True, True, True), n_experts=256, top_k_per_layer=(8, 8, 8, 8), d_expert=512,
+            d_shared=512, norm_topk_prob=True, layer_types=("linear_attention",) * 3 + ("full_attention",),
+            linear_n_key_heads=16, linear_n_value_heads=32, linear_d_key=128, linear_d_value=128, linear_conv_kernel=4),
+    ),
 }
 
 CONFIG_CLASSES = {
@@ -401,6 +434,7 @@ CONFIG_CLASSES = {
     "deepseek_v32": "DeepseekV32Config",
     "glm_moe_dsa": "DeepseekV32Config",
     "qwen3_next": "Qwen3NextConfig",
+    "qwen3_5_moe_text": "Qwen3_5MoeConfig",
 }
 # families whose field-by-field cases are still to be written (their own suites test their config reading)
 NO_CASE_YET = {"llama4_text", "nemotron_h"}

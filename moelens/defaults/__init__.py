@@ -38,6 +38,7 @@ CONFIGS = {
     "tiny-glm-moe-dsa": "tiny_glm_moe_dsa.json",
     "tiny-llama4": "tiny_llama4_text.json",
     "tiny-nemotron-h": "tiny_nemotron_h.json",
+    "tiny-qwen3.5-moe": "tiny_qwen3_5_moe.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

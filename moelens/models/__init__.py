@@ -16,6 +16,7 @@ from moelens.models.mixtral import HookedMixtral
 from moelens.models.nemotron_h import HookedNemotronH
 from moelens.models.olmoe import HookedOlmoe
 from moelens.models.qwen2_moe import HookedQwen2Moe
+from moelens.models.qwen3_5_moe import HookedQwen3_5Moe
 from moelens.models.qwen3_moe import HookedQwen3Moe
 from moelens.models.qwen3_next import HookedQwen3Next
 from moelens.models.solar_open import HookedSolarOpen
@@ -26,6 +27,7 @@ __all__ = [
     "HookedGlm4Moe",
     "HookedMiniMaxM2",
     "HookedQwen3Next",
+    "HookedQwen3_5Moe",
     "HookedDeepseekV32",
     "HookedGlmMoeDsa",
     "HookedLlama4",
