@@ -14,13 +14,13 @@ from moelens.verify import compare, load_reference
 def check_report(report, model, tol=1e-5):
     assert report.max_logit_diff <= tol, report
     compared = {s.site for s in report.sites}
-    for layer in range(model.cfg.n_layers):  # every block's residual sites were compared
-        for site in ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post"):
+    for layer, block in enumerate(model.blocks):  # every block's residual sites were compared
+        for site in ("hook_resid_pre", *(sub.out_hook for sub in block.sublayers()), "hook_resid_post"):
             assert f"blocks.{layer}.{site}" in compared
     n_moe = sum(model.cfg.moe_layers)
     for site in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices", "hook_routed_out"):
         assert sum(s.endswith(site) for s in compared) == n_moe, site
-    n_shared = sum(p.kind == "shared" for b in model.blocks for p in b.mlp.parts())
+    n_shared = sum(p.kind == "shared" for b in model.blocks if b.has_ffn for p in b.mlp.parts())
     assert sum(s.endswith("shared_expert.hook_out") for s in compared) == n_shared
     for site in report.sites:
         assert site.max_abs_diff <= tol, site
@@ -80,7 +80,9 @@ def test_bfloat16_is_bit_exact(checkpoints, family, variant):
     for layer, block in enumerate(model.blocks):
         if block.is_moe:
             ref_layer = ref.model.layers[layer]
-            ref_gate = ref_layer.mlp.gate if hasattr(ref_layer, "mlp") else ref_layer.feed_forward.router  # Llama 4's
+            # Llama 4's router is feed_forward.router, Nemotron-H's mixture is its layer's mixer
+            ref_gate = (ref_layer.mlp.gate if hasattr(ref_layer, "mlp") else ref_layer.mixer.gate
+                        if hasattr(ref_layer, "mixer") else ref_layer.feed_forward.router)
             ref_weight = ref_gate.wg.weight if hasattr(ref_gate, "wg") else ref_gate.weight
             assert block.mlp.router.weight.dtype == ref_weight.dtype
     tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(3))

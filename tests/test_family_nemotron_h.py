@@ -354,9 +354,10 @@ def test_plan_counts_attention_keys_and_the_mamba_state():
     """6 attention layers cache 2 x 2 kv heads x 128 values per token; 23 Mamba-2 layers hold a convolution window
     (64 x 64 + 2 x 8 x 128 channels x kernel 4) and a float32 state (64 heads x 64 x 128) per sequence."""
     p = plan(dict(NANO), dtype="bfloat16", gpus=1, gpu_memory="141GB", batch=1, seq=2048)
-    per_token = 6 * 2 * 2 * 128
-    per_sequence = 23 * ((64 * 64 + 2 * 8 * 128) * 4 + 64 * 64 * 128)
-    assert p.kv_cache["bytes"] == (2048 * per_token + per_sequence) * 2
+    per_token = 6 * 2 * 2 * 128  # bfloat16
+    conv_window = (64 * 64 + 2 * 8 * 128) * 4  # bfloat16
+    state = 64 * 64 * 128  # float32: 4 bytes a value
+    assert p.kv_cache["bytes"] == (2048 * per_token + 23 * conv_window) * 2 + 23 * state * 4
 
 
 def test_support_lists_each_layer_kinds_sites(base):

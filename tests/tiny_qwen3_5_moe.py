@@ -58,8 +58,7 @@ def build_multimodal(folder: Path, seed: int = 0, **overrides) -> Path:
     return tiny.save_hf(tiny.new_model(Qwen3_5MoeForConditionalGeneration, config, seed), folder)
 
 
-# The family's own suite (test_family_qwen3_5_moe.py) uses these; the generic suites wait for hybrids (as
-# Qwen3-Next's).
+# The family's own suite (test_family_qwen3_5_moe.py) and the generic suites (conftest's VARIANTS) use these.
 FAMILY_VARIANTS = {
     ("qwen3_5_moe", "base"): lambda d: build_text(d, seed=0),
     ("qwen3_5_moe", "fused"): lambda d: tiny.fused(build_text(d, seed=1)),
@@ -68,4 +67,4 @@ FAMILY_VARIANTS = {
     ("qwen3_5_moe", "multimodal"): lambda d: build_multimodal(d, seed=4),
 }
 
-VARIANTS: dict = {}
+VARIANTS = FAMILY_VARIANTS

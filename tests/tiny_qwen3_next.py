@@ -44,9 +44,7 @@ def build_qwen3_next(folder: Path, seed: int = 0, max_shard_size: str | None = N
     return tiny.save_hf(model, folder, max_shard_size)
 
 
-# The family's own suite (test_family_qwen3_next.py) uses these; the generic suites that conftest feeds from
-# VARIANTS (and FAMILIES) still assume attention on every layer (head results, W_Q views, the split-input
-# switches), so the family joins them once those read each block's sublayers.
+# The family's own suite (test_family_qwen3_next.py) and the generic suites (conftest's VARIANTS) use these.
 FAMILY_VARIANTS = {
     ("qwen3_next", "base"): lambda d: build_qwen3_next(d, seed=0),
     ("qwen3_next", "fused"): lambda d: tiny.fused(build_qwen3_next(d, seed=1)),
