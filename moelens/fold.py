@@ -95,10 +95,13 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     probe = probe_tokens(model)
     before = chosen_experts(model, probe)
     for block in model.blocks:
-        for sub in block.sublayers():  # each sublayer's norm into everything that reads its output
-            w = sub.norm.effective_weight().float()
+        # each sublayer's norm into everything that reads its output; the weights read before any norm is made
+        # the identity, since a norm may feed several sublayers (LongCat-Flash's ln2: the mixture and dense_0)
+        subs = [(sub, sub.norm.effective_weight().float()) for sub in block.sublayers()]
+        for sub, w in subs:
             for weight in _readers(sub):  # biases are added after the weight and do not change
                 _scale_inputs(weight, w)
+        for sub, _ in subs:
             sub.norm.make_identity()
     untie(model)
     _scale_inputs(model.unembed.weight, model.ln_final.effective_weight().float())

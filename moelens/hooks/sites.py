@@ -200,6 +200,13 @@ SITES: tuple[Site, ...] = (
           short="attn_out"),
     _site("blocks.L.hook_resid_mid", _RESID, "residual stream after the token mixer's add", standard="layer_mid",
           short="resid_mid"),
+    # a block of several sublayers (LongCat-Flash): its second attention, its dense MLPs beside the mixture, and
+    # the stream between them (resid_pre + every sublayer's output hook = resid_post)
+    _site("blocks.L.hook_dense_0_out", _RESID, "what the block's first dense MLP (beside the mixture) adds to the stream"),
+    _site("blocks.L.hook_resid_mid_1", _RESID, "residual stream after the first dense MLP's add"),
+    _site("blocks.L.hook_attn_1_out", _RESID, "what the block's second attention adds to the residual stream"),
+    _site("blocks.L.hook_resid_mid_2", _RESID, "residual stream after the second attention's add"),
+    _site("blocks.L.hook_dense_1_out", _RESID, "what the block's second dense MLP adds to the stream"),
     _site("blocks.L.hook_mlp_in", _RESID, "residual stream entering ln2 and the MLP / mixture", short="mlp_in",
           switch="set_use_hook_mlp_in"),
     _site("blocks.L.ln2.hook_scale", *_SCALE),

@@ -339,7 +339,7 @@ class ExpertShard:
     ) -> Float[torch.Tensor, "T H"]:
         if backend == "triton":
             raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
-        check_indices(indices, self.n_experts)
+        check_indices(indices, self.n_experts + spec.n_identity)
         self._call = {"tokens": x.shape[0], "hooks": sum(1 << i for i, s in enumerate(HOOK_SITES) if hooks.hooked(s))}
         self._local, self._position = self._dense(indices, x.dtype)
         try:

@@ -568,8 +568,8 @@ def offloaded_routed_experts(
     """kernels.experts.routed_experts, with the layer's routed experts read from the cache's slots (module
     docstring): the same slots, groups and GEMMs, the same bits. executor: the backend the layer resolved
     when it was set or moved ("torch" or "triton")."""
-    check_indices(indices, store.n_experts)
-    used = torch.unique(indices).tolist()
+    check_indices(indices, store.n_experts + spec.n_identity)
+    used = [e for e in torch.unique(indices).tolist() if e < store.n_experts]  # identity experts: nothing to fetch
     store.cache.settle_prefetch(store.layer, used)
     run = GroupRun(store, spec, used, x)
     try:

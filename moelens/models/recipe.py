@@ -55,11 +55,14 @@ FeedForward = Dense | Mixture
 @dataclass(frozen=True)
 class LayerSpec:
     """One layer: its token mixer's class (built as mixer(cfg, layer); None: no mixer), its feed-forward (None:
-    none) and the class of its pre-norms (each sublayer has one)."""
+    none), the class of its pre-norms (each sublayer has one) and, where not the usual Block, its block's class."""
 
     mixer: type[nn.Module] | None
     ffn: FeedForward | None
     norm: type[nn.Module] = RMSNorm
+    # the block class built from this spec (None: components.block.Block); a family whose block has several
+    # sublayers (LongCat-Flash) gives its own, listing them in sublayers()
+    block: type[nn.Module] | None = None
 
     def __post_init__(self) -> None:
         if self.mixer is None and self.ffn is None:

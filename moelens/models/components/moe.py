@@ -229,7 +229,7 @@ class Experts(nn.Module):
         if self.placement == "offloaded":  # read from the expert cache's slots, loaded as routed to
             return offloaded_routed_experts(self.store, x, indices, weights, self.spec, hooks, batch_pos, self.executor)
         if self.stored is not None:  # only the routed experts are dequantized
-            used, indices = routed_subset(indices, self.n_experts)
+            used, indices = routed_subset(indices, self.n_experts, self.spec.n_identity)
             tensors = self.stored.select(used)
         else:
             tensors = self.tensors()
