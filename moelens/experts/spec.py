@@ -136,10 +136,16 @@ class ExpertSpec:
     # n_experts .. n_experts + n_identity - 1; a slot routed to one adds weight * x. They have no parameters,
     # so nothing is computed, stored, fetched, offloaded or exchanged for them
     n_identity: int = 0
+    # how a token's weighted slot outputs are added: "slots" (in their promoted dtype, in slot order, cast once)
+    # or "experts" (each cast to the input's dtype, added in ascending expert order: transformers' loop over
+    # experts with index_add_, as LongCat-Flash's reference runs it)
+    combine: Literal["slots", "experts"] = "slots"
 
     def __post_init__(self) -> None:
         if self.weight_at not in ("output", "input"):
             raise ValueError(f"ExpertSpec.weight_at must be 'output' or 'input', got {self.weight_at!r}")
+        if self.combine not in ("slots", "experts"):
+            raise ValueError(f"ExpertSpec.combine must be 'slots' or 'experts', got {self.combine!r}")
         if self.n_identity < 0:
             raise ValueError(f"ExpertSpec.n_identity must be at least 0, got {self.n_identity}")
         if self.n_identity and self.weight_at != "output":
@@ -179,9 +185,10 @@ class ExpertSpec:
                 f"{self.describe()}, and the kernels do not dequantize {self.storage} in their tiles: use "
                 "experts_backend='torch' or 'auto', or load without expert_storage"
             )
-        if self.n_identity:
+        if self.n_identity or self.combine != "slots":
             return (
-                f"experts_backend='triton' computes real experts only; this model's experts are {self.describe()}: "
+                f"experts_backend='triton' computes real experts only, their outputs summed over slots; this model's "
+                f"experts are {self.describe()}: "
                 "use experts_backend='torch' or 'auto'"
             )
         if self.weight_at != "output":

@@ -225,7 +225,9 @@ def routed_experts(
         return routed_experts_triton(x, indices, weights, tensors, hooks, batch_pos, activation=spec.activation)
     if isinstance(tensors, StoredExperts):
         tensors = tensors.dequantize(x.dtype)
-    return routed_experts_torch(x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at)
+    return routed_experts_torch(
+        x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at, combine=spec.combine
+    )
 
 
 # (rows sorted by expert, stacked weights, rows per expert) -> the rows times their experts' weights
@@ -237,6 +239,7 @@ def routed_experts_torch(
     n_experts: int | None = None, linear: GroupedLinear = grouped_linear,
     bias_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows,
     weight_at: str = "output",
+    combine: str = "slots",
 ):
     """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows (each plus its
     expert's bias where the spec has biases), back to slot order for the weighted outputs. Per-slot hooks see
@@ -245,6 +248,9 @@ def routed_experts_torch(
     n_experts (default: the stacks' length), linear and bias_rows let expert parallelism
     (kernels.expert_parallel) run the same steps with each rank's experts only: its linear computes the
     rank's groups and gathers, its bias_rows looks up the rank's biases and gathers.
+
+    combine (ExpertSpec.combine): "slots" sums the weighted outputs over slots in their promoted dtype and
+    casts once; "experts" casts each to x's dtype and adds them in ascending expert order.
 
     weight_at (ExpertSpec.weight_at): "output" scales each slot's output by its weight; "input" scales the
     slot's input row before gate_up (in the rows' dtype, as Llama 4 does) and leaves the output as it is."""
@@ -293,4 +299,10 @@ def routed_experts_torch(
     down = hooked_sorted("out", down)  # the unweighted outputs; the weighted ones are computed from what it returns
     out = down * weights.reshape(-1)[order].unsqueeze(-1) if weight_at == "output" else down
     weighted = hooked(hooks.outputs, out[unsort].view(T, k, -1), batch_pos)
+    if combine == "experts":  # each slot's output in x's dtype, added in ascending expert order (ExpertSpec.combine)
+        by_expert = weighted.gather(1, indices.argsort(dim=1, stable=True)[..., None].expand_as(weighted)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for j in range(k):
+            out = out + by_expert[:, j]
+        return out
     return weighted.sum(dim=1).to(x.dtype)

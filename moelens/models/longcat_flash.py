@@ -72,15 +72,18 @@ class LongcatFlashConfig(MoeConfig):
         return self.qk_rope_head_dim
 
     def expert_spec(self) -> ExpertSpec:
-        return dataclasses.replace(super().expert_spec(), n_identity=self.n_identity_experts)
+        # transformers' LongcatFlashExperts adds each expert's weighted output, cast to the stream's dtype, in
+        # ascending expert order
+        return dataclasses.replace(super().expert_spec(), n_identity=self.n_identity_experts, combine="experts")
 
 
 class IdentityExpertsRouter(SoftmaxTopK):
     """LongCat-Flash's rule over real + identity experts: float32 logits, softmax over all of them, the top-k
     chosen on scores + e_score_correction_bias (sorted=False, as the reference), the weights the unbiased scores
-    of the chosen times routed_scaling_factor (no renormalisation), float32."""
+    of the chosen times routed_scaling_factor (no renormalisation), float32. The classifier weight and the
+    correction bias are held in the model's dtype as transformers' model holds them (its _keep_in_fp32_modules
+    entry "classifier.weight" names no module, so it keeps nothing float32), and cast up for the logits."""
 
-    float32_weight = True
     choice_bias = True
 
     def __init__(self, cfg: LongcatFlashConfig, top_k: int) -> None:
@@ -94,7 +97,7 @@ class IdentityExpertsRouter(SoftmaxTopK):
         return F.linear(x.float(), self.weight.float())
 
     def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        return scores + self.e_score_correction_bias
+        return scores + self.e_score_correction_bias.to(self.weight.dtype)
 
     def choose(self, choice_scores: torch.Tensor) -> torch.Tensor:
         return torch.topk(choice_scores, self.top_k, dim=-1, sorted=False).indices
