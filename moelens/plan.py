@@ -198,11 +198,13 @@ def component_of(name: str) -> tuple[str, int | None]:
     match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
     if match:
         layer, rest = int(match.group(1)), match.group(2)
-        norms = ("ln1.", "ln2.", "attn.q_norm.", "attn.k_norm.", "attn.q_a_layernorm.", "attn.kv_a_layernorm.")
-        if rest.startswith(norms):
+        # a block of several sublayers (LongCat-Flash) numbers its second ones: ln1_1, attn_1, dense_0, dense_1
+        if re.match(r"(ln[12](_\d+)?|attn(_\d+)?\.(q_norm|k_norm|q_a_layernorm|kv_a_layernorm))\.", rest):
             return "norms", layer
-        if rest.startswith(("attn.", "mixer.")):  # the token mixer, whatever its kind
+        if re.match(r"(attn(_\d+)?|mixer)\.", rest):  # the token mixer, whatever its kind
             return "attention", layer
+        if re.match(r"dense_\d+\.(gate_proj|up_proj|down_proj)\.", rest):
+            return "dense_mlp", layer
         if rest.startswith("mlp.router."):
             return "routers", layer  # weight and Solar's e_score_correction_bias (a buffer)
         if rest.startswith("mlp.experts."):
