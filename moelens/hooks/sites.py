@@ -324,10 +324,17 @@ _BLOCK_RE = re.compile(r"^blocks\.\d+\.")
 _EXPERT_RE = re.compile(r"\.experts\.\d+\.")
 
 
+# a block of several sublayers (LongCat-Flash) numbers its repeated modules: attn_1, ln1_1, ln2_1 are sites of the
+# table's attn, ln1, ln2, and its dense MLPs dense_0, dense_1 those of a dense block's mlp
+_REPEATED_RE = re.compile(r"^blocks\.L\.(attn|ln1|ln2)_\d+\.")
+_DENSE_RE = re.compile(r"^blocks\.L\.dense_\d+\.")
+
+
 def table_name(hook_name: str) -> str:
     """A hook's name as the table writes it: 'blocks.3.mlp.experts.5.hook_post' ->
-    'blocks.L.mlp.experts.E.hook_post'."""
-    return _EXPERT_RE.sub(".experts.E.", _BLOCK_RE.sub("blocks.L.", hook_name))
+    'blocks.L.mlp.experts.E.hook_post'; 'blocks.3.attn_1.hook_q' -> 'blocks.L.attn.hook_q'."""
+    name = _EXPERT_RE.sub(".experts.E.", _BLOCK_RE.sub("blocks.L.", hook_name))
+    return _DENSE_RE.sub("blocks.L.mlp.", _REPEATED_RE.sub(r"blocks.L.\1.", name))
 
 
 def site_form(name: str, form: str = DEFAULT) -> Form:
