@@ -247,22 +247,30 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.mlp.hook_expert_weights", "batch pos top_k", "weight of each slot's expert output",
           standard="expert_weights", short="expert_weights", variants={
               "weighted_input": ("batch pos top_k", "weight each slot's input row is scaled by before its expert"),
+              "identity": ("batch pos top_k", "weight of each slot's expert output; a slot routed to an identity expert "
+                           + "(id >= n_experts) adds weight * its input"),
           }),
     # the routed experts, per routing slot
     _site("blocks.L.mlp.experts.hook_pre", "batch pos top_k d_expert", "gate pre-activation per slot",
           short="expert_pre", variants={
               "weighted_input": ("batch pos top_k d_expert",
                                  "gate pre-activation per slot, of the input scaled by the slot's weight"),
+              "identity": ("batch pos top_k d_expert", "gate pre-activation per slot; zeros on a slot routed to an "
+                           + "identity expert (nothing is computed for it; an edit there changes nothing)"),
           }),
     _site("blocks.L.mlp.experts.hook_pre_linear", "batch pos top_k d_expert", "up projection per slot",
           short="expert_pre_linear", variants={
               "weighted_input": ("batch pos top_k d_expert",
                                  "up projection per slot, of the input scaled by the slot's weight"),
+              "identity": ("batch pos top_k d_expert", "up projection per slot; zeros on a slot routed to an identity "
+                           + "expert (nothing is computed for it; an edit there changes nothing)"),
           }),
     _site("blocks.L.mlp.experts.hook_post", "batch pos top_k d_expert", "expert neurons per slot: {formula}",
           standard="mlp_neurons", short="expert_post", variants={
               "weighted_input": ("batch pos top_k d_expert",
                                  "expert neurons per slot: {formula}, of the input scaled by the slot's weight"),
+              "identity": ("batch pos top_k d_expert", "expert neurons per slot: {formula}; zeros on a slot routed to an "
+                           + "identity expert (it has no neurons; an edit there changes nothing)"),
           }),
     # TransformerLens's per-expert sites: the rows of a per-slot site routed to expert E, in TL's order
     _site("blocks.L.mlp.experts.E.hook_gate", "routed d_expert",
@@ -276,11 +284,17 @@ SITES: tuple[Site, ...] = (
           rows_of="blocks.L.mlp.experts.hook_post"),
     _site("blocks.L.mlp.experts.hook_out", "batch pos top_k d_model",
           "each slot's expert output (down projection, plus its bias), before the routing weight",
-          short="expert_out"),
+          short="expert_out", variants={
+              "identity": ("batch pos top_k d_model", "each slot's expert output before the routing weight: the down "
+                           + "projection, or on a slot routed to an identity expert the input itself (an edit there is "
+                           + "what the slot adds, times its weight)"),
+          }),
     _site("blocks.L.mlp.hook_expert_outputs", "batch pos top_k d_model", "weighted output of each slot",
           standard="expert_outputs", short="expert_outputs", variants={
               "weighted_input": ("batch pos top_k d_model", "each slot's expert output on its weighted input (the "
                                  "weight is inside, not applied to the output); they sum to hook_routed_out"),
+              "identity": ("batch pos top_k d_model", "weighted output of each slot (weight * input on a slot routed "
+                           + "to an identity expert); they sum to hook_routed_out"),
           }),
     _site("blocks.L.mlp.hook_routed_out", _RESID, "routed experts' combined output", standard="routed_output",
           short="routed_out"),
