@@ -296,3 +296,31 @@ def test_plan_at_full_size_counts_transformers_parameters():
     assert p.parameters / 1e9 == pytest.approx(560.66, abs=0.01)
     # both attentions of each block cache every head's key (128 + 64) and value (128): bf16, batch 1, seq 2048
     assert p.kv_cache["bytes"] == 28 * 2 * 2048 * 64 * (128 + 64 + 128) * 2
+
+
+def test_fp8_checkpoint_loads_and_identity_experts_route_past_the_stored_ones(ckpts, tmp_path):
+    """Block fp8 as the Hub's fp8 checkpoints store it (router and norms unquantized): dequantized at load it is
+    the hand-dequantized float checkpoint bit for bit, and so is it with the experts kept stored
+    (expert_storage="fp8": the routed real experts dequantized, the identity slots renumbered past them); that
+    float checkpoint equals transformers' run of it."""
+    from safetensors.torch import load_file, save_file
+    from test_quantized_checkpoints import dense_copy, quantize_fp8
+
+    block = (8, 8)
+    folder = harness.copy_checkpoint(ckpts, tmp_path, "hub_keys")
+    tensors = load_file(folder / "model.safetensors")
+    for key in [k for k, v in tensors.items() if v.dim() == 2 and k.endswith(".weight") and "embed_tokens" not in k
+                and not k.startswith("lm_head") and "router" not in k]:
+        tensors[key], tensors[key + "_scale_inv"] = quantize_fp8(tensors[key], block)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    tiny_lc.tiny.edit_config(folder, quantization_config={"quant_method": "fp8", "weight_block_size": list(block),
+                                                          "activation_scheme": "dynamic", "fmt": "e4m3"})
+    dense = dense_copy(folder, block, tmp_path / "dense")
+    toks = tokens(shape=(2, 30))
+    expected = HookedTransformer.from_pretrained(dense, progress=False)(toks)
+    assert torch.equal(HookedTransformer.from_pretrained(folder, progress=False)(toks), expected)
+    stored = HookedTransformer.from_pretrained(folder, progress=False, expert_storage="fp8")
+    assert torch.equal(stored(toks), expected)
+    report = compare(HookedTransformer.from_pretrained(dense, progress=False),
+                     load_reference(tiny_lc.with_identity_rows(dense, tmp_path / "hf")), toks)
+    assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0
