@@ -255,14 +255,17 @@ class HookedLongcatFlash(HookedTransformer):
         if hf.flag("router_bias", False):
             raise ValueError("router_bias: true is not supported (LongCat-Flash's router classifier has no bias)")
         fields = common_fields(
-            HFConfig({**raw, "num_hidden_layers": n_layers}), rms_norm_eps=1e-5, max_position_embeddings=131072,
+            # transformers' defaults (LongCat-Flash-Chat's) where config.json has none; its layer count is num_layers
+            HFConfig({"num_attention_heads": 64, "vocab_size": 131072, **raw, "num_hidden_layers": n_layers}),
+            rms_norm_eps=1e-5, max_position_embeddings=131072,
             hidden_size=6144, d_head=d_nope + d_rope, rope_theta=10000000.0,
         )
         rope = fields.pop("rope")
         if rope.partial_rotary_factor != 1.0:
             raise ValueError(f"partial_rotary_factor {rope.partial_rotary_factor}: LongCat-Flash rotates qk_rope_head_dim dims")
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps",
-                     "max_position_embeddings", "hidden_act", "tie_word_embeddings", "rope_parameters", "rope_theta"):
+                     "max_position_embeddings", "hidden_act", "tie_word_embeddings", "rope_parameters", "rope_theta",
+                     "rope_scaling", "partial_rotary_factor"):
             hf.opt(name)  # read through the copy above: recorded here
         if fields["n_kv_heads"] != fields["n_heads"]:
             raise ValueError(
