@@ -324,3 +324,13 @@ def test_fp8_checkpoint_loads_and_identity_experts_route_past_the_stored_ones(ck
     report = compare(HookedTransformer.from_pretrained(dense, progress=False),
                      load_reference(tiny_lc.with_identity_rows(dense, tmp_path / "hf")), toks)
     assert report.max_logit_diff <= 1e-5 and report.index_mismatches == 0
+
+
+def test_plan_places_the_full_model_on_141_gb_gpus():
+    """bfloat16 (1.12 TB): expert parallelism over 16 GPUs of 141 GB (32 experts per layer per rank), or a device
+    map over 10; 8 do not hold it. The weights are too large for one device whatever the dtype."""
+    eight = plan(dict(LONGCAT_FLASH_CHAT), dtype="bfloat16", gpus=8, gpu_memory="141GB")
+    assert "expert_parallel" not in {o["kind"] for o in eight.placement["options"]}
+    sixteen = plan(dict(LONGCAT_FLASH_CHAT), dtype="bfloat16", gpus=16, gpu_memory="141GB")
+    kinds = {o["kind"] for o in sixteen.placement["options"]}
+    assert {"expert_parallel", "device_map"} <= kinds and "one_device" not in kinds
