@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +48,6 @@ from moelens.models.mixers.base import StateBytes
 from moelens.models.recipe import LayerSpec, Mixture, Recipe
 from moelens.models.sites import Entry, gated_mlp, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
-from moelens.state import KVState
 
 # config.json fields transformers' model does not read (the MTP layers it does not build, training settings)
 IGNORED_FIELDS = ("num_nextn_predict_layers", "mla_scale_q_lora", "mla_scale_kv_lora", "router_dtype", "zero_expert_type")
