@@ -86,6 +86,12 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     how many tokens of a probe batch had their routing changed by it."""
     routed = [part.module for block in model.blocks for sub in block.sublayers() if sub.kind == "ffn"
               for part in sub.module.parts() if part.kind == "routed"]
+    identity = next((experts.spec for experts in routed if experts.spec.n_identity), None)
+    if identity is not None:  # weight * ln2(x) reads the normed stream itself: no weight to fold ln2's into
+        raise ValueError(
+            f"fold_ln cannot fold the mixtures' norms: their experts include identity experts ({identity.describe()}), "
+            "whose output is the normed stream itself; load with fold_ln=False"
+        )
     stored = next((experts.spec.storage for experts in routed if experts.spec.storage), None)
     if stored is not None:  # their tensors() are dequantized copies: scaling those would fold nothing
         raise ValueError(
@@ -95,10 +101,13 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     probe = probe_tokens(model)
     before = chosen_experts(model, probe)
     for block in model.blocks:
-        for sub in block.sublayers():  # each sublayer's norm into everything that reads its output
-            w = sub.norm.effective_weight().float()
+        # each sublayer's norm into everything that reads its output; the weights read before any norm is made
+        # the identity, since a norm may feed several sublayers (LongCat-Flash's ln2: the mixture and dense_0)
+        subs = [(sub, sub.norm.effective_weight().float()) for sub in block.sublayers()]
+        for sub, w in subs:
             for weight in _readers(sub):  # biases are added after the weight and do not change
                 _scale_inputs(weight, w)
+        for sub, _ in subs:
             sub.norm.make_identity()
     untie(model)
     _scale_inputs(model.unembed.weight, model.ln_final.effective_weight().float())

@@ -39,7 +39,7 @@ class KVCache:
     def for_model(cls, model: torch.nn.Module, reserve: int = 0) -> KVCache:
         """An empty cache of the states model's layers ask for; reserve: positions to allocate room for up front
         (generate reserves prompt + new tokens, so no buffer is ever copied)."""
-        return cls([None if b.token_mixer is None else b.token_mixer.new_state(reserve) for b in model.blocks])
+        return cls([None if b.token_mixer is None else b.new_state(reserve) for b in model.blocks])
 
     @property
     def nbytes(self) -> int:

@@ -19,6 +19,7 @@ import tiny_minimax_m2
 import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
+import tiny_longcat_flash
 from moelens import HookedTransformer
 from moelens.config import HFConfig
 from moelens.loaders.errors import CheckpointError
@@ -34,6 +35,7 @@ BUILDERS = {
     "glm_moe_dsa": tiny_glm_moe_dsa.build_glm_moe_dsa,
     "llama4_text": tiny_llama4_text.build_llama4,
     "qwen3_next": tiny_qwen3_next.build_qwen3_next,
+    "longcat_flash": tiny_longcat_flash.build_longcat_flash,
     # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
     "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
     "qwen3_5_moe_text": tiny_qwen3_5_moe.build_text,

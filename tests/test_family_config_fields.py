@@ -301,6 +301,25 @@ CASES = {
             "vocab_size"],
         ignored=(),
     ),
+    "longcat_flash": Case(
+        raw={"attention_bias": False, "expert_ffn_hidden_size": 32, "ffn_hidden_size": 80, "head_dim": 8,
+            "hidden_act": "silu", "hidden_size": 64, "kv_lora_rank": 16, "max_position_embeddings": 512, "moe_topk": 3,
+            "n_routed_experts": 6, "num_attention_heads": 4, "num_key_value_heads": 4, "num_layers": 2, "q_lora_rank": 24,
+            "qk_head_dim": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "rms_norm_eps": 1e-05,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "routed_scaling_factor": 3.0,
+            "tie_word_embeddings": False, "v_head_dim": 12, "vocab_size": 96, "zero_expert_num": 2},
+        # d_head is qk_nope_head_dim + qk_rope_head_dim; the rotary dims always interleaved
+        fields=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0, interleaved=True), max_position_embeddings=512, d_mlp=80,
+            moe_layers=(True, True), n_experts=6, top_k_per_layer=(3, 3), d_expert=32, routed_scaling_factor=3.0,
+            q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_identity_experts=2),
+        read=["attention_bias", "expert_ffn_hidden_size", "ffn_hidden_size", "head_dim", "hidden_act", "hidden_size",
+            "kv_lora_rank", "max_position_embeddings", "moe_topk", "n_routed_experts", "num_attention_heads",
+            "num_key_value_heads", "num_layers", "partial_rotary_factor", "q_lora_rank", "qk_head_dim",
+            "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+            "routed_scaling_factor", "router_bias", "tie_word_embeddings", "v_head_dim", "vocab_size", "zero_expert_num"],
+        ignored=(),
+    ),
 }
 
 # config.json with only what the family requires (and what its defaults would contradict): transformers' defaults
@@ -418,6 +437,15 @@ MINIMAL = {
             d_shared=512, norm_topk_prob=True, layer_types=("linear_attention",) * 3 + ("full_attention",),
             linear_n_key_heads=16, linear_n_value_heads=32, linear_d_key=128, linear_d_value=128, linear_conv_kernel=4),
     ),
+    "longcat_flash": (
+        # transformers' defaults are LongCat-Flash-Chat's sizes
+        {"num_layers": 2},
+        dict(d_model=6144, n_layers=2, n_heads=64, n_kv_heads=64, d_head=192, d_vocab=131072, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000000.0, interleaved=True), max_position_embeddings=131072, d_mlp=12288,
+            moe_layers=(True, True), n_experts=512, top_k_per_layer=(12, 12), d_expert=2048, routed_scaling_factor=6.0,
+            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            n_identity_experts=256),
+    ),
 }
 
 CONFIG_CLASSES = {
@@ -435,6 +463,7 @@ CONFIG_CLASSES = {
     "glm_moe_dsa": "DeepseekV32Config",
     "qwen3_next": "Qwen3NextConfig",
     "qwen3_5_moe_text": "Qwen3_5MoeConfig",
+    "longcat_flash": "LongcatFlashConfig",
 }
 # families whose field-by-field cases are still to be written (their own suites test their config reading)
 NO_CASE_YET = {"llama4_text", "nemotron_h"}

@@ -6,8 +6,7 @@ reads its rows and absent list from the table, and the table's short and standar
 from __future__ import annotations
 
 import pytest
-import tiny_nemotron_h
-import tiny_qwen3_next
+import tiny_longcat_flash
 from conftest import FAMILIES, VARIANTS
 
 from moelens import HookedTransformer
@@ -23,8 +22,8 @@ MODEL_KEYS = sorted(k for k in VARIANTS if k[1] not in ("sharded", "fused"))
 # Mamba-2's.
 MIXER_ONLY = {s.name for s in SITES if s.name.startswith("blocks.L.mixer.")}
 AWAITING_FAMILY_FORMS: set[str] = set()
-# hybrid models, not yet in conftest's generic suites (no TransformerLens switch on them)
-HYBRID_BUILDERS = {("qwen3_next", "base"): tiny_qwen3_next.build_qwen3_next, ("nemotron_h", "base"): tiny_nemotron_h.build_nemotron_h}
+# models not yet in conftest's generic suites (no TransformerLens switch on them)
+HYBRID_BUILDERS = {("longcat_flash", "base"): tiny_longcat_flash.build_longcat_flash}
 
 # a form's meaning fields, as the model fills them: (model, layer) -> value
 FIELDS = {"formula": lambda model, layer: model.blocks[layer].mlp.experts.spec.activation.formula}

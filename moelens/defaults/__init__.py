@@ -39,6 +39,7 @@ CONFIGS = {
     "tiny-llama4": "tiny_llama4_text.json",
     "tiny-nemotron-h": "tiny_nemotron_h.json",
     "tiny-qwen3.5-moe": "tiny_qwen3_5_moe.json",
+    "tiny-longcat-flash": "tiny_longcat_flash.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

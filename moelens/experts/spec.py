@@ -156,10 +156,29 @@ class ExpertSpec:
     storage: str | None = None
     # where the routing weight is applied: "output" (weight * expert(x)) or "input" (expert(weight * x))
     weight_at: Literal["output", "input"] = "output"
+    # identity ("zero-computation") experts routed to beside the n_experts real ones (LongCat-Flash): ids
+    # n_experts .. n_experts + n_identity - 1; a slot routed to one adds weight * x. They have no parameters,
+    # so nothing is computed, stored, fetched, offloaded or exchanged for them
+    n_identity: int = 0
+    # how a token's weighted slot outputs are added: "slots" (in their promoted dtype, in slot order, cast once)
+    # or "experts" (each cast to the input's dtype, added in ascending expert order: transformers' loop over
+    # experts with index_add_, as LongCat-Flash's reference runs it)
+    combine: Literal["slots", "experts"] = "slots"
 
     def __post_init__(self) -> None:
         if self.weight_at not in ("output", "input"):
             raise ValueError(f"ExpertSpec.weight_at must be 'output' or 'input', got {self.weight_at!r}")
+        if self.combine not in ("slots", "experts"):
+            raise ValueError(f"ExpertSpec.combine must be 'slots' or 'experts', got {self.combine!r}")
+        if self.n_identity < 0:
+            raise ValueError(f"ExpertSpec.n_identity must be at least 0, got {self.n_identity}")
+        if self.n_identity and self.weight_at != "output":
+            raise ValueError("ExpertSpec: identity experts are weighted at the output (weight * x); weight_at must be 'output'")
+
+    @property
+    def n_routable(self) -> int:
+        """Expert ids a slot may name: the real experts, then the identity ones."""
+        return self.n_experts + self.n_identity
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -191,6 +210,12 @@ class ExpertSpec:
                 f"{self.describe()}, and the kernels do not dequantize {self.storage} in their tiles: use "
                 "experts_backend='torch' or 'auto', or load without expert_storage"
             )
+        if self.n_identity or self.combine != "slots":
+            return (
+                f"experts_backend='triton' computes real experts only, their outputs summed over slots; this model's "
+                f"experts are {self.describe()}: "
+                "use experts_backend='torch' or 'auto'"
+            )
         if self.weight_at != "output":
             return (
                 "experts_backend='triton' applies the routing weight to each expert's output; this model's experts "
@@ -207,7 +232,11 @@ class ExpertSpec:
         bias = " with biases" if self.bias else ""
         kept = "" if self.storage is None else f", kept {self.storage} as stored and dequantized when routed to"
         weighted = ", the routing weight scaling each expert's input" if self.weight_at == "input" else ""
-        return f"{self.n_experts} experts of width {self.d_expert}{bias}, neurons {self.activation.formula}{weighted}{kept}"
+        identity = f", and {self.n_identity} identity experts (weight * x, no computation)" if self.n_identity else ""
+        return (
+            f"{self.n_experts} experts of width {self.d_expert}{bias}, neurons {self.activation.formula}{weighted}{kept}"
+            f"{identity}"
+        )
 
 
 def gather_rows(bias: Float[torch.Tensor, "E n"], experts: Int[torch.Tensor, "S"]) -> Float[torch.Tensor, "S n"]:

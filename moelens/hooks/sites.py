@@ -203,6 +203,13 @@ SITES: tuple[Site, ...] = (
           short="attn_out"),
     _site("blocks.L.hook_resid_mid", _RESID, "residual stream after the token mixer's add", standard="layer_mid",
           short="resid_mid"),
+    # a block of several sublayers (LongCat-Flash): its second attention, its dense MLPs beside the mixture, and
+    # the stream between them (resid_pre + every sublayer's output hook = resid_post)
+    _site("blocks.L.hook_dense_0_out", _RESID, "what the block's first dense MLP (beside the mixture) adds to the stream"),
+    _site("blocks.L.hook_resid_mid_1", _RESID, "residual stream after the first dense MLP's add"),
+    _site("blocks.L.hook_attn_1_out", _RESID, "what the block's second attention adds to the residual stream"),
+    _site("blocks.L.hook_resid_mid_2", _RESID, "residual stream after the second attention's add"),
+    _site("blocks.L.hook_dense_1_out", _RESID, "what the block's second dense MLP adds to the stream"),
     _site("blocks.L.hook_mlp_in", _RESID, "residual stream entering ln2 and the MLP / mixture", short="mlp_in",
           switch="set_use_hook_mlp_in"),
     _site("blocks.L.ln2.hook_scale", *_SCALE),
@@ -245,6 +252,8 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.mlp.hook_expert_weights", "batch pos top_k", "weight of each slot's expert output",
           standard="expert_weights", short="expert_weights", variants={
               "weighted_input": ("batch pos top_k", "weight each slot's input row is scaled by before its expert"),
+              "identity": ("batch pos top_k", "weight of each slot's expert output; a slot routed to an identity expert "
+                           + "(id >= n_experts) adds weight * its input"),
           }),
     # the routed experts, per routing slot
     _site("blocks.L.mlp.experts.hook_pre", "batch pos top_k d_expert", "gate pre-activation per slot",
@@ -253,16 +262,22 @@ SITES: tuple[Site, ...] = (
                                  "gate pre-activation per slot, of the input scaled by the slot's weight"),
               "ungated": ("batch pos top_k d_expert", "never fires: these experts have no gate (their up projection "
                           "is experts.hook_pre_linear)"),
+              "identity": ("batch pos top_k d_expert", "gate pre-activation per slot; zeros on a slot routed to an "
+                           + "identity expert (nothing is computed for it; an edit there changes nothing)"),
           }),
     _site("blocks.L.mlp.experts.hook_pre_linear", "batch pos top_k d_expert", "up projection per slot",
           short="expert_pre_linear", variants={
               "weighted_input": ("batch pos top_k d_expert",
                                  "up projection per slot, of the input scaled by the slot's weight"),
+              "identity": ("batch pos top_k d_expert", "up projection per slot; zeros on a slot routed to an identity "
+                           + "expert (nothing is computed for it; an edit there changes nothing)"),
           }),
     _site("blocks.L.mlp.experts.hook_post", "batch pos top_k d_expert", "expert neurons per slot: {formula}",
           standard="mlp_neurons", short="expert_post", variants={
               "weighted_input": ("batch pos top_k d_expert",
                                  "expert neurons per slot: {formula}, of the input scaled by the slot's weight"),
+              "identity": ("batch pos top_k d_expert", "expert neurons per slot: {formula}; zeros on a slot routed to an "
+                           + "identity expert (it has no neurons; an edit there changes nothing)"),
           }),
     # TransformerLens's per-expert sites: the rows of a per-slot site routed to expert E, in TL's order
     _site("blocks.L.mlp.experts.E.hook_gate", "routed d_expert",
@@ -276,11 +291,17 @@ SITES: tuple[Site, ...] = (
           rows_of="blocks.L.mlp.experts.hook_post"),
     _site("blocks.L.mlp.experts.hook_out", "batch pos top_k d_model",
           "each slot's expert output (down projection, plus its bias), before the routing weight",
-          short="expert_out"),
+          short="expert_out", variants={
+              "identity": ("batch pos top_k d_model", "each slot's expert output before the routing weight: the down "
+                           + "projection, or on a slot routed to an identity expert the input itself (an edit there is "
+                           + "what the slot adds, times its weight)"),
+          }),
     _site("blocks.L.mlp.hook_expert_outputs", "batch pos top_k d_model", "weighted output of each slot",
           standard="expert_outputs", short="expert_outputs", variants={
               "weighted_input": ("batch pos top_k d_model", "each slot's expert output on its weighted input (the "
                                  "weight is inside, not applied to the output); they sum to hook_routed_out"),
+              "identity": ("batch pos top_k d_model", "weighted output of each slot (weight * input on a slot routed "
+                           + "to an identity expert); they sum to hook_routed_out"),
           }),
     _site("blocks.L.mlp.hook_routed_out", _RESID, "routed experts' combined output", standard="routed_output",
           short="routed_out"),
@@ -326,10 +347,17 @@ _BLOCK_RE = re.compile(r"^blocks\.\d+\.")
 _EXPERT_RE = re.compile(r"\.experts\.\d+\.")
 
 
+# a block of several sublayers (LongCat-Flash) numbers its repeated modules: attn_1, ln1_1, ln2_1 are sites of the
+# table's attn, ln1, ln2, and its dense MLPs dense_0, dense_1 those of a dense block's mlp
+_REPEATED_RE = re.compile(r"^blocks\.L\.(attn|ln1|ln2)_\d+\.")
+_DENSE_RE = re.compile(r"^blocks\.L\.dense_\d+\.")
+
+
 def table_name(hook_name: str) -> str:
     """A hook's name as the table writes it: 'blocks.3.mlp.experts.5.hook_post' ->
-    'blocks.L.mlp.experts.E.hook_post'."""
-    return _EXPERT_RE.sub(".experts.E.", _BLOCK_RE.sub("blocks.L.", hook_name))
+    'blocks.L.mlp.experts.E.hook_post'; 'blocks.3.attn_1.hook_q' -> 'blocks.L.attn.hook_q'."""
+    name = _EXPERT_RE.sub(".experts.E.", _BLOCK_RE.sub("blocks.L.", hook_name))
+    return _DENSE_RE.sub("blocks.L.mlp.", _REPEATED_RE.sub(r"blocks.L.\1.", name))
 
 
 def site_form(name: str, form: str = DEFAULT) -> Form:

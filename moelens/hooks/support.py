@@ -64,7 +64,8 @@ def _dims(model) -> dict[str, str]:
         "kv_head": cfg.n_kv_heads,
         "d_vocab": cfg.d_vocab,
         "d_mlp": cfg.d_mlp,
-        "n_experts": cfg.n_experts,
+        # the router's axis: every expert a slot may name, identity experts (ExpertSpec.n_identity) included
+        "n_experts": cfg.expert_spec().n_routable if cfg.n_experts else cfg.n_experts,
         "d_expert": cfg.d_expert,
         "d_shared": cfg.d_shared,
         "1": 1,

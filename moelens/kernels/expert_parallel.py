@@ -339,13 +339,13 @@ class ExpertShard:
     ) -> Float[torch.Tensor, "T H"]:
         if backend == "triton":
             raise ValueError("expert_parallel runs the routed experts on the torch path: use experts_backend='torch' or 'auto'")
-        check_indices(indices, self.n_experts)
+        check_indices(indices, self.n_experts + spec.n_identity)
         self._call = {"tokens": x.shape[0], "hooks": sum(1 << i for i, s in enumerate(HOOK_SITES) if hooks.hooked(s))}
         self._local, self._position = self._dense(indices, x.dtype)
         try:
             return routed_experts_torch(
                 x, indices, weights, self._local, spec.activation, hooks, batch_pos,
-                n_experts=self.n_experts, linear=self.grouped_linear, bias_rows=self.bias_rows, weight_at=spec.weight_at,
+                n_experts=self.n_experts, linear=self.grouped_linear, bias_rows=self.bias_rows, weight_at=spec.weight_at, combine=spec.combine,
             )
         finally:
             self._local = self._position = None

@@ -138,16 +138,19 @@ def check_indices(indices: torch.Tensor, n_experts: int, where: str = "routed_ex
         )
 
 
-def routed_subset(indices: Int[torch.Tensor, "T k"], n_experts: int) -> tuple[list[int], Int[torch.Tensor, "T k"]]:
-    """(the experts the slots route to, ascending; the indices renumbered into that list): a stack of just
+def routed_subset(
+    indices: Int[torch.Tensor, "T k"], n_experts: int, n_identity: int = 0
+) -> tuple[list[int], Int[torch.Tensor, "T k"]]:
+    """(the real experts the slots route to, ascending; the indices renumbered into that list): a stack of just
     those experts runs the same groups and the same GEMMs as the full one, since renumbering keeps the slots'
-    order by expert."""
-    check_indices(indices, n_experts)
-    used = torch.unique(indices).tolist()
-    renumber = torch.full((n_experts,), -1, dtype=indices.dtype, device=indices.device)
+    order by expert. Identity experts (ids from n_experts on) are renumbered to follow the used ones, in order."""
+    check_indices(indices, n_experts + n_identity)
+    used = [e for e in torch.unique(indices).tolist() if e < n_experts]
+    renumber = torch.full((n_experts + n_identity,), -1, dtype=indices.dtype, device=indices.device)
     renumber[torch.tensor(used, device=indices.device, dtype=torch.long)] = torch.arange(
         len(used), dtype=indices.dtype, device=indices.device
     )
+    renumber[n_experts:] = torch.arange(len(used), len(used) + n_identity, dtype=indices.dtype, device=indices.device)
     return used, renumber[indices]
 
 
@@ -208,7 +211,7 @@ def routed_experts(
     The slot sum runs in the promoted dtype of outputs and weights, in slot order, and is cast once,
     as the reference does, so low-precision results agree with it.
     """
-    check_indices(indices, tensors.n_experts)
+    check_indices(indices, tensors.n_experts + spec.n_identity)
     if executor not in EXECUTORS:
         raise ValueError(
             f"routed_experts: executor must be one of {EXECUTORS} (resolve a backend such as 'auto' once with "
@@ -222,7 +225,9 @@ def routed_experts(
         return routed_experts_triton(x, indices, weights, tensors, hooks, batch_pos, activation=spec.activation)
     if isinstance(tensors, StoredExperts):
         tensors = tensors.dequantize(x.dtype)
-    return routed_experts_torch(x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at)
+    return routed_experts_torch(
+        x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at, combine=spec.combine
+    )
 
 
 # (rows sorted by expert, stacked weights, rows per expert) -> the rows times their experts' weights
@@ -234,6 +239,7 @@ def routed_experts_torch(
     n_experts: int | None = None, linear: GroupedLinear = grouped_linear,
     bias_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows,
     weight_at: str = "output",
+    combine: str = "slots",
 ):
     """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows (each plus its
     expert's bias where the spec has biases), back to slot order for the weighted outputs. Per-slot hooks see
@@ -243,13 +249,21 @@ def routed_experts_torch(
     (kernels.expert_parallel) run the same steps with each rank's experts only: its linear computes the
     rank's groups and gathers, its bias_rows looks up the rank's biases and gathers.
 
+    combine (ExpertSpec.combine): "slots" sums the weighted outputs over slots in their promoted dtype and
+    casts once; "experts" casts each to x's dtype and adds them in ascending expert order.
+
     weight_at (ExpertSpec.weight_at): "output" scales each slot's output by its weight; "input" scales the
     slot's input row before gate_up (in the rows' dtype, as Llama 4 does) and leaves the output as it is."""
     T, k = indices.shape
     experts = indices.reshape(-1)
-    order, counts = sort_slots(experts, tensors.n_experts if n_experts is None else n_experts)
+    n_real = tensors.n_experts if n_experts is None else n_experts
+    order, counts = sort_slots(experts, n_real)
     unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-    sorted_experts = experts[order] if tensors.gate_up_bias is not None else None
+    # ids from n_real on are identity experts (ExpertSpec.n_identity): sorted after every real slot, they take
+    # no GEMM; their per-slot neurons are zeros and their output is the input row itself
+    counts, n_computed = counts[:n_real], sum(counts[:n_real])
+    n_identity_slots = order.numel() - n_computed
+    sorted_experts = experts[order[:n_computed]] if tensors.gate_up_bias is not None else None
 
     def hooked_sorted(site: str, t: torch.Tensor) -> torch.Tensor:
         """Show a sorted [S, n] tensor to its hooks in slot order; re-sort only what a hook changed."""
@@ -263,32 +277,36 @@ def routed_experts_torch(
         rows = rows * weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
     elif weight_at != "output":
         raise ValueError(f"routed_experts_torch: weight_at must be 'output' or 'input', got {weight_at!r}")
+    identity_rows = rows[n_computed:] if n_identity_slots else None
+    rows = rows[:n_computed] if n_identity_slots else rows
     gate_up = linear(rows, tensors.gate_up, counts)
     if tensors.gate_up_bias is not None:
         gate_up = gate_up + bias_rows(tensors.gate_up_bias, sorted_experts)
-    if not activation.gated:  # the up rows alone: hook_pre_linear (the up projection, TransformerLens's per-expert
-        # hook_pre); no gate, so hook_pre never fires
+    if n_identity_slots:  # the identity slots' neurons: zeros (what the hooks see; they feed nothing)
+        gate_up = torch.cat([gate_up, gate_up.new_zeros(n_identity_slots, gate_up.shape[1])])
+    if activation.gated:
+        pre, pre_linear = gate_up.chunk(2, dim=-1)
+        new_pre, new_pre_linear = hooked_sorted("pre", pre), hooked_sorted("pre_linear", pre_linear)
+        if new_pre is not pre or new_pre_linear is not pre_linear:
+            # written back into the [S, 2I] layout: elementwise kernels can round differently on other
+            # layouts, and a run must not depend on which hooks are on
+            pre, pre_linear = torch.cat([new_pre, new_pre_linear], dim=-1).chunk(2, dim=-1)
+        post = hooked_sorted("post", activation(pre, pre_linear))
+    else:  # the up rows alone: hook_pre_linear (the up projection, TransformerLens's per-expert hook_pre); no
+        # gate, so hook_pre never fires
         post = hooked_sorted("post", activation(hooked_sorted("pre_linear", gate_up)))
-        return _down_and_weigh(post, tensors, linear, counts, bias_rows, sorted_experts, hooked_sorted, weights,
-                               order, unsort, hooks, batch_pos, weight_at, T, k, x.dtype)
-    pre, pre_linear = gate_up.chunk(2, dim=-1)
-    new_pre, new_pre_linear = hooked_sorted("pre", pre), hooked_sorted("pre_linear", pre_linear)
-    if new_pre is not pre or new_pre_linear is not pre_linear:
-        # written back into the [S, 2I] layout: elementwise kernels can round differently on other
-        # layouts, and a run must not depend on which hooks are on
-        pre, pre_linear = torch.cat([new_pre, new_pre_linear], dim=-1).chunk(2, dim=-1)
-    post = hooked_sorted("post", activation(pre, pre_linear))
-    return _down_and_weigh(post, tensors, linear, counts, bias_rows, sorted_experts, hooked_sorted, weights, order,
-                           unsort, hooks, batch_pos, weight_at, T, k, x.dtype)
-
-
-def _down_and_weigh(post, tensors, linear, counts, bias_rows, sorted_experts, hooked_sorted, weights, order, unsort,
-                    hooks, batch_pos, weight_at, T, k, dtype):
-    """routed_experts_torch's second half: the down GEMM on the sorted neurons, back to slot order, weighted, summed."""
-    down = linear(post, tensors.down, counts)
+    down = linear(post[:n_computed] if n_identity_slots else post, tensors.down, counts)
     if tensors.down_bias is not None:
         down = down + bias_rows(tensors.down_bias, sorted_experts)
+    if n_identity_slots:
+        down = torch.cat([down, identity_rows.to(down.dtype)])
     down = hooked_sorted("out", down)  # the unweighted outputs; the weighted ones are computed from what it returns
     out = down * weights.reshape(-1)[order].unsqueeze(-1) if weight_at == "output" else down
     weighted = hooked(hooks.outputs, out[unsort].view(T, k, -1), batch_pos)
-    return weighted.sum(dim=1).to(dtype)
+    if combine == "experts":  # each slot's output in x's dtype, added in ascending expert order (ExpertSpec.combine)
+        by_expert = weighted.gather(1, indices.argsort(dim=1, stable=True)[..., None].expand_as(weighted)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for j in range(k):
+            out = out + by_expert[:, j]
+        return out
+    return weighted.sum(dim=1).to(x.dtype)

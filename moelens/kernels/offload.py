@@ -568,8 +568,8 @@ def offloaded_routed_experts(
     """kernels.experts.routed_experts, with the layer's routed experts read from the cache's slots (module
     docstring): the same slots, groups and GEMMs, the same bits. executor: the backend the layer resolved
     when it was set or moved ("torch" or "triton")."""
-    check_indices(indices, store.n_experts)
-    used = torch.unique(indices).tolist()
+    check_indices(indices, store.n_experts + spec.n_identity)
+    used = [e for e in torch.unique(indices).tolist() if e < store.n_experts]  # identity experts: nothing to fetch
     store.cache.settle_prefetch(store.layer, used)
     run = GroupRun(store, spec, used, x)
     try:
@@ -578,7 +578,7 @@ def offloaded_routed_experts(
         positions = ExpertTensors(0, 1, 2 if spec.bias else None, 3 if spec.bias else None)  # the linears' `param`
         return routed_experts_torch(
             x, indices, weights, positions, spec.activation, hooks, batch_pos, n_experts=store.n_experts,
-            linear=run.linear, bias_rows=run.bias_rows, weight_at=spec.weight_at,
+            linear=run.linear, bias_rows=run.bias_rows, weight_at=spec.weight_at, combine=spec.combine,
         )
     finally:
         run.release()

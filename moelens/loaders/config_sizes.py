@@ -75,7 +75,7 @@ def check_sizes(cfg: MoeConfig, site_map: SiteMap, files: SafetensorsFiles, conf
                 )
     _check_layers(cfg, weights, files, config)
     for stack in site_map.expert_stacks():
-        _check_experts(cfg, stack, files, config)
+        _check_experts(cfg, stack, files, config, site_map.ignored_prefixes)
 
 
 def _stored(entry: Weight | None, files: SafetensorsFiles) -> str | None:
@@ -100,7 +100,9 @@ def _check_layers(cfg: MoeConfig, weights: list[Weight], files: SafetensorsFiles
     )
 
 
-def _check_experts(cfg: MoeConfig, stack: ExpertStack, files: SafetensorsFiles, config: Path) -> None:
+def _check_experts(
+    cfg: MoeConfig, stack: ExpertStack, files: SafetensorsFiles, config: Path, ignored: tuple[str, ...] = ()
+) -> None:
     field = next((f for f in EXPERT_FIELDS if f in cfg.fields_read), "the expert count")
     layer = stack.prefix.split(".")[1]
     if stack.fused.gate_up in files:
@@ -115,7 +117,9 @@ def _check_experts(cfg: MoeConfig, stack: ExpertStack, files: SafetensorsFiles, 
     if spelling is None:
         return
     stored = 0
-    while spelling.first.format(e=stored) in files:  # at most as many steps as the files hold tensors
+    # at most as many steps as the files hold tensors; keys the family ignores are not experts (LongCat-Flash's
+    # identity experts' rows, which transformers saves)
+    while spelling.first.format(e=stored) in files and not spelling.first.format(e=stored).startswith(ignored or ("\0",)):
         stored += 1
     if stored != stack.n_experts:
         beyond = spelling.first.format(e=stored) if stored < stack.n_experts else spelling.first.format(e=stack.n_experts)

@@ -11,6 +11,7 @@ from moelens.models.glm_moe_dsa import HookedGlmMoeDsa
 from moelens.models.gpt_oss import HookedGptOss
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
 from moelens.models.llama4_text import HookedLlama4
+from moelens.models.longcat_flash import HookedLongcatFlash
 from moelens.models.minimax_m2 import HookedMiniMaxM2
 from moelens.models.mixtral import HookedMixtral
 from moelens.models.nemotron_h import HookedNemotronH
@@ -32,4 +33,5 @@ __all__ = [
     "HookedGlmMoeDsa",
     "HookedLlama4",
     "HookedNemotronH",
+    "HookedLongcatFlash",
 ]

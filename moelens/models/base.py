@@ -94,7 +94,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         self.rotary = self.rotary_class(cfg)
         recipe = self.recipe(cfg)
         recipe.check(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, layer, spec) for layer, spec in enumerate(recipe.layers))
+        self.blocks = nn.ModuleList((spec.block or Block)(cfg, layer, spec) for layer, spec in enumerate(recipe.layers))
         self.ln_final = recipe.final_norm(cfg.d_model, cfg.norm_eps)
         self.unembed = Unembed(cfg.d_model, cfg.d_vocab)
         self.hook_logits = site_hook("hook_logits")

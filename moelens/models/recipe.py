@@ -25,7 +25,7 @@ from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.router import TopKRouter
-from moelens.models.mixers.base import StateBytes, StateTensor
+from moelens.models.mixers.base import StateBytes, StateTensor, values_of
 from moelens.models.terms import ParamTerm, under
 
 if TYPE_CHECKING:
@@ -67,11 +67,14 @@ FeedForward = Dense | Mixture
 @dataclass(frozen=True)
 class LayerSpec:
     """One layer: its token mixer's class (built as mixer(cfg, layer); None: no mixer), its feed-forward (None:
-    none) and the class of its pre-norms (each sublayer has one)."""
+    none), the class of its pre-norms (each sublayer has one) and, where not the usual Block, its block's class."""
 
     mixer: type[nn.Module] | None
     ffn: FeedForward | None
     norm: type[nn.Module] = RMSNorm
+    # the block class built from this spec (None: components.block.Block); a family whose block has several
+    # sublayers (LongCat-Flash) gives its own, listing them in sublayers()
+    block: type[nn.Module] | None = None
 
     def __post_init__(self) -> None:
         if self.mixer is None and self.ffn is None:
@@ -106,10 +109,12 @@ class Recipe:
                            flops=head if cfg.tie_word_embeddings else 0)]
         for layer, spec in enumerate(self.layers):
             block, own = f"blocks.{layer}", []
-            if spec.mixer is not None:
+            if spec.block is not None:  # a block of its own arrangement says what it holds
+                own += under(block, _asked(spec.block, "block")(cfg, layer, spec))
+            elif spec.mixer is not None:
                 own += under(f"{block}.ln1", _asked(spec.norm, "norm")(cfg.d_model))
                 own += under(f"{block}.{spec.mixer.block_attribute}", _asked(spec.mixer, "token mixer")(cfg, layer))
-            if spec.ffn is not None:
+            if spec.ffn is not None and spec.block is None:
                 own += under(f"{block}.ln2", _asked(spec.norm, "norm")(cfg.d_model))
                 own += under(f"{block}.mlp", _asked(spec.ffn, "feed-forward")(cfg, layer))
             terms += [dataclasses.replace(t, layer=layer) for t in own]
@@ -121,11 +126,12 @@ class Recipe:
     def state_bytes(self, cfg: MoeConfig) -> list[StateBytes]:
         """Per layer, what its mixer's state holds (values per token and per sequence); nothing for a layer
         without a mixer."""
-        return [StateBytes() if spec.mixer is None else spec.mixer.state_bytes(cfg) for spec in self.layers]
+        return [values_of(tensors) for tensors in self.state_tensors(cfg)]
 
     def state_tensors(self, cfg: MoeConfig) -> list[tuple[StateTensor, ...]]:
         """Per layer, the tensors its mixer's state holds, each with its dtype; none for a layer without a mixer."""
-        return [() if spec.mixer is None else spec.mixer.state_tensors(cfg) for spec in self.layers]
+        return [() if spec.mixer is None else spec.block.state_tensors(cfg, spec) if spec.block is not None
+                else spec.mixer.state_tensors(cfg) for spec in self.layers]
 
 
 def _asked(part, kind: str):

@@ -96,6 +96,10 @@ class Block(nn.Module):
             out.append(Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out"))
         return out
 
+    def new_state(self, reserve: int = 0):
+        """The block's empty state for a cache: its token mixer's (a block of several mixers holds one each)."""
+        return self.token_mixer.new_state(reserve)
+
     @property
     def first_norm(self) -> nn.Module:
         """The norm of the first sublayer (its weight's device is where the block runs)."""

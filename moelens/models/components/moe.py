@@ -27,7 +27,10 @@ from moelens.models.terms import ParamTerm, linear, under
 
 
 def weight_form(spec: ExpertSpec) -> str:
-    """The form of the routed sites (hook sites table) for where the spec applies the routing weight."""
+    """The form of the routed sites (hook sites table) for where the spec applies the routing weight, or for
+    experts with identity experts beside them."""
+    if spec.n_identity:  # identity experts' slots: zeros for the neurons, the input as the output
+        return "identity"
     return "weighted_input" if spec.weight_at == "input" else "default"
 
 
@@ -97,7 +100,7 @@ class Experts(nn.Module):
         self.hook_pre = site_hook("blocks.L.mlp.experts.hook_pre", form if self.spec.activation.gated else "ungated")
         self.hook_pre_linear = site_hook("blocks.L.mlp.experts.hook_pre_linear", form)
         self.hook_post = site_hook("blocks.L.mlp.experts.hook_post", form, formula=self.spec.activation.formula)
-        self.hook_out = site_hook("blocks.L.mlp.experts.hook_out")
+        self.hook_out = site_hook("blocks.L.mlp.experts.hook_out", "identity" if form == "identity" else "default")
         self.views = ViewGroup(cfg.n_experts)  # not a module: the per-expert sites below, for a cheap hooked test
         for e in range(cfg.n_experts):
             self.add_module(str(e), ExpertSites(self.views, e))
@@ -231,7 +234,7 @@ class Experts(nn.Module):
         if self.placement == "offloaded":  # read from the expert cache's slots, loaded as routed to
             return offloaded_routed_experts(self.store, x, indices, weights, self.spec, hooks, batch_pos, self.executor)
         if self.stored is not None:  # only the routed experts are dequantized
-            used, indices = routed_subset(indices, self.n_experts)
+            used, indices = routed_subset(indices, self.n_experts, self.spec.n_identity)
             tensors = self.stored.select(used)
         else:
             tensors = self.tensors()
