@@ -107,8 +107,10 @@ def grouped_linear(
 
 
 def sort_slots(experts: Int[torch.Tensor, "S"], n_experts: int) -> tuple[Int[torch.Tensor, "S"], list[int]]:
-    """(slot order sorted by expert, stable; rows per expert) for the grouped GEMMs."""
-    return torch.argsort(experts, stable=True), torch.bincount(experts, minlength=n_experts).tolist()
+    """(slot order sorted by expert; rows per expert) for the grouped GEMMs. The order within an expert is
+    torch.sort's (not stable), as in transformers' grouped_mm experts: a multithreaded GEMM can round a row by
+    where it falls in its group, so only the same order gives the same bits."""
+    return torch.sort(experts)[1], torch.bincount(experts, minlength=n_experts).tolist()
 
 
 def slot_linear(
