@@ -20,6 +20,7 @@ import tiny_mixtral
 import tiny_olmoe
 import tiny_qwen3_moe
 import tiny_longcat_flash
+import tiny_nemotron_h
 from moelens import HookedTransformer
 from moelens.config import HFConfig
 from moelens.loaders.errors import CheckpointError
@@ -36,6 +37,7 @@ BUILDERS = {
     "llama4_text": tiny_llama4_text.build_llama4,
     "qwen3_next": tiny_qwen3_next.build_qwen3_next,
     "longcat_flash": tiny_longcat_flash.build_longcat_flash,
+    "nemotron_h": tiny_nemotron_h.build_nemotron_h,
     # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
     "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
     "qwen3_5_moe_text": tiny_qwen3_5_moe.build_text,
