@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import tiny_longcat_flash
+import tiny_nemotron_h
 from conftest import FAMILIES, VARIANTS
 
 from moelens import HookedTransformer
@@ -23,7 +24,10 @@ MODEL_KEYS = sorted(k for k in VARIANTS if k[1] not in ("sharded", "fused"))
 MIXER_ONLY = {s.name for s in SITES if s.name.startswith("blocks.L.mixer.")}
 AWAITING_FAMILY_FORMS: set[str] = set()
 # models not yet in conftest's generic suites (no TransformerLens switch on them)
-HYBRID_BUILDERS = {("longcat_flash", "base"): tiny_longcat_flash.build_longcat_flash}
+HYBRID_BUILDERS = {
+    ("longcat_flash", "base"): tiny_longcat_flash.build_longcat_flash,
+    ("nemotron_h", "base"): tiny_nemotron_h.build_nemotron_h,
+}
 
 # a form's meaning fields, as the model fills them: (model, layer) -> value
 FIELDS = {"formula": lambda model, layer: model.blocks[layer].mlp.experts.spec.activation.formula}
