@@ -37,6 +37,7 @@ CONFIGS = {
     "tiny-deepseek-v32": "tiny_deepseek_v32.json",
     "tiny-glm-moe-dsa": "tiny_glm_moe_dsa.json",
     "tiny-llama4": "tiny_llama4_text.json",
+    "tiny-glm4-moe-lite": "tiny_glm4_moe_lite.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

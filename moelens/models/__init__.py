@@ -7,6 +7,7 @@ from moelens.models.base import HookedTransformer
 from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.models.deepseek_v32 import HookedDeepseekV32
 from moelens.models.glm4_moe import HookedGlm4Moe
+from moelens.models.glm4_moe_lite import HookedGlm4MoeLite
 from moelens.models.glm_moe_dsa import HookedGlmMoeDsa
 from moelens.models.gpt_oss import HookedGptOss
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
@@ -28,4 +29,5 @@ __all__ = [
     "HookedDeepseekV32",
     "HookedGlmMoeDsa",
     "HookedLlama4",
+    "HookedGlm4MoeLite",
 ]
