@@ -403,7 +403,7 @@ CONFIG_CLASSES = {
     "qwen3_next": "Qwen3NextConfig",
 }
 # families whose field-by-field cases are still to be written (their own suites test their config reading)
-NO_CASE_YET = {"llama4_text"}
+NO_CASE_YET = {"llama4_text", "glm4_moe_lite", "deepseek_v2"}
 
 
 def identity(cfg) -> dict:

@@ -38,6 +38,7 @@ CONFIGS = {
     "tiny-glm-moe-dsa": "tiny_glm_moe_dsa.json",
     "tiny-llama4": "tiny_llama4_text.json",
     "tiny-glm4-moe-lite": "tiny_glm4_moe_lite.json",
+    "tiny-deepseek-v2": "tiny_deepseek_v2.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

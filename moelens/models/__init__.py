@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moelens.families import FAMILIES, family_for
 from moelens.models.base import HookedTransformer
+from moelens.models.deepseek_v2 import HookedDeepseekV2
 from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.models.deepseek_v32 import HookedDeepseekV32
 from moelens.models.glm4_moe import HookedGlm4Moe
@@ -30,4 +31,5 @@ __all__ = [
     "HookedGlmMoeDsa",
     "HookedLlama4",
     "HookedGlm4MoeLite",
+    "HookedDeepseekV2",
 ]
