@@ -109,11 +109,12 @@ class HookedDeepseekV2(HookedDeepseekV3):
         if method not in TOPK_METHODS:
             raise ValueError(f"topk_method {method!r}: DeepSeek-V2's router is one of {TOPK_METHODS}")
         ignored = [f for f in IGNORED_FIELDS if f in raw]
+        groups = ("n_group", "topk_group")
         if method == "greedy":  # transformers reads no groups then: one group of every expert is the same rule
-            ignored += [f for f in ("n_group", "topk_group") if f in raw]
-            raw = {k: v for k, v in raw.items() if k not in ("n_group", "topk_group")}
+            ignored += [f for f in groups if raw.get(f) is not None]
+            raw = {k: v for k, v in raw.items() if k not in groups}
         else:
-            missing = [f for f in ("n_group", "topk_group") if raw.get(f) is None]
+            missing = [f for f in groups if raw.get(f) is None]
             if missing:
                 raise ValueError(f"topk_method 'group_limited_greedy' needs {' and '.join(missing)} (absent or null)")
         if raw.get("norm_topk_prob"):
@@ -126,6 +127,8 @@ class HookedDeepseekV2(HookedDeepseekV3):
         hf = HFConfig(raw)
         hf.opt("topk_method"), hf.opt("mlp_bias")
         fields = latent_decoder_fields(hf, raw, DEEPSEEK_V2_DEFAULTS, rope_interleave=True)
+        if method == "greedy":  # looked up for the single group, not read from config.json
+            hf.read = [f for f in hf.read if f not in groups]
         if "n_shared_experts" not in raw or raw["n_shared_experts"] is None:  # transformers' default is 2
             fields["d_shared"] = 2 * fields["d_expert"]
         fields["norm_topk_prob"] = False
