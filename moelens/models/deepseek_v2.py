@@ -105,7 +105,7 @@ class HookedDeepseekV2(HookedDeepseekV3):
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> DeepseekV3Config:
-        method = raw.get("topk_method") or "greedy"
+        method = HFConfig(raw).text("topk_method", "greedy")
         if method not in TOPK_METHODS:
             raise ValueError(f"topk_method {method!r}: DeepSeek-V2's router is one of {TOPK_METHODS}")
         ignored = [f for f in IGNORED_FIELDS if f in raw]
@@ -117,15 +117,15 @@ class HookedDeepseekV2(HookedDeepseekV3):
             missing = [f for f in groups if raw.get(f) is None]
             if missing:
                 raise ValueError(f"topk_method 'group_limited_greedy' needs {' and '.join(missing)} (absent or null)")
-        if raw.get("norm_topk_prob"):
+        hf = HFConfig(raw)
+        hf.text("topk_method", "greedy")  # read above; listed among the fields read
+        if hf.flag("norm_topk_prob", False):
             raise ValueError(
                 "norm_topk_prob = true: transformers' DeepSeek-V2 never renormalises the top-k weights (it does not read "
                 "the field), DeepSeek's own code would; no published DeepSeek-V2 sets it, so moelens refuses to choose"
             )
-        if raw.get("mlp_bias"):
+        if hf.flag("mlp_bias", False):
             raise ValueError("mlp_bias = true: DeepSeek-V2's dense and shared-expert MLPs have no biases in moelens")
-        hf = HFConfig(raw)
-        hf.opt("topk_method"), hf.opt("mlp_bias")
         fields = latent_decoder_fields(hf, raw, DEEPSEEK_V2_DEFAULTS, rope_interleave=True)
         if method == "greedy":  # looked up for the single group, not read from config.json
             hf.read = [f for f in hf.read if f not in groups]
