@@ -43,11 +43,13 @@ def glm4_moe_lite_config(**overrides):
 def build_glm4_moe_lite(
     folder: Path, seed: int = 0, max_shard_size: str | None = None, bias_scale: float = 0.3, **overrides
 ) -> Path:
-    """A correction bias large enough to change the chosen experts for many tokens."""
+    """A correction bias large enough to change the chosen experts for many tokens, drawn from seed + 3000 (as
+    GLM-4.5's): under it the base variant's experts 0 and 5 stay reachable, which the generic intervention tests
+    need (under seed + 1000 expert 0's bias is the lowest of its layer and an edit of its logit changes nothing)."""
     from transformers import Glm4MoeLiteForCausalLM
 
     model = tiny.new_model(Glm4MoeLiteForCausalLM, glm4_moe_lite_config(**overrides), seed)
-    gen = torch.Generator().manual_seed(seed + 1000)
+    gen = torch.Generator().manual_seed(seed + 3000)
     with torch.no_grad():
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
