@@ -56,7 +56,8 @@ def test_each_familys_parts_sum_to_mlp_out(family_models, family, tokens):
             assert all(w.shape[-1] == model.cfg.d_model for w in part.input_weights())
             if part.kind != "routed":
                 torch.testing.assert_close(gated_mlp_by_hand(part, x), term, rtol=0, atol=1e-5)
-    shared = {"qwen2_moe", "hunyuan_v1_moe", "solar_open", "deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "llama4_text"}
+    shared = {"qwen2_moe", "hunyuan_v1_moe", "solar_open", "deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "llama4_text",
+              "glm4_moe_lite", "deepseek_v2"}
     assert ("shared" in kinds) == (family in shared)
     gated = [p for b in model.blocks for p in b.mlp.parts() if p.gate is not None]
     assert bool(gated) == (family == "qwen2_moe")
