@@ -7,12 +7,14 @@ import shutil
 import pytest
 
 import tiny
+import tiny_deepseek_v2
 import tiny_deepseek_v3
 import tiny_deepseek_v32
 import tiny_qwen3_5_moe
 import tiny_qwen3_next
 import tiny_glm_moe_dsa
 import tiny_glm4_moe
+import tiny_glm4_moe_lite
 import tiny_gpt_oss
 import tiny_llama4_text
 import tiny_minimax_m2
@@ -38,6 +40,8 @@ BUILDERS = {
     "qwen3_next": tiny_qwen3_next.build_qwen3_next,
     "longcat_flash": tiny_longcat_flash.build_longcat_flash,
     "nemotron_h": tiny_nemotron_h.build_nemotron_h,
+    "deepseek_v2": tiny_deepseek_v2.build_deepseek_v2,
+    "glm4_moe_lite": tiny_glm4_moe_lite.build_glm4_moe_lite,
     # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
     "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
     "qwen3_5_moe_text": tiny_qwen3_5_moe.build_text,

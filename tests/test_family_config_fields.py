@@ -146,6 +146,56 @@ CASES = {
             "vocab_size"],
         ignored=("head_dim",),
     ),
+    "glm4_moe_lite": Case(
+        # transformers 5's spelling (mlp_layer_types) beside the Hub's first_k_dense_replace, which agrees
+        raw={"attention_bias": False, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 64,
+            "intermediate_size": 80, "kv_lora_rank": 16, "max_position_embeddings": 256, "mlp_layer_types": ["dense",
+            "sparse", "sparse"], "moe_intermediate_size": 24, "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+            "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
+            "num_key_value_heads": 4, "q_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8,
+            "rms_norm_eps": 1e-05, "rope_interleave": True, "rope_parameters": {"rope_theta": 1000.0, "rope_type":
+            "default"}, "routed_scaling_factor": 1.8, "tie_word_embeddings": False, "topk_group": 1, "v_head_dim": 10,
+            "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=20, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000.0, interleaved=True), max_position_embeddings=256, d_mlp=80, moe_layers=(False,
+            True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=24, norm_topk_prob=True,
+            routed_scaling_factor=1.8, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+            qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1, mtp_layers=0),
+        read=["attention_bias", "hidden_act", "hidden_size", "intermediate_size", "kv_lora_rank",
+            "max_position_embeddings", "mlp_layer_types", "moe_intermediate_size", "n_group", "n_routed_experts",
+            "n_shared_experts", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_nextn_predict_layers", "partial_rotary_factor", "q_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps", "rope_interleave", "rope_parameters",
+            "rope_scaling", "rope_theta", "routed_scaling_factor", "tie_word_embeddings", "topk_group", "v_head_dim",
+            "vocab_size"],
+        ignored=("first_k_dense_replace",),
+    ),
+    "deepseek_v2": Case(
+        # as transformers writes it: head_dim (its qk_rope_head_dim), null groups (greedy routing reads none)
+        raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size":
+            64, "intermediate_size": 80, "kv_lora_rank": 16, "max_position_embeddings": 256, "mlp_bias": False,
+            "moe_intermediate_size": 24, "n_group": None, "n_routed_experts": 8, "n_shared_experts": 2,
+            "norm_topk_prob": False, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
+            "num_key_value_heads": 4, "q_lora_rank": None, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8,
+            "rms_norm_eps": 1e-06, "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 4.0, "mscale":
+            0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 16, "rope_theta": 10000.0, "rope_type":
+            "yarn"}, "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": None, "topk_method":
+            "greedy", "v_head_dim": 10, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=20, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, kind="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.707,
+            mscale_all_dim=0.707, interleaved=True), max_position_embeddings=256, d_mlp=80, moe_layers=(False, True,
+            True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=48, norm_topk_prob=False,
+            routed_scaling_factor=1.0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=12,
+            qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1, mtp_layers=0),
+        read=["attention_bias", "first_k_dense_replace", "hidden_act", "hidden_size", "intermediate_size",
+            "kv_lora_rank", "max_position_embeddings", "mlp_bias", "moe_intermediate_size", "n_routed_experts",
+            "n_shared_experts", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_nextn_predict_layers", "partial_rotary_factor", "q_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps", "rope_interleave", "rope_parameters",
+            "rope_scaling", "rope_theta", "routed_scaling_factor", "tie_word_embeddings", "topk_method", "v_head_dim",
+            "vocab_size"],
+        ignored=("head_dim",),
+    ),
     "deepseek_v32": Case(
         raw={"first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size": 64, "index_head_dim": 16,
             "index_n_heads": 4, "index_topk": 3, "intermediate_size": 80, "kv_lora_rank": 16,
@@ -376,6 +426,24 @@ MINIMAL = {
             norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512,
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=3),
     ),
+    "glm4_moe_lite": (
+        # transformers' default layer types: the first block dense
+        {"num_attention_heads": 20, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=2048, n_layers=2, n_heads=20, n_kv_heads=20, d_head=192 + 64, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0, interleaved=True), max_position_embeddings=202752, d_mlp=10240,
+            moe_layers=(False, True), n_experts=64, top_k_per_layer=(0, 4), d_expert=1536, d_shared=1536,
+            norm_topk_prob=True, routed_scaling_factor=1.8, n_group=1, topk_group=1, q_lora_rank=768, kv_lora_rank=512,
+            qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, first_k_dense_replace=1),
+    ),
+    "deepseek_v2": (
+        # num_experts_per_tok has no default in transformers; first_k_dense_replace 0: every block a mixture
+        {"num_attention_heads": 4, "num_experts_per_tok": 6, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=4096, n_layers=2, n_heads=4, n_kv_heads=4, d_head=128 + 64, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, interleaved=True), max_position_embeddings=2048, moe_layers=(True, True),
+            n_experts=64, top_k_per_layer=(6, 6), d_expert=1407, d_shared=2814, norm_topk_prob=False,
+            routed_scaling_factor=1.0, n_group=1, topk_group=1, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=0),
+    ),
     "deepseek_v32": (
         {"num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 96},
         dict(d_model=7168, n_layers=4, n_heads=4, n_kv_heads=4, d_head=128 + 64, d_vocab=96, norm_eps=1e-06,
@@ -456,6 +524,8 @@ CONFIG_CLASSES = {
     "mixtral": "MixtralConfig",
     "olmoe": "ClipQKVConfig",
     "deepseek_v3": "DeepseekV3Config",
+    "deepseek_v2": "DeepseekV3Config",
+    "glm4_moe_lite": "DeepseekV3Config",
     "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig",
     "minimax_m2": "MiniMaxM2Config",

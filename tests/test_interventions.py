@@ -16,6 +16,7 @@ import torch
 from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, attention_layers, has_shared_expert, shared_expert_gated
 
 from moelens import HookedTransformer
+from moelens.models.deepseek_v2 import SoftmaxGroupLimitedTopK
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.llama4_text import SigmoidOfChosenLogits
@@ -24,7 +25,7 @@ from moelens.models.mixtral import SoftmaxTopKFloat32Weights
 
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
 # the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral, MiniMax-M2)
-FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxTopKFloat32Weights, SigmoidTopKFloat32Weights)
+FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK, SoftmaxTopKFloat32Weights, SigmoidTopKFloat32Weights)
 
 
 def moe_layers(model):
@@ -87,6 +88,14 @@ def test_router_rules(family_models, family, tokens):
             top = logits.topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
             expected = top.values.float().sigmoid()
+        elif isinstance(router, SoftmaxGroupLimitedTopK):  # DeepSeek-V2: groups by their best score, unsorted slots
+            scores = logits.float().softmax(-1)
+            grouped = scores.unflatten(-1, (model.cfg.n_group, -1))
+            best_groups = grouped.amax(-1).topk(model.cfg.topk_group, -1).indices
+            keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool).scatter_(-1, best_groups, True)
+            choice = grouped.masked_fill(~keep[..., None], 0.0).flatten(-2)
+            assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
+            expected = scores.gather(-1, idx) * model.cfg.routed_scaling_factor
         else:
             top = logits.float().softmax(-1).topk(k, dim=-1)
             assert torch.equal(top.indices, idx)

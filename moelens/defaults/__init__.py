@@ -40,6 +40,8 @@ CONFIGS = {
     "tiny-nemotron-h": "tiny_nemotron_h.json",
     "tiny-qwen3.5-moe": "tiny_qwen3_5_moe.json",
     "tiny-longcat-flash": "tiny_longcat_flash.json",
+    "tiny-glm4-moe-lite": "tiny_glm4_moe_lite.json",
+    "tiny-deepseek-v2": "tiny_deepseek_v2.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

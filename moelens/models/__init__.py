@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from moelens.families import FAMILIES, family_for
 from moelens.models.base import HookedTransformer
+from moelens.models.deepseek_v2 import HookedDeepseekV2
 from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.models.deepseek_v32 import HookedDeepseekV32
 from moelens.models.glm4_moe import HookedGlm4Moe
+from moelens.models.glm4_moe_lite import HookedGlm4MoeLite
 from moelens.models.glm_moe_dsa import HookedGlmMoeDsa
 from moelens.models.gpt_oss import HookedGptOss
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
@@ -34,4 +36,6 @@ __all__ = [
     "HookedLlama4",
     "HookedNemotronH",
     "HookedLongcatFlash",
+    "HookedGlm4MoeLite",
+    "HookedDeepseekV2",
 ]

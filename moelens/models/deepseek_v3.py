@@ -16,6 +16,7 @@ layer (model.layers.61 of DeepSeek-V3, num_nextn_predict_layers) is not part of 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moelens.config import REQUIRED, HFConfig, MoeConfig, common_fields, routed_fields
@@ -83,11 +84,16 @@ DEEPSEEK_V3_DEFAULTS = dict(
 )
 
 
-def latent_decoder_fields(hf: HFConfig, raw: dict, defaults: dict, rope_interleave: bool | None = None) -> dict:
+def latent_decoder_fields(
+    hf: HFConfig, raw: dict, defaults: dict, rope_interleave: bool | None = None,
+    moe_layers: Callable[[int], tuple[bool, ...]] | None = None,
+) -> dict:
     """DeepseekV3Config's fields (all but family and the bookkeeping) from config.json, which DeepSeek-V3.2 and
     GLM-5 spell the same way; `defaults`: the family's transformers defaults (DEEPSEEK_V3_DEFAULTS' keys).
     rope_interleave: None reads config.json's rope_interleave (DeepSeek-V3); True or False is the family's fixed
-    layout, and a config.json saying otherwise is refused (transformers would not read it)."""
+    layout, and a config.json saying otherwise is refused (transformers would not read it). moe_layers: the
+    family's reading of which blocks are mixtures from n_layers (GLM-4.7-Flash's mlp_layer_types); None:
+    first_k_dense_replace dense blocks, then mixtures."""
     rope = hf.rope()
     if rope.partial_rotary_factor != 1.0:  # transformers' MLA would fail on the cos / sin width
         raise ValueError(
@@ -114,7 +120,11 @@ def latent_decoder_fields(hf: HFConfig, raw: dict, defaults: dict, rope_interlea
             f"num_key_value_heads ({fields['n_kv_heads']}) must equal num_attention_heads ({fields['n_heads']}): "
             "latent attention decompresses a key and a value for every head"
         )
-    first_dense = hf.integer("first_k_dense_replace", defaults["first_k_dense_replace"], at_least=0)
+    if moe_layers is None:
+        first_dense, layers = hf.integer("first_k_dense_replace", defaults["first_k_dense_replace"], at_least=0), None
+    else:
+        layers = moe_layers(fields["n_layers"])
+        first_dense = layers.index(True) if True in layers else len(layers)
     attention_bias = hf.flag("attention_bias", False)
     mixture = {k: defaults[k] for k in (
         "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "n_group", "topk_group",
@@ -122,7 +132,7 @@ def latent_decoder_fields(hf: HFConfig, raw: dict, defaults: dict, rope_interlea
     )}
     return dict(
         **fields,
-        **deepseek_mixture_fields(hf, fields["n_layers"], first_dense, **mixture),
+        **deepseek_mixture_fields(hf, fields["n_layers"], first_dense, moe_layers=layers, **mixture),
         qkv_bias=attention_bias,  # q_a_proj and kv_a_proj_with_mqa (q_proj, q_b_proj, kv_b_proj have none)
         o_bias=attention_bias,
         # null: a plain q_proj; absent: transformers' default
@@ -148,19 +158,25 @@ def deepseek_mixture_fields(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    moe_layers: tuple[bool, ...] | None = None,
 ) -> dict:
     """DeepSeek-V3's mixture fields, which GLM-4.5 and Solar-Open spell and mean the same way: the first
     `first_dense` blocks dense MLPs (intermediate_size wide, read only where there is one), the rest mixtures of
     n_routed_experts experts (moe_intermediate_size wide), num_experts_per_tok of them chosen by the grouped sigmoid
     router (SigmoidGroupedTopK: n_group, topk_group, norm_topk_prob, routed_scaling_factor), and a shared expert
     n_shared_experts times moe_intermediate_size wide. The keywords are the family's defaults for the fields of
-    their name (REQUIRED: no default). At least one block must be a mixture: first_dense below n_layers."""
-    if first_dense >= n_layers:  # else it would surface as the mixture tensors' "missing" dense weights
+    their name (REQUIRED: no default). At least one block must be a mixture: first_dense below n_layers.
+    moe_layers: which blocks are mixtures where the family says so per layer (first_dense is then not used)."""
+    if moe_layers is not None:
+        if not any(moe_layers):
+            raise ValueError("mlp_layer_types makes every block a dense MLP, leaving no mixture block")
+    elif first_dense >= n_layers:  # else it would surface as the mixture tensors' "missing" dense weights
         raise ValueError(
             f"first_k_dense_replace = {first_dense} makes all {n_layers} blocks (num_hidden_layers) dense MLPs, leaving "
             f"no mixture block; expected first_k_dense_replace below num_hidden_layers ({n_layers})"
         )
-    moe_layers = tuple(i >= first_dense for i in range(n_layers))
+    else:
+        moe_layers = tuple(i >= first_dense for i in range(n_layers))
     n_experts = hf.integer("n_routed_experts", n_routed_experts, at_least=1)
     d_expert = hf.integer("moe_intermediate_size", moe_intermediate_size, at_least=1)
     routed = routed_fields(hf, moe_layers, n_experts, d_expert, num_experts_per_tok=num_experts_per_tok)
@@ -168,7 +184,7 @@ def deepseek_mixture_fields(
     SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k_per_layer"]), n_group, topk_group)
     return dict(
         **routed,
-        d_mlp=hf.integer("intermediate_size", intermediate_size, at_least=1) if first_dense else 0,
+        d_mlp=hf.integer("intermediate_size", intermediate_size, at_least=1) if not all(moe_layers) else 0,
         d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1),
         norm_topk_prob=hf.flag("norm_topk_prob", True),
         routed_scaling_factor=hf.number("routed_scaling_factor", routed_scaling_factor),
