@@ -191,13 +191,20 @@ def test_end_to_end_triton_backend_equals_torch(checkpoints, family, tokens):
     triton_model = HookedTransformer.from_pretrained(path, progress=False, experts_backend="triton")
     logits_t, cache_t = torch_model.run_with_cache(tokens)
     logits_k, cache_k = triton_model.run_with_cache(tokens)
-    assert (logits_t - logits_k).abs().max() <= 1e-5
+    tol = 1e-5
+    if any(b.token_mixer is not None and not b.has_attention for b in torch_model.blocks):
+        # linear-attention layers amplify the kernels' float32 rounding (3.6e-5 on the tiny Qwen3-Next's logits):
+        # within twice the model's own float32 rounding, measured against its float64 run
+        exact = HookedTransformer.from_pretrained(path, progress=False, dtype=torch.float64)
+        with torch.no_grad():
+            tol = max(tol, 2 * (exact(tokens).float() - logits_t).abs().max().item())
+    assert (logits_t - logits_k).abs().max() <= tol
     for name in cache_t:
         a, b = cache_t[name], cache_k[name]
         assert a.shape == b.shape, name
         if a.dtype.is_floating_point:
             # an expert no token was routed to has an empty per-expert view (blocks.L.mlp.experts.E.hook_*)
-            assert a.numel() == 0 or (a - b).abs().max() <= 1e-5, name
+            assert a.numel() == 0 or (a - b).abs().max() <= tol, name
         else:
             assert torch.equal(a, b), name
 

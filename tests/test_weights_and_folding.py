@@ -233,21 +233,28 @@ def test_factored_matrix(family_models):
 FOLD_CASES = [(f, "base") for f in FAMILIES] + [("qwen2_moe", "dense_block"), ("hunyuan_v1_moe", "untied_biased")]
 
 
-@pytest.mark.parametrize("key", FOLD_CASES)
+@pytest.mark.parametrize("key", FOLD_CASES, ids=lambda key: f"{key[0]}-{key[1]}")
 def test_fold_ln_keeps_logits(checkpoints, toks, key):
     ref = HookedTransformer.from_pretrained(checkpoints[key], progress=False)
     folded = HookedTransformer.from_pretrained(checkpoints[key], progress=False, fold_ln=True)
     with torch.no_grad():
         ref_logits, ref_cache = ref.run_with_cache(toks, names_filter="*expert_indices")
         logits, cache = folded.run_with_cache(toks, names_filter="*expert_indices")
-    close(logits, ref_logits)
+    tol = ATOL
+    if any(b.token_mixer is not None and not b.has_attention for b in ref.blocks):
+        # linear-attention layers amplify float32 rounding (folding moves it: 4e-5 on the tiny Qwen3-Next): within
+        # twice the model's own float32 rounding, measured against its float64 run
+        exact = HookedTransformer.from_pretrained(checkpoints[key], progress=False, dtype=torch.float64)
+        with torch.no_grad():
+            tol = max(ATOL, 2 * (exact(toks).float() - ref_logits).abs().max().item())
+    close(logits, ref_logits, tol)
     for name, indices in ref_cache.items():  # the same experts chosen
         assert torch.equal(cache[name], indices), name
-    norms = [folded.ln_final] + [b.ln1 for b in folded.blocks] + [b.ln2 for b in folded.blocks]
-    assert all((n.weight == 1).all() for n in norms)
+    norms = [folded.ln_final] + [sub.norm for b in folded.blocks for sub in b.sublayers()]
+    assert all((norm_factor(n) == 1).all() for n in norms)  # (a zero-centred norm's weight is 0 then)
     close(folded.W_E, ref.W_E, 0)  # a tied embedding is untied, not scaled
     assert folded.unembed.weight is not folded.embed.weight and not folded.cfg.tie_word_embeddings
-    close(folded.W_U, ref.W_U * ref.ln_final.weight[:, None].detach())
+    close(folded.W_U, ref.W_U * norm_factor(ref.ln_final)[:, None])
     if folded.cfg.family == "hunyuan_v1_moe":  # per-head q/k norms come after the rotary: kept as they are
         close(folded.blocks[0].attn.q_norm.weight, ref.blocks[0].attn.q_norm.weight.detach(), 0)
     if folded.cfg.family in ("hunyuan_v1_moe", "solar_open"):  # float32 routers stay float32

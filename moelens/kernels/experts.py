@@ -106,15 +106,12 @@ def grouped_linear(
     return out
 
 
-def sort_slots(
-    experts: Int[torch.Tensor, "S"], n_experts: int, slot_order: str = "sort"
-) -> tuple[Int[torch.Tensor, "S"], list[int]]:
-    """(slot order sorted by expert; rows per expert) for the grouped GEMMs. The order within an expert
-    (ExpertSpec.slot_order) is torch.sort's (not stable), as in transformers' grouped_mm experts, or the slots'
-    own ("stable"): a multithreaded GEMM can round a row by where it falls in its group, so only the
-    reference's order gives its bits."""
-    order = torch.argsort(experts, stable=True) if slot_order == "stable" else torch.sort(experts)[1]
-    return order, torch.bincount(experts, minlength=n_experts).tolist()
+def sort_slots(experts: Int[torch.Tensor, "S"], n_experts: int) -> tuple[Int[torch.Tensor, "S"], list[int]]:
+    """(slot order sorted by expert, stable; rows per expert) for the grouped GEMMs. (transformers' grouped_mm
+    experts order a group's rows by torch.sort, which is not stable; with several threads a GEMM can round a row
+    by its place in its group, so float32 results then differ from transformers' by ~1e-7 per expert output. The
+    Triton kernels keep the stable order, and both backends must give the same hook tensors.)"""
+    return torch.argsort(experts, stable=True), torch.bincount(experts, minlength=n_experts).tolist()
 
 
 def slot_linear(
@@ -232,8 +229,7 @@ def routed_experts(
     if isinstance(tensors, StoredExperts):
         tensors = tensors.dequantize(x.dtype)
     return routed_experts_torch(
-        x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at, combine=spec.combine,
-        slot_order=spec.slot_order,
+        x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at, combine=spec.combine
     )
 
 
@@ -247,7 +243,6 @@ def routed_experts_torch(
     bias_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows,
     weight_at: str = "output",
     combine: str = "slots",
-    slot_order: str = "sort",
 ):
     """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows (each plus its
     expert's bias where the spec has biases), back to slot order for the weighted outputs. Per-slot hooks see
@@ -265,7 +260,7 @@ def routed_experts_torch(
     T, k = indices.shape
     experts = indices.reshape(-1)
     n_real = tensors.n_experts if n_experts is None else n_experts
-    order, counts = sort_slots(experts, n_real, slot_order)
+    order, counts = sort_slots(experts, n_real)
     unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     # ids from n_real on are identity experts (ExpertSpec.n_identity): sorted after every real slot, they take
     # no GEMM; their per-slot neurons are zeros and their output is the input row itself
