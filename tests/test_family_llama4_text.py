@@ -325,11 +325,32 @@ def test_a_padded_row_differs_from_the_row_alone_as_in_transformers(ckpts, refs)
 @pytest.mark.parametrize("variant,seeds", [("base", (3, 0)), ("interleaved", (3, 1)), ("plain", (3,))])
 def test_bfloat16_is_bit_exact(ckpts, refs, variant, seeds):
     """Router logits and weights bfloat16 (the sigmoid computed float32 and cast, as transformers), the rotary in
-    float32 from torch.polar's tables, the softmax in bfloat16: identical bf16 results, unpadded and padded."""
+    float32 from torch.polar's tables, the softmax in bfloat16: the same experts chosen and every site but the
+    routed experts' bit for bit, unpadded and padded. The routed experts' output is bitwise on some CPUs only:
+    transformers runs every expert on every token (one bmm of all the tokens per expert), moelens the routed
+    rows alone (a grouped GEMM with fewer rows), and a bfloat16 GEMM kernel may round a row by the rows around
+    it (on an AMD EPYC one bfloat16 ulp on the tiny "plain" variant). There, the result is as close to
+    transformers' float32 run as transformers' own bfloat16 run is."""
     model, ref = load(ckpts[variant], dtype=torch.bfloat16), refs(variant, torch.bfloat16)
-    for seed in seeds:
-        check_bit_exact(compare(model, ref, tokens(seed)))
-    check_bit_exact(compare(model, ref, *left_padded(5, (3, 24), (0, 5, 11))))
+    ref32 = refs(variant, torch.float32)
+    for toks, mask in [(tokens(seed), None) for seed in seeds] + [left_padded(5, (3, 24), (0, 5, 11))]:
+        report = compare(model, ref, toks, mask)
+        assert report.index_mismatches == 0, report
+        routed = [s for s in report.sites if ".mlp." in s.site or s.site.endswith(("hook_mlp_out", "hook_resid_post"))]
+        if report.max_logit_diff == 0.0 and all(s.max_abs_diff == 0.0 for s in routed):
+            check_bit_exact(report)
+            continue
+        first = min(int(s.site.split(".")[1]) for s in report.sites if s.site.startswith("blocks.") and s.max_abs_diff)
+        assert all(s.max_abs_diff == 0.0 for s in report.sites  # everything before the first differing routed output
+                   if s.site.startswith("blocks.") and int(s.site.split(".")[1]) < first), report
+        assert any(s.site == f"blocks.{first}.mlp.hook_routed_out" and s.max_abs_diff for s in report.sites), report
+        positions = None if mask is None else harness_positions(mask)  # as compare() gives transformers
+        with torch.no_grad():
+            real = torch.ones_like(toks, dtype=torch.bool) if mask is None else mask.bool()  # padding means nothing
+            exact = ref32(toks, attention_mask=mask, position_ids=positions).logits[real]
+            theirs = (ref(toks, attention_mask=mask, position_ids=positions).logits[real].float() - exact).abs().mean()
+            ours = (model(toks, attention_mask=mask)[real].float() - exact).abs().mean()
+        assert ours <= 1.5 * theirs, (ours, theirs)
 
 
 @pytest.mark.parametrize("variant,padded", [("base", False), ("base", True), ("interleaved", True)])

@@ -368,9 +368,10 @@ def test_plan_counts_the_attention_layers_keys_and_the_linear_layers_recurrent_s
     """35B-A3B: 10 full-attention layers cache 2 x 2 kv heads x 256 values per token; 30 Gated DeltaNet layers a
     convolution window and a recurrent state per sequence."""
     p = plan(dict(QWEN35_35B), dtype="bfloat16", gpus=1, gpu_memory="141GB", batch=1, seq=2048)
-    per_token = 10 * 2 * 2 * 256
-    per_sequence = 30 * ((2 * 16 * 128 + 32 * 128) * 4 + 32 * 128 * 128)
-    assert p.kv_cache["bytes"] == (2048 * per_token + per_sequence) * 2
+    per_token = 10 * 2 * 2 * 256  # bfloat16
+    conv_window = (2 * 16 * 128 + 32 * 128) * 4  # bfloat16
+    state = 32 * 128 * 128  # float32: 4 bytes a value
+    assert p.kv_cache["bytes"] == (2048 * per_token + 30 * conv_window) * 2 + 30 * state * 4
 
 
 def test_support_names_the_mixers_and_the_fields_read(ckpts):

@@ -67,4 +67,5 @@ FAMILY_VARIANTS = {
     ("qwen3_5_moe", "multimodal"): lambda d: build_multimodal(d, seed=4),
 }
 
-VARIANTS = FAMILY_VARIANTS
+# and a checkpoint in several shards, as every family of the generic suites has
+VARIANTS = {**FAMILY_VARIANTS, ("qwen3_5_moe", "sharded"): lambda d: build_text(d, seed=5, max_shard_size="100KB")}

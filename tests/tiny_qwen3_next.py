@@ -53,4 +53,5 @@ FAMILY_VARIANTS = {
                                                            full_attention_interval=2),
 }
 
-VARIANTS = FAMILY_VARIANTS
+# and a checkpoint in several shards, as every family of the generic suites has
+VARIANTS = {**FAMILY_VARIANTS, ("qwen3_next", "sharded"): lambda d: build_qwen3_next(d, seed=5, max_shard_size="100KB")}

@@ -164,8 +164,14 @@ class ExpertSpec:
     # or "experts" (each cast to the input's dtype, added in ascending expert order: transformers' loop over
     # experts with index_add_, as LongCat-Flash's reference runs it)
     combine: Literal["slots", "experts"] = "slots"
+    # the order of the rows within an expert's group for the grouped GEMMs: "sort" (torch.sort's, as transformers'
+    # grouped_mm experts) or "stable" (token order, as Llama 4's reference): a multithreaded GEMM can round a row
+    # by its place in its group, so only the reference's order gives its bits
+    slot_order: Literal["sort", "stable"] = "sort"
 
     def __post_init__(self) -> None:
+        if self.slot_order not in ("sort", "stable"):
+            raise ValueError(f"ExpertSpec.slot_order must be 'sort' or 'stable', got {self.slot_order!r}")
         if self.weight_at not in ("output", "input"):
             raise ValueError(f"ExpertSpec.weight_at must be 'output' or 'input', got {self.weight_at!r}")
         if self.combine not in ("slots", "experts"):

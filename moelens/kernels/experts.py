@@ -106,11 +106,15 @@ def grouped_linear(
     return out
 
 
-def sort_slots(experts: Int[torch.Tensor, "S"], n_experts: int) -> tuple[Int[torch.Tensor, "S"], list[int]]:
-    """(slot order sorted by expert; rows per expert) for the grouped GEMMs. The order within an expert is
-    torch.sort's (not stable), as in transformers' grouped_mm experts: a multithreaded GEMM can round a row by
-    where it falls in its group, so only the same order gives the same bits."""
-    return torch.sort(experts)[1], torch.bincount(experts, minlength=n_experts).tolist()
+def sort_slots(
+    experts: Int[torch.Tensor, "S"], n_experts: int, slot_order: str = "sort"
+) -> tuple[Int[torch.Tensor, "S"], list[int]]:
+    """(slot order sorted by expert; rows per expert) for the grouped GEMMs. The order within an expert
+    (ExpertSpec.slot_order) is torch.sort's (not stable), as in transformers' grouped_mm experts, or the slots'
+    own ("stable"): a multithreaded GEMM can round a row by where it falls in its group, so only the
+    reference's order gives its bits."""
+    order = torch.argsort(experts, stable=True) if slot_order == "stable" else torch.sort(experts)[1]
+    return order, torch.bincount(experts, minlength=n_experts).tolist()
 
 
 def slot_linear(
@@ -228,7 +232,8 @@ def routed_experts(
     if isinstance(tensors, StoredExperts):
         tensors = tensors.dequantize(x.dtype)
     return routed_experts_torch(
-        x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at, combine=spec.combine
+        x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at, combine=spec.combine,
+        slot_order=spec.slot_order,
     )
 
 
@@ -242,6 +247,7 @@ def routed_experts_torch(
     bias_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows,
     weight_at: str = "output",
     combine: str = "slots",
+    slot_order: str = "sort",
 ):
     """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows (each plus its
     expert's bias where the spec has biases), back to slot order for the weighted outputs. Per-slot hooks see
@@ -259,7 +265,7 @@ def routed_experts_torch(
     T, k = indices.shape
     experts = indices.reshape(-1)
     n_real = tensors.n_experts if n_experts is None else n_experts
-    order, counts = sort_slots(experts, n_real)
+    order, counts = sort_slots(experts, n_real, slot_order)
     unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     # ids from n_real on are identity experts (ExpertSpec.n_identity): sorted after every real slot, they take
     # no GEMM; their per-slot neurons are zeros and their output is the input row itself

@@ -77,7 +77,7 @@ class Llama4Config(MoeConfig):
     def expert_spec(self) -> ExpertSpec:
         return ExpertSpec(
             self.n_experts, self.d_model, self.d_expert, GLU(self.act_fn), storage=self.expert_storage,
-            weight_at="input",
+            weight_at="input", slot_order="stable",  # its reference runs each expert's tokens in token order
         )
 
 
