@@ -782,7 +782,8 @@ class CacheAnalysis:
         other component's, to the logit. Zero where a token did not choose e, and for dense blocks. The
         shared expert is not in it (see get_full_resid_decomposition, "L{l}.shared"). Computed in float32."""
         cfg = self.model.cfg
-        routed = [(l, p) for l, block in enumerate(self.model.blocks) for p in block.mlp.parts() if p.kind == "routed"]
+        routed = [(l, p) for l, block in enumerate(self.model.blocks) if block.has_ffn
+                  for p in block.mlp.parts() if p.kind == "routed"]
         names = ["ln_final.hook_scale"]
         names += [name for _, part in routed for name in (part.slot_outputs.name, part.indices.name)]
         self._require("expert_logit_attribution", names)

@@ -238,7 +238,7 @@ class WeightViews:
 
     def _shared(self, what: str, fn: Callable[[GatedMlpPart], torch.Tensor]) -> torch.Tensor:
         """fn(the mixture's shared expert part) per layer (block.mlp.parts(): its part of kind "shared")."""
-        if not any(part.kind == "shared" for block in self.blocks for part in block.mlp.parts()):
+        if not any(part.kind == "shared" for block in self.blocks if block.is_moe for part in block.mlp.parts()):
             raise ValueError(f"{what}: this model's mixtures have no shared expert")
 
         def per_layer(mlp: SparseMoe) -> torch.Tensor:
@@ -257,7 +257,7 @@ class WeightViews:
     def W_gate(self) -> Float[torch.Tensor, "n_layers n_experts d_model d_expert"]:
         d = self.cfg.d_expert
         if not self.cfg.expert_spec().activation.gated:
-            raise AttributeError(f"W_gate: this model's routed experts have no gate ({self.cfg.expert_spec().describe()}); "
+            raise ValueError(f"W_gate: this model's routed experts have no gate ({self.cfg.expert_spec().describe()}); "
                                  "their up projections are W_in")
         return self._per_moe_layer("W_gate", lambda m: m.experts.tensors().gate_up[:, :d].transpose(-2, -1))
 
@@ -320,7 +320,8 @@ class WeightViews:
         def sigmoid_gated(part: GatedMlpPart) -> bool:
             return part.gate is not None and part.gate.activation is torch.sigmoid
 
-        if not any(part.kind == "shared" and sigmoid_gated(part) for block in self.blocks for part in block.mlp.parts()):
+        if not any(part.kind == "shared" and sigmoid_gated(part) for block in self.blocks if block.is_moe
+                   for part in block.mlp.parts()):
             raise ValueError("W_shared_sigmoid_gate: this model's shared expert is not gated by a sigmoid (only Qwen2-MoE's is)")
 
         def gate_row(part: GatedMlpPart) -> torch.Tensor:

@@ -320,7 +320,10 @@ def test_steer_router_adds_exactly_the_value(family_models, family, tokens):
     assert torch.equal(logits, expected)
     # A large push makes every steered token choose the expert, and only the steered ones change.
     _, pushed = run_with(model, tokens, steer_router_hooks(model, layer, expert, 1e4))
-    assert (pushed["expert_indices", layer] == expert).any(-1).all()
+    # (not where one group of experts is chosen first, and a group scores as its best two saturated sigmoids: the
+    # tiny Nemotron-H's group of expert 5 can lose; the logits above are what steering means there)
+    if getattr(model.cfg, "topk_group", None) != 1:
+        assert (pushed["expert_indices", layer] == expert).any(-1).all()
     result = steer_router(model, tokens, layer, expert, 1e4)
     with model.hooks(fwd_hooks=steer_router_hooks(model, layer, expert, 1e4)):
         assert torch.equal(result.logits, model(tokens))

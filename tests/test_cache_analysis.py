@@ -50,9 +50,14 @@ def close(a, b, atol=ATOL):
 def expected_labels(model, expand=False):
     """TransformerLens's order: every head (a headless token mixer's whole output), then each block's MLP part,
     then embed, then the summed bias."""
+    return decomposition_labels(model, model.cfg.n_layers, expand)
+
+
+def decomposition_labels(model, layer, expand=False, mlp_input=False):
+    """The labels of the decomposition of the stream entering `layer` (with mlp_input: entering its ffn)."""
     cfg = model.cfg
-    labels = [label for l in range(cfg.n_layers) for label in mixer_labels(model, l)]
-    for l, block in enumerate(model.blocks):
+    labels = [label for l in range(layer + mlp_input) for label in mixer_labels(model, l)]
+    for l, block in enumerate(model.blocks[:layer]):
         if not block.has_ffn:
             continue
         if not block.is_moe:
@@ -139,13 +144,13 @@ def test_full_decomposition_dense_block_and_o_bias(variant_runs, key, expand):
 def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     model, _, cache = runs[family]
     stack, labels = cache.get_full_resid_decomposition(layer=2, expand_neurons=False, return_labels=True)
-    assert labels[-3:] == [f"L1.E{model.cfg.n_experts - 1}", "embed", "bias"] and not set(mixer_labels(model, 2)) & set(labels)
-    assert labels[: len(mixer_labels(model, 0) + mixer_labels(model, 1))] == mixer_labels(model, 0) + mixer_labels(model, 1)
+    assert labels == decomposition_labels(model, 2) and not set(mixer_labels(model, 2)) & set(labels)
     close(stack.sum(0), cache["resid_pre", 2])
-    stack, labels = cache.get_full_resid_decomposition(layer=2, mlp_input=True, expand_neurons=False, return_labels=True)
-    mixers = [label for l in range(3) for label in mixer_labels(model, l)]
-    assert labels[: len(mixers)] == mixers and "L2.E0" not in labels
-    close(stack.sum(0), cache["resid_mid", 2])
+    L = next(l for l in range(2, model.cfg.n_layers) if model.blocks[l].has_ffn)  # a block with a feed-forward
+    stack, labels = cache.get_full_resid_decomposition(layer=L, mlp_input=True, expand_neurons=False, return_labels=True)
+    assert labels == decomposition_labels(model, L, mlp_input=True) and f"L{L}.E0" not in labels
+    # the stream the ffn reads: resid_mid, or resid_pre in a block whose only sublayer is the ffn
+    close(stack.sum(0), cache["resid_mid" if model.blocks[L].token_mixer is not None else "resid_pre", L])
     # an int pos_slice drops the pos axis; apply_ln applies ln2: its cached scale and its weight
     stack = cache.get_full_resid_decomposition(layer=1, mlp_input=True, pos_slice=-1, apply_ln=True, return_labels=False)
     assert stack.shape[1:] == (2, model.cfg.d_model)
@@ -163,10 +168,12 @@ def test_accumulated_resid(runs, family):
     assert labels == [f"{l}_pre" for l in range(n)] + ["final_post"]
     close(stack[:n], torch.stack([cache["resid_pre", l] for l in range(n)]), 0)
     close(stack[-1], cache["resid_post", -1], 0)
+    mid = [l for l, b in enumerate(model.blocks) if b.token_mixer is not None and b.has_ffn]  # the blocks with resid_mid
     stack, labels = cache.accumulated_resid(layer=2, incl_mid=True, return_labels=True)
-    assert labels == ["0_pre", "0_mid", "1_pre", "1_mid", "2_pre"]
-    close(stack[3], cache["resid_mid", 1], 0)
-    assert cache.accumulated_resid(layer=1, mlp_input=True, return_labels=True)[1] == ["0_pre", "1_pre", "1_mid"]
+    assert labels == ["0_pre"] + ["0_mid"] * (0 in mid) + ["1_pre"] + ["1_mid"] * (1 in mid) + ["2_pre"]
+    if 1 in mid:
+        close(stack[3], cache["resid_mid", 1], 0)
+    assert cache.accumulated_resid(layer=1, mlp_input=True, return_labels=True)[1] == ["0_pre", "1_pre"] + ["1_mid"] * (1 in mid)
     # up to the final stream: each stream through the final norm itself (its own RMS, the norm's weight), the
     # logit lens: the final stream's is the norm's cached output, an earlier one's the norm applied to it
     stack = cache.accumulated_resid(apply_ln=True, pos_slice=-1)
@@ -175,23 +182,27 @@ def test_accumulated_resid(runs, family):
     resid = cache["resid_pre", 1][:, -1].float()
     by_hand = norm_factor(model.ln_final) * resid / (resid.pow(2).mean(-1, keepdim=True) + model.ln_final.eps).sqrt()
     close(stack[1], by_hand)
-    # and through ln1 of a block
+    # and through the norm reading a block's resid_pre (ln1; ln2 in a block of a feed-forward alone)
     stack = cache.accumulated_resid(layer=2, apply_ln=True)
-    close(stack[-1], cache["blocks.2.ln1.hook_normalized"])
+    close(stack[-1], cache[f"blocks.2.ln{1 if model.blocks[2].token_mixer is not None else 2}.hook_normalized"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decompose_resid(runs, family):
     model, _, cache = runs[family]
     n = model.cfg.n_layers
+    def terms(l):  # what block l adds, in order (a block may lack its token mixer or its feed-forward)
+        block = model.blocks[l]
+        return [f"{l}_attn_out"] * (block.token_mixer is not None) + [f"{l}_mlp_out"] * block.has_ffn
+
     stack, labels = cache.decompose_resid(return_labels=True)
-    assert labels == ["embed"] + [f"{l}_{s}" for l in range(n) for s in ("attn_out", "mlp_out")]
+    assert labels == ["embed"] + [label for l in range(n) for label in terms(l)]
     close(stack.sum(0), cache["resid_post", -1])
     stack, labels = cache.decompose_resid(layer=1, mlp_input=True, return_labels=True)
-    assert labels == ["embed", "0_attn_out", "0_mlp_out", "1_attn_out"]
-    close(stack.sum(0), cache["resid_mid", 1])
+    assert labels == ["embed"] + terms(0) + [label for label in terms(1) if label.endswith("attn_out")]
+    close(stack.sum(0), cache["resid_mid" if model.blocks[1].token_mixer is not None else "resid_pre", 1])
     attn, labels = cache.decompose_resid(mode="attn", incl_embeds=False, return_labels=True)
-    assert labels == [f"{l}_attn_out" for l in range(n)]
+    assert labels == [f"{l}_attn_out" for l in range(n) if model.blocks[l].token_mixer is not None]
     mlp = cache.decompose_resid(mode="mlp", incl_embeds=False)
     close(attn.sum(0) + mlp.sum(0) + cache["hook_embed"], cache["resid_post", -1])
     # apply_ln: the same scale for every component, so it commutes with the sum
@@ -212,7 +223,11 @@ def test_stack_activation(runs, family):
         assert logits.shape == (n, 2, 12, model.cfg.n_experts)
         close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
     assert cache.stack_activation("resid_pre", layer=2).shape[0] == 2
-    close(cache.stack_activation("normalized", sublayer_type="ln2")[2], cache["blocks.2.ln2.hook_normalized"], 0)
+    if all(block.has_ffn for block in model.blocks):
+        close(cache.stack_activation("normalized", sublayer_type="ln2")[2], cache["blocks.2.ln2.hook_normalized"], 0)
+    else:  # a block without a feed-forward has no ln2
+        with pytest.raises(MissingHooksError, match="have no such tensor"):
+            cache.stack_activation("normalized", sublayer_type="ln2")
     if len(set(model.cfg.top_k_per_layer)) > 1 and not model.cfg.dense_layer_indices:  # Hunyuan: top_k differs per layer
         with pytest.raises(ValueError, match="differ in shape"):
             cache.stack_activation("expert_indices")
@@ -239,10 +254,10 @@ def test_head_results(runs, family):
     stack, labels = cache.stack_head_results(layer=upto, incl_remainder=True, return_labels=True)
     assert labels[-1] == "remainder" and len(labels) == len([l for l in heads if l < upto]) * cfg.n_heads + 1
     close(stack.sum(0), cache.accumulated_resid(layer=upto)[-1])
-    if upto < cfg.n_layers:
+    if upto < cfg.n_layers:  # through the norm reading block upto's resid_pre (ln2 in a block of a feed-forward alone)
         normed = cache.stack_head_results(layer=upto, apply_ln=True, pos_slice=0)
-        ln1 = model.blocks[upto].ln1
-        close(normed, stack[:-1, :, 0] / cache[f"blocks.{upto}.ln1.hook_scale"][:, 0] * norm_factor(ln1))
+        ln = "ln1" if model.blocks[upto].token_mixer is not None else "ln2"
+        close(normed, stack[:-1, :, 0] / cache[f"blocks.{upto}.{ln}.hook_scale"][:, 0] * norm_factor(getattr(model.blocks[upto], ln)))
     fresh = model.run_with_cache(torch.zeros(1, 3, dtype=torch.long), names_filter=lambda n: n.endswith("hook_z"))[1]
     fresh.compute_head_results()
     assert fresh[f"blocks.{heads[0]}.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)

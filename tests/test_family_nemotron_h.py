@@ -405,3 +405,21 @@ def test_fold_ln_keeps_the_logits(ckpts, variant):
     toks = tokens(shape=(2, 30))
     with torch.no_grad():
         assert (plain(toks) - folded(toks)).abs().max() <= 1e-5
+
+
+def test_ungated_expert_views_reproduce_the_hooks(base):
+    """W_gate is refused (no gate); W_in is the up stack and W_out the down stack: each slot's up projection and
+    weighted output recomputed from them and the cached inputs."""
+    toks = tokens(21, (2, 9))
+    with torch.no_grad():
+        _, cache = base.run_with_cache(toks)
+        with pytest.raises(ValueError, match="W_gate: this model's routed experts have no gate"):
+            base.W_gate
+        W_in, W_out = base.W_in, base.W_out
+        for l in base.cfg.moe_layer_indices:
+            x, idx = cache[f"blocks.{l}.ln2.hook_normalized"], cache["expert_indices", l]
+            up = torch.einsum("bpm,bpkmi->bpki", x, W_in[l][idx])
+            torch.testing.assert_close(up, cache[f"blocks.{l}.mlp.experts.hook_pre_linear"], rtol=0, atol=1e-5)
+            out = torch.einsum("bpki,bpkim->bpkm", cache[f"blocks.{l}.mlp.experts.hook_post"], W_out[l][idx])
+            weighted = out * cache["expert_weights", l][..., None].to(out.dtype)
+            torch.testing.assert_close(weighted, cache["expert_outputs", l], rtol=0, atol=1e-5)

@@ -107,10 +107,12 @@ def test_norm_divides_by_the_hooked_scale(family_models, family, tokens):
     """Oracle written out: ln2's output is weight * x / scale, with x the cached resid_mid, for a replaced scale."""
     model = family_models[family]
     new_scale = lambda s, hook: s * 2.0 + 0.5  # noqa: E731
-    _, cache = model.run_with_cache(tokens, names_filter=["blocks.1.hook_resid_mid", "blocks.1.ln2.hook_normalized"])
+    # the stream ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone (Nemotron-H)
+    stream = "blocks.1.hook_resid_mid" if model.blocks[1].token_mixer is not None else "blocks.1.hook_resid_pre"
+    _, cache = model.run_with_cache(tokens, names_filter=[stream, "blocks.1.ln2.hook_normalized"])
     with model.hooks(fwd_hooks=[("blocks.1.ln2.hook_scale", new_scale)]):
-        _, hooked = model.run_with_cache(tokens, names_filter=["blocks.1.ln2.hook_normalized", "blocks.1.hook_resid_mid"])
-    x = hooked["blocks.1.hook_resid_mid"].double()
+        _, hooked = model.run_with_cache(tokens, names_filter=["blocks.1.ln2.hook_normalized", stream])
+    x = hooked[stream].double()
     scale = x.pow(2).mean(-1, keepdim=True).add(model.blocks[1].ln2.eps).sqrt() * 2.0 + 0.5
     expected = norm_factor(model.blocks[1].ln2).double() * x / scale
     torch.testing.assert_close(hooked["blocks.1.ln2.hook_normalized"].double(), expected, rtol=1e-5, atol=1e-6)

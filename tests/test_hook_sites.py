@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import tiny_longcat_flash
-import tiny_nemotron_h
 from conftest import FAMILIES, VARIANTS
 
 from moelens import HookedTransformer
@@ -26,7 +25,6 @@ AWAITING_FAMILY_FORMS: set[str] = set()
 # models not yet in conftest's generic suites (no TransformerLens switch on them)
 HYBRID_BUILDERS = {
     ("longcat_flash", "base"): tiny_longcat_flash.build_longcat_flash,
-    ("nemotron_h", "base"): tiny_nemotron_h.build_nemotron_h,
 }
 
 # a form's meaning fields, as the model fills them: (model, layer) -> value

@@ -23,8 +23,11 @@ from moelens.models.recipe import decoder_recipe
 def gated_mlp_by_hand(part: GatedMlpPart, x: torch.Tensor) -> torch.Tensor:
     """A gated-MLP part's term of hook_mlp_out from its weights: down(act(x W_gate) * x W_up), times the gate."""
     mlp = part.module
-    W_gate, W_up, W_down = (p.detach() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
-    out = (mlp.act(x @ W_gate.T) * (x @ W_up.T)) @ W_down.T
+    W_up, W_down = mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach()
+    if hasattr(mlp, "gate_proj"):
+        out = (mlp.act(x @ mlp.gate_proj.weight.detach().T) * (x @ W_up.T)) @ W_down.T
+    else:  # an ungated MLP (Nemotron-H's): down(act(x W_up))
+        out = mlp.act(x @ W_up.T) @ W_down.T
     if part.gate is not None:
         out = part.gate.activation(x @ part.gate.module.weight.detach().T) * out
     return out

@@ -102,9 +102,11 @@ def test_rerouting_interventions_fetch_what_they_route_to(checkpoints, resident,
     """A hook that sends every slot to the last expert, and one that edits router logits: the offloaded model
     loads what they route to and matches the resident model under the same hooks."""
     last = resident[family].cfg.n_experts - 1
+    # two mixture layers: blocks 1 and 2 where those are mixtures (Nemotron-H's are 1 and 5)
+    first, second = [l for l in resident[family].cfg.moe_layer_indices if l >= 1][:2]
     hooks = [
-        ("blocks.1.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, last)),
-        ("blocks.2.mlp.hook_router_logits", lambda x, hook: x.flip(-1)),
+        (f"blocks.{first}.mlp.hook_expert_indices", lambda idx, hook: torch.full_like(idx, last)),
+        (f"blocks.{second}.mlp.hook_router_logits", lambda x, hook: x.flip(-1)),
     ]
     model = load(checkpoints[family, "base"], expert_offload="disk", expert_cache_bytes=0)
     assert torch.equal(model.run_with_hooks(tokens, fwd_hooks=hooks), resident[family].run_with_hooks(tokens, fwd_hooks=hooks))

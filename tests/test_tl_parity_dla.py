@@ -55,10 +55,13 @@ def test_decompose_resid_logit_attrs_sum_to_logit(runs, family):
     model, toks, logits, cache = runs[family]
     stack, labels = cache.decompose_resid(pos_slice=-1, return_labels=True)  # apply_ln=False by default
     n = model.cfg.n_layers
-    assert labels == ["embed"] + [f"{l}_{s}" for l in range(n) for s in ("attn_out", "mlp_out")]
+    # each block's sublayers (a Nemotron-H block has one: its token mixer or its feed-forward)
+    terms = [(l, s) for l, b in enumerate(model.blocks) for s, has in (("attn_out", b.token_mixer is not None),
+                                                                      ("mlp_out", b.has_ffn)) if has]
+    assert labels == ["embed"] + [f"{l}_{s}" for l, s in terms]
     answer = 7
     attrs = cache.logit_attrs(stack, tokens=answer, pos_slice=-1)
-    assert attrs.shape == (2 * n + 1, 2)
+    assert attrs.shape == (len(terms) + 1, 2)
     close(attrs.sum(0), logits[:, -1, answer])
     # the same with a 0-d tensor and with one answer per row
     close(cache.logit_attrs(stack, tokens=torch.tensor(answer), pos_slice=-1), attrs, 0)
@@ -127,7 +130,8 @@ def test_without_batch_dim(runs, family):
     with torch.no_grad():
         single_logits, single = model.run_with_cache(toks[:1], remove_batch_dim=True)
     stack = single.decompose_resid(pos_slice=-1)
-    assert stack.shape == (2 * model.cfg.n_layers + 1, model.cfg.d_model)
+    n_terms = sum(len(block.sublayers()) for block in model.blocks)
+    assert stack.shape == (n_terms + 1, model.cfg.d_model)
     attrs = single.logit_attrs(stack, 7, pos_slice=-1, has_batch_dim=False)
     assert attrs.shape == (stack.shape[0],)
     close(attrs.sum(0), single_logits[0, -1, 7])

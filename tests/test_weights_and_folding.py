@@ -103,6 +103,9 @@ def check_qkv_views(model, cache, attn):
 def test_expert_views_reproduce_hooks(runs, family):
     model, _, cache = runs[family]
     cfg = model.cfg
+    if not cfg.expert_spec().activation.gated:
+        pytest.skip("ungated experts (Nemotron-H): W_gate is refused and W_in is the up stack; "
+                    "test_family_nemotron_h.py::test_ungated_expert_views_reproduce_the_hooks")
     L, E, M, I, S = cfg.n_layers, cfg.n_experts, cfg.d_model, cfg.d_expert, cfg.d_shared
     layers = cfg.moe_layer_indices
     if cfg.dense_layer_indices:

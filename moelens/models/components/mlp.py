@@ -98,7 +98,7 @@ class UngatedMLP(GatedMLP):
 
     @property
     def W_gate(self):
-        raise AttributeError("UngatedMLP has no gate projection (down(act(up(x))))")
+        raise ValueError("W_gate: an UngatedMLP has no gate projection (down(act(up(x)))); its up projection is W_in")
 
     @property
     def b_in(self) -> Float[torch.Tensor, "d_mlp"]:
