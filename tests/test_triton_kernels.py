@@ -191,13 +191,15 @@ def test_end_to_end_triton_backend_equals_torch(checkpoints, family, tokens):
     triton_model = HookedTransformer.from_pretrained(path, progress=False, experts_backend="triton")
     logits_t, cache_t = torch_model.run_with_cache(tokens)
     logits_k, cache_k = triton_model.run_with_cache(tokens)
-    tol = 1e-5
-    if any(b.token_mixer is not None and not b.has_attention for b in torch_model.blocks):
-        # linear-attention layers amplify the kernels' float32 rounding (3.6e-5 on the tiny Qwen3-Next's logits):
-        # within twice the model's own float32 rounding, measured against its float64 run
-        exact = HookedTransformer.from_pretrained(path, progress=False, dtype=torch.float64)
-        with torch.no_grad():
-            tol = max(tol, 2 * (exact(tokens).float() - logits_t).abs().max().item())
+    # within 1e-5, or twice the model's own float32 rounding (its float64 run) where that is larger: the kernels
+    # sum in another order, and later layers amplify it (3.6e-5 on the tiny Qwen3-Next's logits through its
+    # linear-attention layers; 1.05e-5 in Solar's stream with one torch thread)
+    exact = HookedTransformer.from_pretrained(path, progress=False, dtype=torch.float64)
+    with torch.no_grad():
+        logits_x, streams = exact.run_with_cache(tokens, names_filter=lambda name: name.endswith("hook_resid_post"))
+    rounding = max([(logits_x.float() - logits_t).abs().max().item()]
+                   + [(streams[name].float() - cache_t[name]).abs().max().item() for name in streams.keys()])
+    tol = max(1e-5, 2 * rounding)
     assert (logits_t - logits_k).abs().max() <= tol
     for name in cache_t:
         a, b = cache_t[name], cache_k[name]
