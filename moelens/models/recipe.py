@@ -25,7 +25,7 @@ from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.router import TopKRouter
-from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.mixers.base import StateTensor
 from moelens.models.terms import ParamTerm, under
 
 if TYPE_CHECKING:
@@ -122,11 +122,6 @@ class Recipe:
         if not cfg.tie_word_embeddings:  # tied: the embedding's matrix, counted once
             terms.append(ParamTerm("unembed.weight", (cfg.d_vocab, cfg.d_model), "unembedding", flops=head))
         return tuple(terms)
-
-    def state_bytes(self, cfg: MoeConfig) -> list[StateBytes]:
-        """Per layer, what its mixer's state holds (values per token and per sequence); nothing for a layer
-        without a mixer."""
-        return [values_of(tensors) for tensors in self.state_tensors(cfg)]
 
     def state_tensors(self, cfg: MoeConfig) -> list[tuple[StateTensor, ...]]:
         """Per layer, the tensors its mixer's state holds, each with its dtype; none for a layer without a mixer."""
