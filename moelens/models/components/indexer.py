@@ -92,7 +92,9 @@ def top_keys(
     mask_dtype: torch.dtype,
 ) -> Int[torch.Tensor, "batch query k"]:
     """The min(index_topk, keys) best keys of each query, best first, the masked keys scored as transformers
-    scores them (the finfo.min of the model's dtype, so ties fall as there)."""
+    scores them (the finfo.min of the model's dtype, so ties fall as there). transformers adds that mask to the
+    float32 scores, so a float64 model's scores are ranked in float64, where its finfo.min is representable."""
+    scores = scores.to(torch.promote_types(scores.dtype, mask_dtype))
     masked = scores.masked_fill(~allowed[:, 0], torch.finfo(mask_dtype).min)
     return masked.topk(min(index_topk, scores.shape[-1]), dim=-1).indices
 
