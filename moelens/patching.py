@@ -7,7 +7,8 @@ get_act_patch_* functions are the usual combinations, with TransformerLens's nam
 
 What differs from TransformerLens, and why:
 - The runs are made under torch.no_grad() (the metric is read with .item(); no graph is needed).
-- No progress bar: the loop runs silently (TransformerLens's shows one with tqdm).
+- A progress bar (tqdm) over the runs, as TransformerLens shows; it writes to stderr only where that is a
+  terminal (tqdm's disable=None), so that logs and captured output stay clean.
 - index_df / return_index_df need pandas, which is not a moelens dependency: they raise an ImportError
   saying so when it is missing. index_axis_names needs nothing.
 - A layer that lacks the site (a dense block has no hook_routed_out; a block without a shared expert no
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Float, Int
+from tqdm.auto import tqdm
 
 from moelens.hooks import HookPoint
 from moelens.utils import get_act_name
@@ -129,7 +131,7 @@ def generic_activation_patch(
         out = torch.zeros(len(rows))
     flat = out.view(-1) if index_axis_names is not None else out
 
-    for c, index in enumerate(rows):
+    for c, index in enumerate(tqdm(rows, desc="patching", disable=None)):
         name = _site(model, activation_name, index[0])
         if name not in model.hook_dict:
             flat[c] = float("nan")

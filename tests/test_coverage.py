@@ -1,7 +1,7 @@
 """Coverage is a test: every model type of the installed transformers that routes to experts and has a text-only
-causal LM is either a registered moelens family or a row of README's "Coverage" table naming what it needs.
+causal LM is either a registered moelens family or a row of the "Coverage" table of docs/coverage.md naming what it needs.
 
-The criterion (README, "Coverage"): the model type's config class declares an expert count (one of COUNT_FIELDS,
+The criterion (docs/coverage.md): the model type's config class declares an expert count (one of COUNT_FIELDS,
 as an annotated field or an attribute_map alias, itself or in a sub-config that is not another modality's), and
 transformers has `<config class name without Config>ForCausalLM` for it: the class AutoModelForCausalLM maps it to,
 or, where it maps none (Mistral 4), that class in the model's module. A multimodal checkpoint's own type (whose
@@ -21,7 +21,7 @@ from pathlib import Path
 from moelens.families import FAMILIES
 import moelens.models  # noqa: F401  (the families register themselves)
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+COVERAGE = (Path(__file__).resolve().parent.parent / "docs" / "coverage.md").read_text()
 COUNT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 OTHER_MODALITIES = ("vision_config", "audio_config", "text_config", "speech_config")
 
@@ -85,16 +85,16 @@ def moe_causal_lm_types() -> dict[str, str]:
     return found
 
 
-def coverage_rows(text: str = README) -> dict[str, str]:
-    """README's "Coverage" table: model_type -> its missing piece."""
+def coverage_rows(text: str = COVERAGE) -> dict[str, str]:
+    """docs/coverage.md's "Coverage" table: model_type -> its missing piece."""
     section = text.split("\n## Coverage\n", 1)
-    assert len(section) == 2, "README has no '## Coverage' section"
+    assert len(section) == 2, "docs/coverage.md has no '## Coverage' section"
     body = section[1].split("\n## ", 1)[0]
     rows = {}
     for line in body.splitlines():
         match = re.match(r"\|\s*`([\w.-]+)`\s*\|[^|]*\|(.*)\|\s*$", line)
         if match and match.group(1) != "model_type":  # the header
-            assert match.group(1) not in rows, f"README coverage: {match.group(1)} has two rows"
+            assert match.group(1) not in rows, f"docs/coverage.md: {match.group(1)} has two rows"
             rows[match.group(1)] = match.group(2).strip()
     return rows
 
@@ -122,7 +122,7 @@ def test_every_known_type_is_registered_or_named():
         status = "registered" if model_type in registered else rows.get(model_type, "NOT NAMED")
         print(f"  {model_type:24} {found[model_type]:32} {status}")
     unnamed = sorted(t for t in found if t in KNOWN and t not in registered and t not in rows)
-    assert not unnamed, f"neither a moelens family nor a row of README's Coverage table: {unnamed}"
+    assert not unnamed, f"neither a moelens family nor a row of docs/coverage.md's table: {unnamed}"
 
 
 def test_types_transformers_added_later_are_reported_not_failed():
@@ -130,7 +130,7 @@ def test_types_transformers_added_later_are_reported_not_failed():
     new = sorted(set(found) - KNOWN - registered_types() - set(coverage_rows()))
     if new:
         warnings.warn(f"transformers has MoE causal-LM types moelens neither loads nor names: {new}; add a family "
-                      "or a row to README's Coverage table", stacklevel=1)
+                      "or a row to docs/coverage.md's table", stacklevel=1)
     gone = sorted(KNOWN - set(found))
     if gone:
         warnings.warn(f"model types the installed transformers no longer lists: {gone}", stacklevel=1)
@@ -139,11 +139,11 @@ def test_types_transformers_added_later_are_reported_not_failed():
 def test_rows_name_a_specific_missing_piece_and_are_current():
     rows, registered = coverage_rows(), registered_types()
     stale = sorted(set(rows) & registered)
-    assert not stale, f"README's Coverage table still lists registered families: {stale}"
+    assert not stale, f"docs/coverage.md still lists registered families: {stale}"
     vague = {t: r for t, r in rows.items() if not names_a_piece(r)}
-    assert not vague, f"README's Coverage rows must name the missing piece: {vague}"
+    assert not vague, f"docs/coverage.md's rows must name the missing piece: {vague}"
     unknown = sorted(set(rows) - KNOWN - set(moe_causal_lm_types()))
-    assert not unknown, f"README's Coverage rows name types transformers does not have: {unknown}"
+    assert not unknown, f"docs/coverage.md's rows name types transformers does not have: {unknown}"
 
 
 def test_a_row_must_name_its_piece():

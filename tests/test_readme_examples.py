@@ -1,6 +1,6 @@
-"""README's examples run as written, so that they cannot drift from the code.
+"""README's and the documentation's examples run as written, so that they cannot drift from the code.
 
-Every ```python block of README.md runs as a script of its own, in an empty temporary folder, in a fresh
+Every ```python block of README.md and of every page under docs/ runs as a script of its own, in an empty temporary folder, in a fresh
 interpreter (this checkout's moelens first on its path), and must exit 0. Every `moelens ...` command in a
 shell block (```bash, ```sh or a plain ``` fence; after a `$ ` prompt where the block shows one) runs as
 `python -m moelens ...` the same way.
@@ -10,7 +10,7 @@ A block that cannot run here says so on the line right before its fence, with th
     <!-- not run: needs the Hub and two GPUs -->
 
 Such a block must still compile, and every name it uses must be bound: by the block itself, by an earlier
-Python block of README (read top to bottom, as one session), or by Python's builtins. A block that needs an
+Python block of the same page (read top to bottom, as one session), or by Python's builtins. A block that needs an
 optional extra that is not installed here (sae-lens, ...) is skipped, naming the package.
 """
 
@@ -34,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(?P<reason>\S.*?)\s*-->\s*$")
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
 SHELL = {"", "bash", "sh", "shell", "console"}
@@ -42,6 +43,7 @@ TIMEOUT = 600  # seconds per block: the SAE example trains for a few seconds; a 
 
 @dataclass(frozen=True)
 class Block:
+    page: str  # relative to the repository's root
     line: int  # of the opening fence, 1-based
     lang: str
     code: str
@@ -49,10 +51,10 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
-def read_blocks(text: str) -> list[Block]:
+def read_blocks(text: str, page: str = "README.md") -> list[Block]:
     lines = text.split("\n")
     blocks, i = [], 0
     while i < len(lines):
@@ -62,15 +64,16 @@ def read_blocks(text: str) -> list[Block]:
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
         if end is None:
-            raise AssertionError(f"README.md:{i + 1}: a code fence that is never closed")
+            raise AssertionError(f"{page}:{i + 1}: a code fence that is never closed")
         marker = NOT_RUN.match(lines[i - 1]) if i else None
-        blocks.append(Block(i + 1, fence["lang"], "\n".join(lines[i + 1:end]) + "\n", marker and marker["reason"]))
+        blocks.append(Block(page, i + 1, fence["lang"], "\n".join(lines[i + 1:end]) + "\n", marker and marker["reason"]))
         i = end + 1
     return blocks
 
 
-BLOCKS = read_blocks(README.read_text())
+BLOCKS = [b for path in PAGES for b in read_blocks(path.read_text(), str(path.relative_to(ROOT)))]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
+README_PYTHON = [b for b in PYTHON if b.page == "README.md"]
 
 
 def moelens_commands(block: Block) -> list[list[str]]:
@@ -134,7 +137,13 @@ def missing_extra(code: str) -> str | None:
 
 
 def test_readme_has_examples():
-    assert [b for b in PYTHON if not b.not_run] and COMMANDS
+    assert [b for b in README_PYTHON if not b.not_run] and COMMANDS
+
+
+def test_every_page_of_the_docs_is_read():
+    """The pages the examples are read from are the site's pages (a page moved out of docs/ would be left out)."""
+    pages = {b.page for b in BLOCKS}
+    assert {"README.md", "docs/getting-started.md", "docs/routing.md", "docs/traces.md", "docs/sae-lens.md"} <= pages
 
 
 @pytest.mark.slow
@@ -177,7 +186,7 @@ def import_or_skip(name: str):
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] == "moelens":
-            raise AssertionError(f"README imports {name}, which does not exist: {err}") from err
+            raise AssertionError(f"an example imports {name}, which does not exist: {err}") from err
         pytest.skip(f"{name} needs {err.name}, not installed here (an optional extra)")
 
 
@@ -212,17 +221,18 @@ def free_names(code: str) -> set[str]:
 @pytest.mark.parametrize("block", [b for b in PYTHON if b.not_run], ids=lambda b: b.id)
 def test_a_block_not_run_compiles_and_binds_its_names(block):
     compile(block.code, block.id, "exec")
-    earlier = set().union(*(bound_names(b.code) for b in PYTHON if b.line < block.line))
+    earlier = set().union(*(bound_names(b.code) for b in PYTHON if b.page == block.page and b.line < block.line))
     unbound = free_names(block.code) - earlier - set(dir(builtins))
     assert not unbound, f"{block.id} ({block.not_run}) uses names nothing binds: {sorted(unbound)}"
 
 
-def test_every_marker_stands_right_before_a_fence():
-    lines = README.read_text().split("\n")
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_marker_stands_right_before_a_fence(path):
+    lines = path.read_text().split("\n")
     for i, line in enumerate(lines):
         if NOT_RUN.match(line) or "not run" in line and line.lstrip().startswith("<!--"):
             assert NOT_RUN.match(line) and i + 1 < len(lines) and FENCE.match(lines[i + 1]), (
-                f"README.md:{i + 1}: a 'not run' marker must be `<!-- not run: REASON -->` on the line right before "
+                f"{path.relative_to(ROOT)}:{i + 1}: a 'not run' marker must be `<!-- not run: REASON -->` on the line right before "
                 "a code fence"
             )
 
@@ -246,7 +256,7 @@ def test_pip_install_names_moelens_by_its_path():
     commands' messages) install it from the checkout, `pip install ".[sae]"`, naming extras pyproject.toml has."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    for path in (README, ROOT / "moelens" / "cli.py"):
+    for path in (*PAGES, ROOT / "moelens" / "cli.py"):
         text = path.read_text()
         by_name = [m.group(0) for m in BY_NAME.finditer(text)]
         assert not by_name, f"{path.name}: {by_name}: install moelens from its checkout, `pip install '.[extra]'`"
@@ -265,7 +275,7 @@ PROCESS_WORDS = re.compile(r"\blent\b|\bsessions?\b|run\(\{|\btimeout_s\b|comman
 def test_docs_and_scripts_speak_of_the_project():
     """README, the benchmarks, tools and CI script describe how to run things on a machine, not how the project
     happens to be developed."""
-    files = [README, ROOT / ".ci" / "run", *(ROOT / "benchmarks").iterdir(), *(ROOT / "tools").glob("*.py")]
+    files = [*PAGES, ROOT / ".ci" / "run", ROOT / "mkdocs.yml", *(ROOT / "benchmarks").iterdir(), *(ROOT / "tools").glob("*.py")]
     found = [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
         for path in files if path.is_file()
@@ -277,7 +287,7 @@ def test_docs_and_scripts_speak_of_the_project():
 def test_the_first_example_moves_exactly_the_tokens_routed_to_the_ablated_expert():
     """README's first block ablates one expert of the last block: the change it prints is non-zero at the
     tokens routed to that expert and exactly zero elsewhere (and some token is routed to it)."""
-    first = PYTHON[0]
+    first = README_PYTHON[0]
     expert = int(re.search(r"masked_fill\(chosen == (\d+), 0\)", first.code).group(1))
     layer = int(re.search(r"blocks\.(\d+)\.mlp\.hook_expert_weights", first.code).group(1))
     names: dict = {}

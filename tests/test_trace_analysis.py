@@ -30,7 +30,7 @@ from moelens.traces.manifest import FORMAT
 from moelens.traces.parts import schema
 
 duckdb = pytest.importorskip("duckdb")
-NOTES = Path(__file__).parent.parent / "README.md"
+NOTES = Path(__file__).parent.parent / "docs" / "traces.md"
 
 # (doc, start, pos, token, {layer: (experts, weights)}): E = 4 experts, top_k = 2, layers 0 and 1.
 # Doc 0 has two windows (start 0: three tokens; start 3: one token), doc 1 one window of two tokens.
@@ -293,7 +293,7 @@ def sql_blocks() -> list[str]:
 
 
 def test_the_readme_queries_run_and_give_the_hand_numbers(hand, tmp_path):
-    """The three DuckDB queries of README.md, run as printed (paths substituted)."""
+    """The three DuckDB queries of docs/traces.md, run as printed (paths substituted)."""
     b = write_trace(tmp_path / "b", ROWS_B)
     load_q, top_q, diff_q = sql_blocks()
     sub = lambda q: q.replace("traces/wiki", str(hand)).replace("traces/code", str(b))  # noqa: E731

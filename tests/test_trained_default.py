@@ -20,7 +20,8 @@ from moelens.cli import main
 
 NAME = "tiny-code-moe"
 FOLDER = Path(defaults.__file__).parent / NAME
-RECORD = json.loads((FOLDER / "training_record.json").read_text())
+# the record stays in the repository, beside the training script; the package does not ship it
+RECORD = json.loads((Path(__file__).resolve().parent.parent / "tools" / "tiny-code-moe" / "training_record.json").read_text())
 # what "clearly better than gzip -9" means here: at most this share of gzip's bits, and at most these bits/byte
 MARGIN = 0.75
 STDLIB_BOUND = 1.7

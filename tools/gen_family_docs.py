@@ -35,6 +35,15 @@ def family_rows(readme: str) -> dict[str, dict[str, str]]:
     return rows
 
 
+def family_rows_checked(readme: str, types: list[str]) -> dict[str, dict[str, str]]:
+    """The family table's rows, one for each of `types`, or a KeyError naming those it lacks."""
+    table = family_rows(readme)
+    missing = [t for t in types if t not in table]
+    if missing:
+        raise KeyError(f"README.md's family table has no row for the registered model_type(s) {missing}")
+    return table
+
+
 def tiny_default(model_type: str) -> str:
     """The embedded random tiny model of a family."""
     folder = Path(defaults.__file__).parent
@@ -55,12 +64,8 @@ def cell(text: str) -> str:
 
 
 def render() -> dict[Path, str]:
-    readme = (ROOT / "README.md").read_text()
-    table = family_rows(readme)
     types = model_types()
-    missing = [t for t in types if t not in table]
-    if missing:
-        raise KeyError(f"README.md's family table has no row for the registered model_type(s) {missing}")
+    table = family_rows_checked((ROOT / "README.md").read_text(), types)
     supports = {t: moelens.HookedTransformer.from_pretrained(tiny_default(t)).support(print_table=False) for t in types}
     common = set.intersection(*(set(s.names()) for s in supports.values()))
     pages: dict[Path, str] = {}

@@ -18,7 +18,7 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from train_tiny_moe import new_model  # the training script's own initialisation: the untrained twin
+from train_tiny_moe import new_model, record_path  # the training script's own initialisation: the untrained twin
 
 import moelens
 from moelens import defaults
@@ -29,7 +29,7 @@ NAME = "tiny-code-moe"
 
 def held_out_files() -> list[Path]:
     """The record's held-out standard-library files that this interpreter has byte for byte."""
-    record = json.loads((defaults.trained_checkpoint(NAME) / "training_record.json").read_text())
+    record = json.loads(record_path(defaults.trained_checkpoint(NAME)).read_text())
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for rel, digest in sorted(record["data"]["held_out_python"].items()):

@@ -22,7 +22,8 @@ Everything is seeded: the same installed files, interpreter version, torch versi
 same weights. --init-from continues an earlier run on the same data (its tokenizer is checked) with a fresh
 optimizer and schedule. The script writes, next to the weights, MODEL_CARD.md (what a person reads) and
 training_record.json (the package versions and exact file lists with hashes, the tokenizer's hash, every
-setting, the loss curves and the evaluations).
+setting, the loss curves and the evaluations). For the shipped default (--out moelens/defaults/tiny-code-moe)
+the record goes to tools/tiny-code-moe/ instead, beside this script: the package does not ship its 1.1 MB.
 """
 
 from __future__ import annotations
@@ -443,6 +444,18 @@ def sha256(data: bytes) -> str:
 
 
 # ---- output ------------------------------------------------------------------------------------------------
+TOOLS = Path(__file__).resolve().parent
+SHIPPED = TOOLS.parent / "moelens" / "defaults" / "tiny-code-moe"
+
+
+def record_path(out: Path) -> Path:
+    """Where a checkpoint folder's training record is: beside its weights, or, for the default the package
+    ships, in the repository's tools/tiny-code-moe/ (kept out of the package)."""
+    if out.resolve() == SHIPPED:
+        return TOOLS / "tiny-code-moe" / "training_record.json"
+    return out / "training_record.json"
+
+
 def write(out: Path, model, tok: Tokenizer, record: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file(checkpoint_tensors(model), out / "model.safetensors", metadata={"format": "pt"})
@@ -451,7 +464,8 @@ def write(out: Path, model, tok: Tokenizer, record: dict) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
     record["files"]["model.safetensors"] = sha256((out / "model.safetensors").read_bytes())
-    (out / "training_record.json").write_text(json.dumps(record, indent=1) + "\n")
+    record_path(out).parent.mkdir(parents=True, exist_ok=True)
+    record_path(out).write_text(json.dumps(record, indent=1) + "\n")
     (out / "MODEL_CARD.md").write_text(model_card(record))
 
 
@@ -525,7 +539,8 @@ A {r['parameters']:,}-parameter Qwen2-MoE-family model (model_type `qwen2_moe`),
 | English: every {HELD_OUT_TOPIC_EVERY}th pydoc topic ({e['english_topics']} topics) | {e['english_bytes']:,} | {e['english_bpb']:.3f} | {e['english_gzip_bpb']:.3f} |
 
 gzip compresses each file on its own; the model reads each file from its start, in windows of
-{s['seq_len']} tokens. `training_record.json` holds the exact file lists (with the sha256 of each file, the
+{s['seq_len']} tokens. `training_record.json` (for the shipped default, in the repository's
+tools/tiny-code-moe/, not in the package) holds the exact file lists (with the sha256 of each file, the
 package versions), every setting and the loss curve.
 """
 
@@ -533,7 +548,7 @@ package versions), every setting and the loss curve.
 def continuation_of(folder: Path, tok: Tokenizer) -> dict:
     """What a continuation starts from: the earlier run's record (settings, curve, time); its tokenizer must be
     the one this run trained, byte for byte, or the token ids would mean other things."""
-    record = json.loads((folder / "training_record.json").read_text())
+    record = json.loads(record_path(folder).read_text())
     if tok.to_str() != Tokenizer.from_file(str(folder / "tokenizer.json")).to_str():
         raise ValueError(f"{folder / 'tokenizer.json'} differs from the tokenizer trained on this data: continue only "
                          "a run on the same installed packages and standard library")

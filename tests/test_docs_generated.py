@@ -1,0 +1,45 @@
+"""The documentation's family pages are what tools/gen_family_docs.py writes from the code today (the registry,
+README's family table, each family's notes and support() of its tiny default): a family added, a site renamed
+or a meaning reworded without regenerating them fails here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import gen_family_docs  # noqa: E402  (a script of tools/, not a package)
+
+
+@pytest.fixture(scope="module")
+def pages():
+    return gen_family_docs.render()
+
+
+def test_the_committed_family_pages_are_what_the_generator_writes(pages):
+    stale = [str(p.relative_to(ROOT)) for p, text in pages.items() if not p.exists() or p.read_text() != text]
+    extra = [str(p.relative_to(ROOT)) for p in gen_family_docs.OUT.glob("*.md") if p not in pages]
+    assert not stale and not extra, (
+        f"stale: {stale}, not generated: {extra}; run `python tools/gen_family_docs.py` and commit the pages"
+    )
+
+
+def test_every_registered_family_has_a_page_in_the_site_nav(pages):
+    nav = (ROOT / "mkdocs.yml").read_text()
+    missing = [p.name for p in pages if f"families/{p.name}" not in nav]
+    assert not missing, f"mkdocs.yml's nav leaves out {missing}"
+
+
+def test_a_family_page_lists_the_sites_only_it_has(pages):
+    """gpt-oss's sink scores are its own site; the residual stream is every family's (worked out by hand)."""
+    gpt_oss = pages[gen_family_docs.OUT / "gpt_oss.md"]
+    own = gpt_oss.split("## Sites beyond the common ones", 1)[1].split("\n## ", 1)[0]
+    assert "`blocks.L.attn.hook_sink_scores`" in own and "`blocks.L.hook_resid_pre`" not in own
+
+
+def test_a_family_missing_from_the_readme_table_is_named():
+    with pytest.raises(KeyError, match="mixtral"):
+        gen_family_docs.family_rows_checked("| `HookedQwen2Moe` | `qwen2_moe` | a | b |", ["qwen2_moe", "mixtral"])
