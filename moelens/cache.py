@@ -119,12 +119,15 @@ class ActivationCache(CacheAnalysis):
         return len(self.cache_dict)
 
     def keys(self):
+        """The cached hook names, as a dict's keys."""
         return self.cache_dict.keys()
 
     def values(self):
+        """The cached tensors, as a dict's values."""
         return self.cache_dict.values()
 
     def items(self):
+        """(hook name, tensor) pairs, as a dict's items."""
         return self.cache_dict.items()
 
     def to(self, device: torch.device | str, move_model: bool = False) -> ActivationCache:

@@ -269,6 +269,7 @@ class HookPoint(nn.Module):
         self._hooks = [h for h in self._hooks if h is not record]
 
     def add_perma_hook(self, hook: HookFn, dir: Direction = "fwd") -> Hook:
+        """`add_hook(hook, dir, is_permanent=True)`: a hook that `reset_hooks()` keeps unless asked."""
         return self.add_hook(hook, dir=dir, is_permanent=True)
 
     def remove_hooks(self, dir: Directions = "fwd", including_permanent: bool = False, level: int | None = None) -> None:
@@ -294,6 +295,7 @@ class HookPoint(nn.Module):
                 hook.active = False  # the call's own record: its block ends without it
 
     def clear_context(self) -> None:
+        """Empty `ctx`, the dict hooks keep state in between calls."""
         self.ctx = {}
 
     def layer(self) -> int:
@@ -304,6 +306,7 @@ class HookPoint(nn.Module):
         return int(parts[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x after this point's forward hooks (each may return a replacement or edit it in place)."""
         return self.run(x)[0]
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -357,6 +360,7 @@ class HookPoint(nn.Module):
             raise HookShapeError(f"hook on {self.name} returned a tensor on {new.device}, expected one on {old.device}")
 
     def extra_repr(self) -> str:
+        """The site's layout, as `print(model)` shows it."""
         return f"[{self.layout}]" if self.layout else ""
 
 

@@ -109,6 +109,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
 
     # ---- construction helpers used by the loader ---------------------------------------------------
     def tie_weights(self) -> None:
+        """Share the embedding's weight with the unembedding where config.json ties them."""
         if self.cfg.tie_word_embeddings:
             self.unembed.weight = self.embed.weight
 
@@ -906,6 +907,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         return next((c for c in candidates if c in self.hook_dict), name)
 
     def hook_names_for_alias(self, name: str) -> list[str]:
+        """The hook points a short or standard name selects, one per block that has the site."""
         found = (self.canonical_hook_name(name, layer) for layer in range(self.cfg.n_layers))
         return [n for n in found if n in self.hook_dict]
 

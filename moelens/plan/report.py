@@ -171,4 +171,5 @@ def _describe(o: dict, experts_are: str = "") -> str:
 
 
 def to_json_text(p: Plan) -> str:
+    """The plan as indented JSON text (`moelens plan --json`)."""
     return json.dumps(p.to_json(), indent=2)

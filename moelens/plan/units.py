@@ -12,6 +12,7 @@ def human(n: float) -> str:
 
 
 def human_count(n: int) -> str:
+    """A count for people: 102.65B, 2.05M, 3.20k, or the number itself under a thousand."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f}{unit}"

@@ -146,6 +146,7 @@ TraceLike = Trace | str | os.PathLike
 
 
 def as_trace(trace: TraceLike) -> Trace:
+    """A `Trace`, opened from a folder (str or path) where one is not given."""
     if isinstance(trace, Trace):
         return trace
     if isinstance(trace, (str, os.PathLike)):
@@ -608,6 +609,8 @@ def trace_coactivations(trace: TraceLike, pairs: Sequence[tuple[int, int]]) -> d
 
 
 def trace_coactivation(trace: TraceLike, layer_a: int, layer_b: int | None = None) -> Int[torch.Tensor, "n_experts n_experts"]:
+    """counts[e, f]: tokens routed to e at layer_a and to f at layer_b (layer_a itself when not given): one
+    pair of `trace_coactivations`."""
     pair = (layer_a, layer_a if layer_b is None else layer_b)
     return trace_coactivations(trace, [pair])[pair]
 
