@@ -104,6 +104,20 @@ def moelens_commands(block: Block) -> list[list[str]]:
 COMMANDS = [(b, c) for b in BLOCKS if b.lang in SHELL for c in moelens_commands(b)]
 
 
+def first_of_each(items: list, key) -> list:
+    """The items whose key no earlier item has: an example shown on two pages (README's first, say) runs once."""
+    seen, out = set(), []
+    for item in items:
+        if key(item) not in seen:
+            seen.add(key(item))
+            out.append(item)
+    return out
+
+
+RUN_PYTHON = first_of_each([b for b in PYTHON if not b.not_run], key=lambda b: b.code)
+RUN_COMMANDS = first_of_each([(b, c) for b, c in COMMANDS if not b.not_run], key=lambda bc: tuple(bc[1]))
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """This checkout's moelens first; the embedded defaults built once for all blocks (or the caller's cache)."""
@@ -147,7 +161,7 @@ def test_every_page_of_the_docs_is_read():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [b for b in PYTHON if not b.not_run], ids=lambda b: b.id)
+@pytest.mark.parametrize("block", RUN_PYTHON, ids=lambda b: b.id)
 def test_python_block_runs(block, tmp_path, env):
     package = missing_extra(block.code)
     if package:
@@ -159,7 +173,7 @@ def test_python_block_runs(block, tmp_path, env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "block, command", [(b, c) for b, c in COMMANDS if not b.not_run], ids=lambda x: x.id if isinstance(x, Block) else " ".join(x)
+    "block, command", RUN_COMMANDS, ids=lambda x: x.id if isinstance(x, Block) else " ".join(x)
 )
 def test_moelens_command_runs(block, command, tmp_path, env):
     run([sys.executable, "-m", "moelens", *command[1:]], tmp_path, env, f"`{shlex.join(command)}` at {block.id}")
@@ -235,6 +249,13 @@ def test_every_marker_stands_right_before_a_fence(path):
                 f"{path.relative_to(ROOT)}:{i + 1}: a 'not run' marker must be `<!-- not run: REASON -->` on the line right before "
                 "a code fence"
             )
+
+
+def test_an_example_on_two_pages_runs_once():
+    """Only a repeated block is left out: every distinct runnable block of every page is run."""
+    assert {b.code for b in RUN_PYTHON} == {b.code for b in PYTHON if not b.not_run}
+    twice = [Block("a.md", 1, "python", "x = 1\n", None), Block("b.md", 5, "python", "x = 1\n", None)]
+    assert first_of_each(twice, key=lambda b: b.code) == twice[:1]
 
 
 def test_the_name_check_catches_a_missing_import():
