@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moelens.loaders.checkpoint import expected_keys
-from moelens.loaders.quantized import MXFP4_GROUP, Format, Fp8Blocks, Mxfp4, listed_unconverted
+from moelens.loaders.quantized import MXFP4_GROUP, Format, Fp8Blocks, ModelOptFp8, Mxfp4, listed_unconverted
 from moelens.sitemap import PackedWeight, SiteMap
 
 SCALE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -51,6 +51,11 @@ def fp8_sizes(fmt: Fp8Blocks, shape: tuple[int, ...], scale_dtype: str) -> tuple
     """(bytes, values) of a weight and its scale."""
     scales = math.prod(fmt.scale_shape(shape))
     return math.prod(shape) + scales * scale_bytes(fmt, scale_dtype), math.prod(shape) + scales
+
+
+def modelopt_fp8_sizes(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(bytes, values) of a per-tensor fp8 weight with its float32 weight_scale and input_scale."""
+    return math.prod(shape) + 2 * 4, math.prod(shape) + 2
 
 
 def mxfp4_sizes(key: str, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -96,6 +101,11 @@ def stored_tensors(
             and listed_unconverted(key.removesuffix(".weight"), fmt.not_converted) is None
         ):
             tensor = StoredTensor(key, shape, *fp8_sizes(fmt, shape, scale_dtype), fmt.method)
+        elif (
+            isinstance(fmt, ModelOptFp8) and len(shape) == 2 and target.param in params and quantizable(target.param)
+            and not fmt.is_excluded(key.removesuffix(".weight"))
+        ):
+            tensor = StoredTensor(key, shape, *modelopt_fp8_sizes(shape), fmt.method)
         else:
             stored = dtype if target.param in params else slot.dtype
             nbytes = numel * torch.tensor([], dtype=stored).element_size()

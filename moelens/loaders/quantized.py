@@ -188,6 +188,10 @@ class ModelOptFp8:
     # companions not applied: the activations' static scale, the fp8 K/V cache's scales (on k_proj / v_proj)
     UNAPPLIED: ClassVar[tuple[str, ...]] = ("input_scale", "k_scale", "v_scale")
 
+    def is_excluded(self, module: str) -> str | None:
+        """The exclude_modules pattern matching `module` (a wildcard pattern, as ModelOpt writes them), else None."""
+        return next((p for p in self.excluded if fnmatch.fnmatchcase(module, p)), None)
+
     def stored(self, key: str, files: SafetensorsFiles) -> Stored | None:
         """How `key` is stored: None for a dense tensor; the weight with its scale (and the unapplied scales
         beside it) for an fp8 one. Checks the headers: an fp8 weight is a `.weight` with a scalar float scale,
@@ -207,7 +211,7 @@ class ModelOptFp8:
                 f"{where}: {key!r} is stored as {FP8_WEIGHT}; ModelOpt FP8 stores a module's `.weight` so, with its "
                 "`.weight_scale` beside it"
             )
-        listed = next((p for p in self.excluded if fnmatch.fnmatchcase(module, p)), None)
+        listed = self.is_excluded(module)
         if listed is not None:
             raise CheckpointError(
                 f"{where}: {key!r} is stored as {FP8_WEIGHT}, but quantization_config.exclude_modules lists "
