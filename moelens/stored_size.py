@@ -53,9 +53,11 @@ def fp8_sizes(fmt: Fp8Blocks, shape: tuple[int, ...], scale_dtype: str) -> tuple
     return math.prod(shape) + scales * scale_bytes(fmt, scale_dtype), math.prod(shape) + scales
 
 
-def modelopt_fp8_sizes(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(bytes, values) of a per-tensor fp8 weight with its float32 weight_scale and input_scale."""
-    return math.prod(shape) + 2 * 4, math.prod(shape) + 2
+def modelopt_fp8_sizes(shape: tuple[int, ...], kv_scale: bool) -> tuple[int, int]:
+    """(bytes, values) of a per-tensor fp8 weight with its float32 weight_scale and input_scale (and k_scale /
+    v_scale, on k_proj / v_proj of a model with an fp8 K/V cache)."""
+    scales = 3 if kv_scale else 2
+    return math.prod(shape) + scales * 4, math.prod(shape) + scales
 
 
 def mxfp4_sizes(key: str, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -105,7 +107,8 @@ def stored_tensors(
             isinstance(fmt, ModelOptFp8) and len(shape) == 2 and target.param in params and quantizable(target.param)
             and not fmt.is_excluded(key.removesuffix(".weight"))
         ):
-            tensor = StoredTensor(key, shape, *modelopt_fp8_sizes(shape), fmt.method)
+            kv_scale = fmt.kv_cache_scales and key.endswith(("k_proj.weight", "v_proj.weight"))
+            tensor = StoredTensor(key, shape, *modelopt_fp8_sizes(shape, kv_scale), fmt.method)
         else:
             stored = dtype if target.param in params else slot.dtype
             nbytes = numel * torch.tensor([], dtype=stored).element_size()

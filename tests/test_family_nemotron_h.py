@@ -319,6 +319,21 @@ def test_modelopt_fp8_checkpoint_is_its_dequantized_weights(ckpts, tmp_path, dty
     assert not torch.equal(model.blocks[0].mixer.in_proj.weight, original.blocks[0].mixer.in_proj.weight)
 
 
+def test_plan_counts_a_modelopt_fp8_checkpoint_as_its_files(ckpts, tmp_path):
+    """The plan of the ModelOpt FP8 checkpoint: its bytes and stored values are the files' tensors' (fp8 weights,
+    a float32 weight_scale and input_scale each, k_scale / v_scale, the rest as stored), from the folder and from
+    config.json alone; only the dequantized mode is placed."""
+    fp8, _ = modelopt_fp8_and_dequantized(ckpts, tmp_path)
+    stored = load_file(fp8 / "model.safetensors").values()
+    nbytes, values = sum(t.numel() * t.element_size() for t in stored), sum(t.numel() for t in stored)
+    config = json.loads((fp8 / "config.json").read_text())
+    for p in (plan(fp8, cpu_memory="1GB"), plan(config, cpu_memory="1GB")):
+        assert (p.stored["bytes"], p.stored["values"]) == (nbytes, values)
+        assert p.stored["format"]["method"] == "modelopt" and list(p.stored["modes"]) == ["dequantized"]
+    with pytest.raises(ValueError, match="ModelOpt FP8 weights are dequantized at load"):
+        plan(config, cpu_memory="1GB", expert_storage="stored")
+
+
 def test_modelopt_fp8_in_hf_quant_config_reads_the_same(ckpts, tmp_path):
     """ModelOpt's older export: no quantization_config in config.json, hf_quant_config.json beside it."""
     fp8, _ = modelopt_fp8_and_dequantized(ckpts, tmp_path)

@@ -183,6 +183,7 @@ class ModelOptFp8:
     wildcards, as ModelOpt writes them), modules that must not be stored in fp8."""
 
     excluded: tuple[str, ...] = ()
+    kv_cache_scales: bool = False  # kv_cache_quant_algo "FP8": k_proj / v_proj carry k_scale / v_scale
     method: ClassVar[str] = "modelopt"
     SCALAR_SHAPES: ClassVar[tuple[tuple[int, ...], ...]] = ((), (1,))
     # companions not applied: the activations' static scale, the fp8 K/V cache's scales (on k_proj / v_proj)
@@ -351,7 +352,7 @@ def _modelopt(config_path: Path, qc: dict, field: str = "quantization_config") -
         raise CheckpointError(
             f"{config_path}: {field}.exclude_modules = {brief(excluded)}; expected a list of module names or wildcards"
         )
-    return ModelOptFp8(tuple(excluded))
+    return ModelOptFp8(tuple(excluded), kv == "FP8")
 
 
 def _fp8(config_path: Path, qc: dict) -> Fp8Blocks:
