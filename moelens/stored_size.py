@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moelens.loaders.checkpoint import expected_keys
-from moelens.loaders.quantized import MXFP4_GROUP, Format, Fp8Blocks, Mxfp4, listed_unconverted
+from moelens.loaders.quantized import MXFP4_GROUP, Format, Fp8Blocks, ModelOptFp8, Mxfp4, listed_unconverted
 from moelens.sitemap import PackedWeight, SiteMap
 
 SCALE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -51,6 +51,13 @@ def fp8_sizes(fmt: Fp8Blocks, shape: tuple[int, ...], scale_dtype: str) -> tuple
     """(bytes, values) of a weight and its scale."""
     scales = math.prod(fmt.scale_shape(shape))
     return math.prod(shape) + scales * scale_bytes(fmt, scale_dtype), math.prod(shape) + scales
+
+
+def modelopt_fp8_sizes(shape: tuple[int, ...], kv_scale: bool) -> tuple[int, int]:
+    """(bytes, values) of a per-tensor fp8 weight with its float32 weight_scale and input_scale (and k_scale /
+    v_scale, on k_proj / v_proj of a model with an fp8 K/V cache)."""
+    scales = 3 if kv_scale else 2
+    return math.prod(shape) + scales * 4, math.prod(shape) + scales
 
 
 def mxfp4_sizes(key: str, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -96,6 +103,12 @@ def stored_tensors(
             and listed_unconverted(key.removesuffix(".weight"), fmt.not_converted) is None
         ):
             tensor = StoredTensor(key, shape, *fp8_sizes(fmt, shape, scale_dtype), fmt.method)
+        elif (
+            isinstance(fmt, ModelOptFp8) and len(shape) == 2 and target.param in params and quantizable(target.param)
+            and not fmt.is_excluded(key.removesuffix(".weight"))
+        ):
+            kv_scale = fmt.kv_cache_scales and key.endswith(("k_proj.weight", "v_proj.weight"))
+            tensor = StoredTensor(key, shape, *modelopt_fp8_sizes(shape, kv_scale), fmt.method)
         else:
             stored = dtype if target.param in params else slot.dtype
             nbytes = numel * torch.tensor([], dtype=stored).element_size()

@@ -1,5 +1,5 @@
 """The Mamba-2 mixer (moelens.models.mixers.mamba2) against transformers' NemotronHMamba2Mixer on its torch
-path (same random weights): the output and every hook site, float32 and bfloat16, a left-padded batch of 2,
+path (same random weights): the output and every hook site bit for bit, float32 and bfloat16, a left-padded batch of 2,
 100 positions in chunks of 16; a prefill then decode steps and a multi-token continuation against
 transformers' cache path; the scan against a hand-written float64 recurrence; prefill + decode against one
 forward; left padding against the row alone; edits of the state sites; in-place against returned edits on
@@ -154,27 +154,20 @@ class Recorder:
         self.handles = [ref.in_proj.register_forward_hook(gate), ref.out_proj.register_forward_pre_hook(normed)]
 
 
-def assert_sites_match(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], exact: set[str], atol: float):
-    """Every site: equal in value and dtype (bit for bit for those in `exact`, else within atol)."""
+def assert_sites_match(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]):
+    """Every site bit for bit, in value and dtype (the convolution and the scan run transformers' products in its
+    order, in either dtype)."""
     assert set(mine) == set(SITE_NAMES) and set(theirs) == set(SITE_NAMES)
     for name in SITE_NAMES:
         a, b = mine[name], theirs[name]
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
-        if name in exact:
-            torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
-        else:
-            torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=name)
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
 def test_transformers_runs_its_torch_path():
     """No mamba_ssm / causal_conv1d kernels here: transformers' mixer falls back to the torch functions the
     recorder wraps (the tests below also check the wrappers ran)."""
     assert importlib.util.find_spec("mamba_ssm") is None and importlib.util.find_spec("causal_conv1d") is None
-
-
-# float32: within 1e-5 (the scan's products are summed in another order: per group, not per head);
-# bfloat16: the stream-dtype sites and the output bit for bit, the float32 ones (state, y) within 1e-5
-PRECISION = {torch.float32: (set(), 1e-5), torch.bfloat16: ({"hook_gate", "hook_x", "hook_B", "hook_C", "hook_dt"}, 1e-5)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -190,14 +183,10 @@ def test_prefill_output_and_every_site_match_transformers(dtype, proj_bias, monk
         state = RecurrentState()
         out, sites = run_caching(root, x, mask, state)
     assert recorder.calls == ["chunk"]
-    exact, atol = PRECISION[dtype]
-    assert_sites_match(sites, recorder.sites, exact, atol)
-    if dtype == torch.bfloat16:
-        torch.testing.assert_close(out, expected, atol=0, rtol=0)
-    else:
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    assert_sites_match(sites, recorder.sites)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
     torch.testing.assert_close(state.conv, cache.layers[0].conv_states[0], atol=0, rtol=0)
-    torch.testing.assert_close(state.recurrent, cache.layers[0].recurrent_states[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(state.recurrent, cache.layers[0].recurrent_states[0], atol=0, rtol=0)
     assert state.length == LENGTH
     # without a cache: the same output, on both sides
     with torch.no_grad():
@@ -213,7 +202,6 @@ def test_decode_steps_and_a_continuation_match_transformers_cache_path(dtype, mo
     root = Root(copy_of(ref))
     recorder = Recorder(ref, monkeypatch)
     cache, state = DynamicCache(config=ref.config), RecurrentState()
-    exact, atol = PRECISION[dtype]
     steps = [stream(LENGTH, dtype, 3)] + [stream(1, dtype, 10 + i) for i in range(12)] + [stream(9, dtype, 30)]
     with torch.no_grad():
         for i, x in enumerate(steps):
@@ -222,10 +210,10 @@ def test_decode_steps_and_a_continuation_match_transformers_cache_path(dtype, mo
             expected = ref(x, cache=cache, attention_mask=mask)
             out, sites = run_caching(root, x, mask, state)
             assert recorder.calls == ["step" if x.shape[1] == 1 else "chunk"]
-            assert_sites_match(sites, recorder.sites, exact, atol)
-            torch.testing.assert_close(out, expected, atol=0 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+            assert_sites_match(sites, recorder.sites)
+            torch.testing.assert_close(out, expected, atol=0, rtol=0)
             torch.testing.assert_close(state.conv, cache.layers[0].conv_states[0], atol=0, rtol=0)
-            torch.testing.assert_close(state.recurrent, cache.layers[0].recurrent_states[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(state.recurrent, cache.layers[0].recurrent_states[0], atol=0, rtol=0)
     assert state.length == LENGTH + 12 + 9
 
 

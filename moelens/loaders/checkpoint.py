@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
-from moelens.loaders.quantized import Format, Fp8Blocks, Stored
+from moelens.loaders.quantized import Format, Fp8Blocks, ModelOptFp8, Stored
 from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.sitemap import AS_STORED, ExpertStack, Layout, PackedWeight, SiteMap
 
@@ -126,10 +126,11 @@ def _with_storage(site_map: SiteMap, files: SafetensorsFiles, keys: dict[str, Ta
                     f"({', '.join(map(repr, entry.keys))})"
                 )
             stored[entry.keys[0]] = fmt.packed(entry.keys, files)
-    if isinstance(fmt, Fp8Blocks):
+    if isinstance(fmt, (Fp8Blocks, ModelOptFp8)):
         for key in keys:
             if key not in stored and (found := fmt.stored(key, files)) is not None:
                 stored[key] = found
+    if isinstance(fmt, Fp8Blocks):
         _check_fused_blocks(site_map, stored, files)
     return {k: dataclasses.replace(t, stored=stored[k]) if k in stored else t for k, t in keys.items()}
 

@@ -10,6 +10,13 @@ transformers' CPU dequantization derives the block from rows // scale_rows and m
   `<key>_scale_inv` per weight_block_size block (ceil-divided: the last block may be partial), multiplied.
   Which weights are quantized is what the files store: an F8_E4M3 weight needs its scale, anything else is
   read as it is (embeddings, norms, routers, heads stay bfloat16).
+- "modelopt" with quant_algo "FP8" (NVIDIA's ModelOpt exports: Nemotron-3 Nano / Super FP8): float8_e4m3fn
+  weights `<module>.weight`, each with one float32 `<module>.weight_scale` for the whole tensor (shape [] or [1]),
+  multiplied; and `<module>.input_scale` (the static scale of the activations an fp8 engine quantizes), and on
+  attention's k_proj / v_proj `k_scale` / `v_scale` (its fp8 K/V cache's): checked, not applied. The model runs
+  the dequantized weights on activations in its dtype (what transformers computes on a dequantized copy), not an
+  fp8 engine's quantized activations. The quantization_config may also sit in hf_quant_config.json
+  ({"quantization": {"quant_algo": ...}}, ModelOpt's older export) where config.json has none.
 - "mxfp4" (gpt-oss's routed experts): `<name>_blocks` uint8 [..., rows, groups, 16], two e2m1 values per byte
   (low nibble first), and `<name>_scales` uint8 [..., rows, groups], a power-of-two exponent (bias 127) per
   group of 32. The keys are named by a family's site map (moelens.sitemap.PackedWeight).
@@ -17,6 +24,8 @@ transformers' CPU dequantization derives the block from rows // scale_rows and m
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +40,10 @@ from moelens.loaders.safetensors_files import SafetensorsFiles
 
 SUPPORTED = {
     "fp8": "block-scaled float8_e4m3fn weights with weight_scale_inv (DeepSeek-V3, Qwen3-FP8, MiniMax-M2)",
+    "modelopt": "ModelOpt quant_algo FP8: per-tensor float8_e4m3fn weights with weight_scale (Nemotron-3 FP8)",
     "mxfp4": "MXFP4 _blocks / _scales (gpt-oss's routed experts)",
 }
+MODELOPT_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's own file beside config.json
 # safetensors' dtype names
 FP8_WEIGHT = "F8_E4M3"
 FLOAT_SCALES = ("F32", "BF16", "F16")
@@ -165,6 +176,73 @@ class Fp8Blocks:
 
 
 @dataclass(frozen=True)
+class ModelOptFp8:
+    """quant_method "modelopt", quant_algo "FP8": float8_e4m3fn weights `<module>.weight` scaled by one float
+    `<module>.weight_scale` each; `<module>.input_scale` and the K/V cache's `k_proj.k_scale` / `v_proj.v_scale`
+    checked and kept out of the math (see the module's docstring). excluded: exclude_modules' patterns (fnmatch
+    wildcards, as ModelOpt writes them), modules that must not be stored in fp8."""
+
+    excluded: tuple[str, ...] = ()
+    kv_cache_scales: bool = False  # kv_cache_quant_algo "FP8": k_proj / v_proj carry k_scale / v_scale
+    method: ClassVar[str] = "modelopt"
+    SCALAR_SHAPES: ClassVar[tuple[tuple[int, ...], ...]] = ((), (1,))
+    # companions not applied: the activations' static scale, the fp8 K/V cache's scales (on k_proj / v_proj)
+    UNAPPLIED: ClassVar[tuple[str, ...]] = ("input_scale", "k_scale", "v_scale")
+
+    def is_excluded(self, module: str) -> str | None:
+        """The exclude_modules pattern matching `module` (a wildcard pattern, as ModelOpt writes them), else None."""
+        return next((p for p in self.excluded if fnmatch.fnmatchcase(module, p)), None)
+
+    def stored(self, key: str, files: SafetensorsFiles) -> Stored | None:
+        """How `key` is stored: None for a dense tensor; the weight with its scale (and the unapplied scales
+        beside it) for an fp8 one. Checks the headers: an fp8 weight is a `.weight` with a scalar float scale,
+        every scale beside it is a scalar float, a scale belongs to an fp8 weight, and no excluded module is fp8."""
+        module = key.removesuffix(".weight")
+        scale, where = f"{module}.weight_scale", files.location[key].name
+        beside = [f"{module}.{name}" for name in self.UNAPPLIED if f"{module}.{name}" in files]
+        if files.dtypes[key] != FP8_WEIGHT:
+            for companion in [scale, *beside] if scale in files else beside:
+                raise CheckpointError(
+                    f"{files.location[companion].name}: {companion!r} scales {key!r}, which {where} stores as "
+                    f"{files.dtypes[key]}, not {FP8_WEIGHT} (ModelOpt FP8 scales float8_e4m3fn weights only)"
+                )
+            return None
+        if not key.endswith(".weight"):
+            raise CheckpointError(
+                f"{where}: {key!r} is stored as {FP8_WEIGHT}; ModelOpt FP8 stores a module's `.weight` so, with its "
+                "`.weight_scale` beside it"
+            )
+        listed = self.is_excluded(module)
+        if listed is not None:
+            raise CheckpointError(
+                f"{where}: {key!r} is stored as {FP8_WEIGHT}, but quantization_config.exclude_modules lists "
+                f"{listed!r}, which names {module!r} as not quantized"
+            )
+        if scale not in files:
+            raise CheckpointError(
+                f"{where}: {key!r} is stored as {FP8_WEIGHT} but its scale {scale!r} is in no file of {files.folder} "
+                "(ModelOpt FP8 needs one float32 weight_scale per weight)"
+            )
+        for companion in (scale, *beside):
+            if files.shapes[companion] not in self.SCALAR_SHAPES or files.dtypes[companion] not in FLOAT_SCALES:
+                raise CheckpointError(
+                    f"{files.location[companion].name}: scale {companion!r} is {files.dtypes[companion]} of shape "
+                    f"{files.shapes[companion]}; ModelOpt FP8 (per-tensor) stores one float per tensor: shape [] or "
+                    f"[1], one of {', '.join(FLOAT_SCALES)}"
+                )
+        if len(files.shapes[key]) != 2:
+            raise CheckpointError(
+                f"{where}: fp8 weight {key!r} has shape {files.shapes[key]}; ModelOpt FP8 stores [out, in] matrices"
+            )
+        return Stored((key, scale, *beside), self, files.shapes[key])
+
+    def dequantize(
+        self, weight: Float[torch.Tensor, "rows cols"], scale: torch.Tensor, *unapplied: torch.Tensor, dtype: torch.dtype
+    ) -> Float[torch.Tensor, "rows cols"]:
+        return dequantize_fp8_per_tensor(weight, scale, dtype)
+
+
+@dataclass(frozen=True)
 class Mxfp4:
     """quant_method "mxfp4": see dequantize_mxfp4. The stored keys are a site map's PackedWeight."""
 
@@ -208,7 +286,7 @@ class Mxfp4:
         return blocks.flatten(-2), scales, (1, MXFP4_GROUP)
 
 
-Format = Fp8Blocks | Mxfp4
+Format = Fp8Blocks | ModelOptFp8 | Mxfp4
 
 
 @dataclass(frozen=True)
@@ -229,7 +307,7 @@ def stored_format(hf: dict, config_path: Path) -> Format | None:
     """The stored format config.json's quantization_config describes (None: unquantized), checked."""
     qc = hf.get("quantization_config")
     if qc is None:
-        return None
+        return _modelopt_file(config_path.parent / MODELOPT_QUANT_CONFIG)
     if not isinstance(qc, dict):
         raise CheckpointError(f"{config_path}: quantization_config = {brief(qc)}; expected an object")
     method = qc.get("quant_method")
@@ -240,7 +318,41 @@ def stored_format(hf: dict, config_path: Path) -> Format | None:
         )
     if method == "mxfp4":
         return Mxfp4(not_converted(config_path, qc))
+    if method == "modelopt":
+        return _modelopt(config_path, qc)
     return _fp8(config_path, qc)
+
+
+def _modelopt_file(path: Path) -> ModelOptFp8 | None:
+    """ModelOpt's hf_quant_config.json ({"quantization": {...}}) where config.json has no quantization_config."""
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: not readable as JSON ({err})") from err
+    qc = raw.get("quantization") if isinstance(raw, dict) else None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{path}: expected an object with a 'quantization' object (ModelOpt's export), got {brief(raw)}")
+    return _modelopt(path, qc, field="quantization")
+
+
+def _modelopt(config_path: Path, qc: dict, field: str = "quantization_config") -> ModelOptFp8:
+    algo = qc.get("quant_algo")
+    if algo != "FP8":
+        raise CheckpointError(
+            f"{config_path}: {field}.quant_algo = {brief(algo)}; moelens reads ModelOpt's 'FP8' (per-tensor "
+            "float8_e4m3fn weights with weight_scale) only"
+        )
+    kv = qc.get("kv_cache_quant_algo")
+    if kv not in (None, "FP8"):
+        raise CheckpointError(f"{config_path}: {field}.kv_cache_quant_algo = {brief(kv)}; expected null or 'FP8'")
+    excluded = qc.get("exclude_modules", qc.get("ignore")) or []
+    if not isinstance(excluded, list) or not all(isinstance(p, str) for p in excluded):
+        raise CheckpointError(
+            f"{config_path}: {field}.exclude_modules = {brief(excluded)}; expected a list of module names or wildcards"
+        )
+    return ModelOptFp8(tuple(excluded), kv == "FP8")
 
 
 def _fp8(config_path: Path, qc: dict) -> Fp8Blocks:
@@ -310,6 +422,18 @@ def dequantize_fp8_blocks(
     if full * block[1] < cols:
         out[:, full * block[1] :] = w[:, full * block[1] :] * s[:, full:]
     return out
+
+
+def dequantize_fp8_per_tensor(
+    weight: Float[torch.Tensor, "rows cols"], scale: torch.Tensor, dtype: torch.dtype
+) -> Float[torch.Tensor, "rows cols"]:
+    """weight * its one scale, as float32 products cast once to dtype (the float32 product rounds once for a
+    float32 scale; dtype's cast once more)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 per-tensor dequantizes float8_e4m3fn weights, got {weight.dtype}")
+    if scale.numel() != 1:
+        raise ValueError(f"fp8 per-tensor needs one scale, got shape {tuple(scale.shape)}")
+    return (weight.to(torch.float32) * scales_as_float32(scale).reshape(())).to(dtype)
 
 
 def dequantize_mxfp4(

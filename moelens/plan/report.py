@@ -68,7 +68,8 @@ def _stored_text(p: Plan) -> list[str]:
     if "error" in s:
         return ["", f"stored format not read ({s['error']}): the counts and placements are of dense weights"]
     f = s["format"]
-    how = f"{f['block'][0]}x{f['block'][1]} blocks" if f["method"] == "fp8" else f"groups of {f['block'][1]}"
+    how = {"fp8": lambda: f"{f['block'][0]}x{f['block'][1]} blocks", "modelopt": lambda: "one scale per tensor"}.get(
+        f["method"], lambda: f"groups of {f['block'][1]}")()
     lines = [
         "",
         f"as stored: {human(s['bytes'])} ({f['method']}, {how}, {f['scales']} scales; the rest {s['dtype']}, "
@@ -96,6 +97,8 @@ def _modes_text(p: Plan) -> list[str]:
     }
     lines = []
     for mode, title in titles.items():
+        if mode not in s["modes"]:  # a format only dequantized at load (ModelOpt's per-tensor fp8)
+            continue
         m = s["modes"][mode]
         extra = (
             f", + {human(m['dequantized_working'])} working memory: a layer's active experts dequantized"

@@ -13,7 +13,7 @@ import torch
 
 from moelens.dtypes import parse_dtype
 from moelens.loaders.errors import CheckpointError
-from moelens.loaders.quantized import MXFP4_GROUP, SUPPORTED, Format, Fp8Blocks
+from moelens.loaders.quantized import MXFP4_GROUP, SUPPORTED, Format, Fp8Blocks, ModelOptFp8
 from moelens.models.terms import COMPONENTS
 from moelens.plan.fit import Device, Needs, expert_bytes_each, place
 from moelens.plan.source import Source
@@ -52,6 +52,9 @@ def check_expert_storage(value: str | None, fmt: Format | None, unreadable: str 
         raise ValueError(f"expert_storage {value!r}: {where}'s config.json describes no stored format moelens reads ({why})")
     if value != "stored" and value != fmt.method:
         raise ValueError(f"expert_storage {value!r}, but {where}'s config.json stores the weights as {fmt.method!r}")
+    if isinstance(fmt, ModelOptFp8):
+        raise ValueError(f"expert_storage {value!r}: {where}'s ModelOpt FP8 weights are dequantized at load; moelens "
+                         "keeps block fp8 and mxfp4 experts as stored, not per-tensor fp8")
     return "stored"
 
 
@@ -106,6 +109,9 @@ def with_stored_experts(needs: Needs, stored_expert_bytes: Sequence[int]) -> Nee
 
 
 def format_of(fmt: Format, scale_dtype: str) -> dict:
+    if isinstance(fmt, ModelOptFp8):  # one float32 scale per weight (and the activations' input_scale)
+        return {"method": fmt.method, "block": None, "scales": "float32", "scale_bytes": 4,
+                "not_converted": list(fmt.excluded)}
     if isinstance(fmt, Fp8Blocks):
         scales = "E8M0 (1 byte)" if fmt.scale_fmt == "ue8m0" else scale_dtype
         return {"method": fmt.method, "block": list(fmt.block), "scales": scales, "scale_bytes": scale_bytes(fmt, scale_dtype),
@@ -139,6 +145,7 @@ def plan_stored(
         "expert_storage": selected,
         "modes": {
             "dequantized": {"weights": needs.weights, "routed_experts": needs.routed_experts, "placement": place(needs, gpus, cpu)},
+        } | ({} if isinstance(fmt, ModelOptFp8) else {  # per-tensor fp8 is dequantized at load only
             "stored": {
                 "weights": kept.weights,
                 "routed_experts": kept.routed_experts,
@@ -148,5 +155,5 @@ def plan_stored(
                 "(under expert parallelism, of the rank's experts)",
                 "placement": place(kept, gpus, cpu),
             },
-        },
+        }),
     }

@@ -113,45 +113,51 @@ def chunked_scan(
     """The state-space scan h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t + D x_t, from `initial`,
     by Mamba-2's chunked form (SSD) in float32: within a chunk as a masked attention-like product, across
     chunks through the states at the chunk boundaries. Returns (y, the state after the last position).
-    B and C stay per group (each group's heads share them) rather than being repeated per head."""
+
+    Written in transformers' order, product by product and in its layouts (B and C repeated per head, the
+    decay to a chunk's end applied to B): float32 sums in another order differ in the last bits, and later
+    Mamba-2 layers amplify those bits (to 2e-5 in the stream after a few layers)."""
     b, t, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
-    r = h // g
-    x, B, C = x.float(), B.float(), C.float()
-    skip = D[:, None] * x
-    x_dt = x * dt[..., None].float()
-    log_decay = A.float() * dt.float()  # [b t h]
+    n = B.shape[3]
+    r = h // B.shape[2]
     pad = (-t) % chunk
     c = (t + pad) // chunk
+    x = x.float()
+    B = B.float().repeat_interleave(r, dim=2, output_size=h)  # [b t h n]
+    C = C.float().repeat_interleave(r, dim=2, output_size=h)
 
     def chunks(u: torch.Tensor) -> torch.Tensor:  # [b t ...] -> [b c chunk ...], zero-padded at the end
         u = F.pad(u, (0, 0) * (u.dim() - 2) + (0, pad))
         return u.reshape(b, c, chunk, *u.shape[2:])
 
-    x_dt, B, C = chunks(x_dt), chunks(B), chunks(C)
-    log_decay = chunks(log_decay).permute(0, 3, 1, 2)  # [b h c l]
+    skip = D[..., None] * F.pad(x, (0, 0, 0, 0, 0, pad))  # [b t+pad h p]
+    x_dt = x * dt[..., None].float()
+    log_decay = A.to(x_dt.dtype) * dt.float()  # [b t h]
+    x_dt, log_decay, B, C = chunks(x_dt), chunks(log_decay), chunks(B), chunks(C)
+    log_decay = log_decay.permute(0, 3, 1, 2)  # [b h c l]
     cum = log_decay.cumsum(-1)
 
     # within each chunk: y_l += sum_{s<=l} (C_l . B_s) exp(sum_{s<k<=l} dt_k A) dt_s x_s
-    decay_within = torch.exp(segment_sum(log_decay)).view(b, g, r, c, chunk, chunk)  # [b g r c l s]
-    scores = torch.einsum("bclgn,bcsgn->bgcls", C, B)
-    mixed = decay_within * scores[:, :, None]
-    y = torch.einsum("bgrcls,bcsgrp->bclgrp", mixed, x_dt.view(b, c, chunk, g, r, p)).reshape(b, c, chunk, h, p)
+    decay_within = torch.exp(segment_sum(log_decay))  # [b h c l s]
+    scores = torch.einsum("bclhn,bcshn->bclsh", C, B)
+    mixed = scores * decay_within.permute(0, 2, 3, 4, 1)
+    y = torch.einsum("bclsh,bcshp->bclhp", mixed, x_dt)
 
     # each chunk's own contribution to the state at its end
-    to_end = torch.exp(cum[..., -1:] - cum).permute(0, 2, 3, 1)  # [b c l h]
-    own = torch.einsum("bclgn,bclgrp->bcgrpn", B, (x_dt * to_end[..., None]).view(b, c, chunk, g, r, p))
-    own = torch.cat([initial.float()[:, None], own.reshape(b, c, h, p, n)], dim=1)  # [b c+1 h p n]
+    to_end = torch.exp(cum[:, :, :, -1:] - cum)  # [b h c l]
+    B_to_end = B * to_end.permute(0, -2, -1, 1)[..., None]
+    own = torch.einsum("bclhn,bclhp->bchpn", B_to_end, x_dt)
+    own = torch.cat([initial[:, None].to(own.dtype), own], dim=1)  # [b c+1 h p n]
     # the state entering each chunk (and after the last): decayed sums of the earlier chunks' contributions
-    across = torch.exp(segment_sum(F.pad(cum[..., -1], (1, 0))))  # [b h c+1 c+1]
-    states = torch.einsum("bhcz,bzhpn->bchpn", across, own)
+    across = torch.exp(segment_sum(F.pad(cum[:, :, :, -1], (1, 0)))).transpose(1, 3)  # [b z c+1 h]
+    states = torch.einsum("bzch,bzhpn->bchpn", across, own)
     entering, final = states[:, :-1], states[:, -1].clone()  # clone: the cache must not hold all chunks' states
 
     # what the state entering each chunk gives its positions
-    from_start = torch.exp(cum).permute(0, 2, 3, 1)  # [b c l h]
-    y_entering = torch.einsum("bclgn,bcgrpn->bclgrp", C, entering.view(b, c, g, r, p, n)).reshape(b, c, chunk, h, p)
-    y = (y + y_entering * from_start[..., None]).reshape(b, c * chunk, h, p)
-    return y[:, :t] + skip, final
+    from_start = torch.exp(cum)  # [b h c l]
+    y_entering = torch.einsum("bclhn,bchpn->bclhp", C, entering) * from_start.permute(0, 2, 3, 1)[..., None]
+    y = (y + y_entering).contiguous().reshape(b, c * chunk, h, p) + skip
+    return y[:, :t], final
 
 
 def recurrent_step(
@@ -311,14 +317,18 @@ class Mamba2Mixer(nn.Module):
         self, xbc: Float[torch.Tensor, "batch channel pos"], window: Float[torch.Tensor, "batch channel d_conv"] | None
     ) -> tuple[Float[torch.Tensor, "batch pos channel"], Float[torch.Tensor, "batch channel d_conv"]]:
         """SiLU of the causal depthwise convolution of the new positions, preceded by the cached window (zeros
-        without one); and the window to cache: the last d_conv inputs."""
-        k = self.d_conv
-        if window is None:
-            window = xbc.new_zeros(xbc.shape[0], xbc.shape[1], k)
-        seen = torch.cat([window[..., 1:], xbc], dim=-1)  # the conv's receptive field: k - 1 earlier inputs
+        without one); and the window to cache: the last d_conv inputs. Fed as transformers feeds it (zero
+        padding by the convolution, the window concatenated in front, a decode step unpadded): the convolution's
+        algorithm, and so its float32 rounding, depends on the input's length."""
+        k, t = self.d_conv, xbc.shape[-1]
+        fed = xbc if window is None else torch.cat([window, xbc], dim=-1)
+        padding = 0 if window is not None and t == 1 else k - 1
         weight = self.conv1d.weight
-        out = F.silu(F.conv1d(seen.to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim)).to(xbc.dtype)
-        return out.transpose(1, 2), seen[..., -k:].contiguous()  # t >= 1: the last k inputs are all in `seen`
+        out = F.conv1d(fed.to(weight.dtype), weight, self.conv1d.bias, padding=padding, groups=self.conv_dim)
+        out = out[..., : fed.shape[-1]][..., -t:]
+        out = F.silu(out).to(xbc.dtype)
+        seen = fed if window is not None else F.pad(xbc, (k, 0))
+        return out.transpose(1, 2), seen[..., -k:].contiguous()
 
     def _check_cached(self, state: RecurrentState, batch: int, device: torch.device) -> None:
         expected = {
