@@ -8,6 +8,7 @@ from moelens.models.deepseek_v2 import HookedDeepseekV2
 from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.models.deepseek_v32 import HookedDeepseekV32
 from moelens.models.ernie4_5_moe import HookedErnie4_5Moe
+from moelens.models.flex_olmo import HookedFlexOlmo
 from moelens.models.glm4_moe import HookedGlm4Moe
 from moelens.models.glm4_moe_lite import HookedGlm4MoeLite
 from moelens.models.glm_moe_dsa import HookedGlmMoeDsa
@@ -40,4 +41,5 @@ __all__ = [
     "HookedGlm4MoeLite",
     "HookedDeepseekV2",
     "HookedErnie4_5Moe",
+    "HookedFlexOlmo",
 ]
