@@ -97,7 +97,7 @@ def test_post_norms_make_the_outputs_the_stream_adds(models):
 @pytest.mark.parametrize("variant,padded", [("base", True), ("biased_tied", True)])
 def test_greedy_generation_matches_transformers(models, references, variant, padded):
     prompt = left_padded(5, (3, 9), (0, 3, 1)) if padded else (tokens(5, (3, 9)), None)
-    check_greedy_generation(models[variant], references[variant], *prompt, new=32)
+    check_greedy_generation(models[variant], references[variant], *prompt, new=16)
 
 
 def test_fold_ln_folds_the_final_norm_and_leaves_the_post_norms(checkpoints, models):
@@ -178,7 +178,8 @@ def test_plan_counts_match_transformers_at_full_size():
     p = plan(dict(FLEX_OLMO_7X7B), dtype="bfloat16", cpu_memory="2TB")
     assert p.parameters == sum(t.numel() for t in hf.values())
     assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values())
-    assert p.parameters / 1e9 == pytest.approx(33.6, abs=0.2)
+    # by hand: 32 x (4 x 4096^2 attention + 7 x 3 x 4096 x 11008 experts) + 2 x 100352 x 4096 embeddings, ~33.27B
+    assert p.parameters / 1e9 == pytest.approx(33.27, abs=0.01)
     for component, count in p.components.items():
         mine = [t for n, t in hf.items() if hf_component(n) == component]
         assert count.parameters == sum(t.numel() for t in mine), component
