@@ -143,7 +143,6 @@ class HookedErnie4_5Moe(HookedTransformer):
         fields = common_fields(
             hf, rms_norm_eps=d["rms_norm_eps"], max_position_embeddings=d["max_position_embeddings"],
             num_key_value_heads=d["num_key_value_heads"], hidden_size=d["hidden_size"], rope_theta=d["rope_theta"],
-            d_head=head_dim(hf, d["hidden_size"]),
         )
         rope = fields["rope"]
         if rope.partial_rotary_factor != 1.0:
@@ -174,17 +173,6 @@ class HookedErnie4_5Moe(HookedTransformer):
             fields_read=tuple(hf.read),
             fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
         )
-
-
-def head_dim(hf: HFConfig, default_hidden_size: int) -> int:
-    """head_dim, else hidden_size (the family's default where absent) // num_attention_heads, as transformers."""
-    d_head = hf.integer("head_dim", None, at_least=1)
-    if d_head is not None:
-        return d_head
-    hidden, heads = hf.integer("hidden_size", default_hidden_size, at_least=1), hf.integer("num_attention_heads", at_least=1)
-    if hidden < heads:
-        raise ValueError(f"hidden_size ({hidden}) / num_attention_heads ({heads}) leaves no dimension per head (and no head_dim)")
-    return hidden // heads
 
 
 def _canonical_names(raw: dict) -> dict:

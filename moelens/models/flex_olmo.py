@@ -18,7 +18,6 @@ from moelens.models.components.norm import CastAfterWeightRMSNorm
 from moelens.models.components.post_norm_block import PostNormBlock
 from moelens.models.components.projection_norm_attention import ClipQKVConfig, ProjectionQKNormAttention
 from moelens.models.components.rotary import Float32Rotary, apply_rotary
-from moelens.models.ernie4_5_moe import head_dim
 from moelens.models.recipe import LayerSpec, Mixture, Recipe
 from moelens.models.sites import Entry, attention_projections, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
@@ -71,7 +70,7 @@ class HookedFlexOlmo(HookedTransformer):
         hf = HFConfig(raw)
         d = DEFAULTS
         fields = common_fields(hf, rms_norm_eps=d["rms_norm_eps"], max_position_embeddings=d["max_position_embeddings"],
-                               hidden_size=d["hidden_size"], rope_theta=d["rope_theta"], d_head=head_dim(hf, d["hidden_size"]))
+                               hidden_size=d["hidden_size"], rope_theta=d["rope_theta"])
         rope = fields["rope"]
         if rope.partial_rotary_factor != 1.0:
             raise ValueError(
