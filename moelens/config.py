@@ -445,13 +445,14 @@ class HFConfig:
             raise _bad(self.label(name), value, "a JSON object")
         return HFConfig(value, {key: self.label(name) for key in value})
 
-    def head_dim(self, names: tuple[str, ...] = ("head_dim",)) -> int:
-        """The first of `names` present, else hidden_size // num_attention_heads (transformers' default)."""
+    def head_dim(self, names: tuple[str, ...] = ("head_dim",), hidden_size: int = REQUIRED) -> int:
+        """The first of `names` present, else hidden_size // num_attention_heads (transformers' default);
+        hidden_size: the family's default for it, where config.json has none."""
         for name in names:
             d_head = self.integer(name, None, at_least=1)
             if d_head is not None:
                 return d_head
-        hidden, heads = self.integer("hidden_size", at_least=1), self.integer("num_attention_heads", at_least=1)
+        hidden, heads = self.integer("hidden_size", hidden_size, at_least=1), self.integer("num_attention_heads", at_least=1)
         if hidden < heads:
             raise ValueError(
                 f"hidden_size ({hidden}) / num_attention_heads ({heads}) leaves no dimension per head "
@@ -544,7 +545,7 @@ def common_fields(
         n_layers=hf.integer("num_hidden_layers", at_least=1),
         n_heads=n_heads,
         n_kv_heads=hf.integer("num_key_value_heads", kv_default, at_least=1),
-        d_head=hf.head_dim() if d_head is None else d_head,
+        d_head=hf.head_dim(hidden_size=hidden_size) if d_head is None else d_head,
         d_vocab=hf.integer("vocab_size", at_least=1),
         norm_eps=hf.number("rms_norm_eps", rms_norm_eps, at_least=0),
         rope=hf.rope(partial_rotary_factor, rope_theta) if rope is None else rope,

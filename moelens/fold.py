@@ -103,7 +103,8 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     for block in model.blocks:
         # each sublayer's norm into everything that reads its output; the weights read before any norm is made
         # the identity, since a norm may feed several sublayers (LongCat-Flash's ln2: the mixture and dense_0)
-        subs = [(sub, sub.norm.effective_weight().float()) for sub in block.sublayers()]
+        # (a post-norm block's sublayers read the stream unnormed: nothing to fold, and its post-norms stay)
+        subs = [(sub, sub.norm.effective_weight().float()) for sub in block.sublayers() if sub.norm is not None]
         for sub, w in subs:
             for weight in _readers(sub):  # biases are added after the weight and do not change
                 _scale_inputs(weight, w)

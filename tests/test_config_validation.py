@@ -8,6 +8,8 @@ import pytest
 
 import tiny
 import tiny_deepseek_v2
+import tiny_ernie4_5_moe
+import tiny_flex_olmo
 import tiny_deepseek_v3
 import tiny_deepseek_v32
 import tiny_qwen3_5_moe
@@ -41,6 +43,8 @@ BUILDERS = {
     "longcat_flash": tiny_longcat_flash.build_longcat_flash,
     "nemotron_h": tiny_nemotron_h.build_nemotron_h,
     "deepseek_v2": tiny_deepseek_v2.build_deepseek_v2,
+    "ernie4_5_moe": tiny_ernie4_5_moe.build_ernie4_5_moe,
+    "flex_olmo": tiny_flex_olmo.build_flex_olmo,
     "glm4_moe_lite": tiny_glm4_moe_lite.build_glm4_moe_lite,
     # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
     "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),

@@ -197,6 +197,42 @@ CASES = {
             "vocab_size"],
         ignored=("head_dim",),
     ),
+    "ernie4_5_moe": Case(
+        raw={"hidden_act": "silu", "hidden_size": 64, "intermediate_size": 80, "max_position_embeddings": 256,
+            "moe_intermediate_size": 24, "moe_k": 3, "moe_layer_end_index": 2, "moe_layer_interval": 1,
+            "moe_layer_start_index": 1, "moe_norm_min": 1e-12, "moe_num_experts": 8, "moe_num_shared_experts": 2,
+            "num_attention_heads": 4, "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
+            "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}, "tie_word_embeddings": False,
+            "use_bias": False, "vocab_size": 96},
+        # the rotary turns interleaved pairs; the top-k weights are always renormalised (over max(sum, moe_norm_min));
+        # the shared expert is moe_num_shared_experts x moe_intermediate_size wide
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000.0, interleaved=True), max_position_embeddings=256, d_mlp=80,
+            moe_layers=(False, True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=48,
+            norm_topk_prob=True),
+        read=["head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+            "moe_intermediate_size", "moe_k", "moe_layer_end_index", "moe_layer_interval", "moe_layer_start_index",
+            "moe_norm_min", "moe_num_experts", "moe_num_shared_experts", "num_attention_heads", "num_hidden_layers",
+            "num_key_value_heads", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "tie_word_embeddings", "use_bias", "vocab_size"],
+        ignored=(),
+    ),
+    "flex_olmo": Case(
+        raw={"attention_bias": False, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
+            "max_position_embeddings": 256, "norm_topk_prob": False, "num_attention_heads": 4, "num_experts": 8,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False,
+            "vocab_size": 96},
+        # every block a mixture of intermediate_size experts
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(3, 3, 3), d_expert=32),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+            "norm_topk_prob", "num_attention_heads", "num_experts", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "tie_word_embeddings", "vocab_size"],
+        ignored=(),
+    ),
     "deepseek_v32": Case(
         raw={"first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size": 64, "index_head_dim": 16,
             "index_n_heads": 4, "index_topk": 3, "intermediate_size": 80, "kv_lora_rank": 16,
@@ -506,6 +542,21 @@ MINIMAL = {
             routed_scaling_factor=1.0, n_group=1, topk_group=1, q_lora_rank=1536, kv_lora_rank=512,
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=0),
     ),
+    "ernie4_5_moe": (
+        # transformers' defaults are ERNIE-4.5-21B-A3B's sizes: the first block dense, the embeddings tied
+        {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=2560, n_layers=2, n_heads=4, n_kv_heads=4, d_head=640, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=500000.0, interleaved=True), max_position_embeddings=131072, d_mlp=12288,
+            moe_layers=(False, True), n_experts=64, top_k_per_layer=(0, 6), d_expert=1536, d_shared=3072,
+            norm_topk_prob=True, tie_word_embeddings=True),
+    ),
+    "flex_olmo": (
+        # transformers' defaults are FlexOlmo-7x7B-1T's sizes
+        {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=4096, n_layers=2, n_heads=4, n_kv_heads=4, d_head=1024, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=500000.0), max_position_embeddings=4096, moe_layers=(True, True), n_experts=7,
+            top_k_per_layer=(5, 5), d_expert=11008),
+    ),
     "deepseek_v32": (
         {"num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 96},
         dict(d_model=7168, n_layers=4, n_heads=4, n_kv_heads=4, d_head=128 + 64, d_vocab=96, norm_eps=1e-06,
@@ -606,6 +657,8 @@ CONFIG_CLASSES = {
     "olmoe": "ClipQKVConfig",
     "deepseek_v3": "DeepseekV3Config",
     "deepseek_v2": "DeepseekV3Config",
+    "ernie4_5_moe": "Ernie4_5MoeConfig",
+    "flex_olmo": "ClipQKVConfig",
     "glm4_moe_lite": "DeepseekV3Config",
     "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig",

@@ -17,6 +17,7 @@ from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, attention_layers,
 
 from moelens import HookedTransformer
 from moelens.models.deepseek_v2 import SoftmaxGroupLimitedTopK
+from moelens.models.ernie4_5_moe import StatisticsBiasedSoftmaxTopK
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.llama4_text import SigmoidOfChosenLogits
@@ -94,6 +95,11 @@ def test_router_rules(family_models, family, tokens):
             choice = grouped.masked_fill(~keep[..., None], 0.0).flatten(-2)
             assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
             expected = scores.gather(-1, idx) * model.cfg.routed_scaling_factor
+        elif isinstance(router, StatisticsBiasedSoftmaxTopK):  # ERNIE-4.5: biased choice, a floor under the sum
+            scores = logits.float().softmax(-1)
+            assert torch.equal((scores + router.e_score_correction_bias).topk(k, -1).indices, idx)
+            expected = scores.gather(-1, idx)
+            expected = expected / expected.sum(-1, keepdim=True).clamp(min=router.norm_min)
         else:
             top = logits.float().softmax(-1).topk(k, dim=-1)
             assert torch.equal(top.indices, idx)

@@ -62,7 +62,7 @@ def test_each_familys_parts_sum_to_mlp_out(family_models, family, tokens):
             if part.kind != "routed":
                 torch.testing.assert_close(gated_mlp_by_hand(part, x), term, rtol=0, atol=1e-5)
     shared = {"qwen2_moe", "hunyuan_v1_moe", "solar_open", "deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "llama4_text",
-              "qwen3_next", "qwen3_5_moe", "nemotron_h", "glm4_moe_lite", "deepseek_v2"}
+              "qwen3_next", "qwen3_5_moe", "nemotron_h", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe"}
     assert ("shared" in kinds) == (family in shared)
     gated = [p for b in model.blocks if b.has_ffn for p in b.mlp.parts() if p.gate is not None]
     assert bool(gated) == (family in ("qwen2_moe", "qwen3_next", "qwen3_5_moe"))  # a sigmoid gate on the shared expert

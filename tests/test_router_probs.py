@@ -28,7 +28,7 @@ DEFINITION = {
     "minimax_m2": normalised_sigmoid, "deepseek_v32": normalised_sigmoid, "glm_moe_dsa": normalised_sigmoid,
     "llama4_text": normalised_sigmoid,  # its scores are the logits; each chosen one's weight is its sigmoid
     "qwen3_next": softmax, "qwen3_5_moe": softmax, "nemotron_h": normalised_sigmoid,
-    "deepseek_v2": softmax, "glm4_moe_lite": normalised_sigmoid,
+    "deepseek_v2": softmax, "glm4_moe_lite": normalised_sigmoid, "ernie4_5_moe": softmax,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

@@ -42,6 +42,8 @@ CONFIGS = {
     "tiny-longcat-flash": "tiny_longcat_flash.json",
     "tiny-glm4-moe-lite": "tiny_glm4_moe_lite.json",
     "tiny-deepseek-v2": "tiny_deepseek_v2.json",
+    "tiny-ernie4.5-moe": "tiny_ernie4_5_moe.json",
+    "tiny-flex-olmo": "tiny_flex_olmo.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

@@ -212,6 +212,10 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.hook_dense_1_out", _RESID, "what the block's second dense MLP adds to the stream"),
     _site("blocks.L.hook_mlp_in", _RESID, "residual stream entering ln2 and the MLP / mixture", short="mlp_in",
           switch="set_use_hook_mlp_in"),
+    # a post-norm block (FlexOlmo): the norm of the token mixer's output, before the add (TransformerLens's Gemma-2
+    # name); its output is hook_attn_out
+    _site("blocks.L.ln1_post.hook_scale", *_SCALE),
+    _site("blocks.L.ln1_post.hook_normalized", _RESID, "normed token-mixer output: what the block adds (hook_attn_out)"),
     _site("blocks.L.ln2.hook_scale", *_SCALE),
     _site("blocks.L.ln2.hook_normalized", _RESID, "normed stream entering the MLP / mixture",
           standard="mlp_norm_output", aliases=("mlp_input", "ln2_normalized")),
@@ -317,6 +321,9 @@ SITES: tuple[Site, ...] = (
           short="shared_gate"),
     _site("blocks.L.mlp.hook_shared_out", _RESID, "shared expert output as added to the routed sum",
           standard="shared_expert_output", short="shared_out"),
+    # a post-norm block (FlexOlmo): the norm of the feed-forward's output, before the add; its output is hook_mlp_out
+    _site("blocks.L.ln2_post.hook_scale", *_SCALE),
+    _site("blocks.L.ln2_post.hook_normalized", _RESID, "normed MLP / mixture output: what the block adds (hook_mlp_out)"),
     _site("blocks.L.hook_mlp_out", _RESID, "what the MLP / mixture adds to the residual stream", standard="mlp_output",
           short="mlp_out"),
     _site("blocks.L.hook_resid_post", _RESID, "residual stream leaving the block", standard="layer_output",

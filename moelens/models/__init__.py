@@ -7,6 +7,8 @@ from moelens.models.base import HookedTransformer
 from moelens.models.deepseek_v2 import HookedDeepseekV2
 from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.models.deepseek_v32 import HookedDeepseekV32
+from moelens.models.ernie4_5_moe import HookedErnie4_5Moe
+from moelens.models.flex_olmo import HookedFlexOlmo
 from moelens.models.glm4_moe import HookedGlm4Moe
 from moelens.models.glm4_moe_lite import HookedGlm4MoeLite
 from moelens.models.glm_moe_dsa import HookedGlmMoeDsa
@@ -38,4 +40,6 @@ __all__ = [
     "HookedLongcatFlash",
     "HookedGlm4MoeLite",
     "HookedDeepseekV2",
+    "HookedErnie4_5Moe",
+    "HookedFlexOlmo",
 ]

@@ -37,7 +37,7 @@ class Sublayer(NamedTuple):
     holding what it adds (hook_attn_out for the token mixer, hook_mlp_out for the feed-forward)."""
 
     kind: str  # "mixer" or "ffn"
-    norm: nn.Module
+    norm: nn.Module | None  # None: the sublayer reads the stream unnormed (a post-norm block)
     module: nn.Module
     out_hook: str  # the block's attribute name of the output hook
 

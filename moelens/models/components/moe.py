@@ -359,7 +359,8 @@ class SparseMoe(nn.Module):
         indices = self.hook_expert_indices(router.choose(choice))
         if self.hook_expert_indices.has_hooks:  # a replacement must name existing experts
             check_indices(indices, router.n_experts, self.hook_expert_indices.name)
-        weights = self.hook_expert_weights(router.weights(scores, indices, logits.dtype))
+        weights_dtype = x.dtype if router.weights_in_stream_dtype else logits.dtype
+        weights = self.hook_expert_weights(router.weights(scores, indices, weights_dtype))
         hooks = self._expert_hooks
         if self.experts.views.any_hooked():  # the per-expert views take the real ids (before offload renumbers)
             hooks = dataclasses.replace(hooks, views=self.experts.views.bind(indices.reshape(b * p, -1), (b, p)))

@@ -102,6 +102,16 @@ class Rotary(nn.Module):
         return f"d_rot={self.d_rot}, attention_scaling={self.attention_scaling:.4f}"
 
 
+class Float32Rotary(Rotary):
+    """cos and sin kept float32 whatever the stream's dtype (transformers' ERNIE-4.5 and OLMo-2-style rotaries
+    return them in full precision): the attention turns its queries and keys in float32 and casts back."""
+
+    def forward(
+        self, positions: Int[torch.Tensor, "batch pos"], dtype: torch.dtype
+    ) -> tuple[Float[torch.Tensor, "batch pos d_rot"], Float[torch.Tensor, "batch pos d_rot"]]:
+        return super().forward(positions, torch.float32)
+
+
 class PolarRotary(Rotary):
     """cos and sin as torch.polar gives them, kept float32 whatever the stream's dtype: what Llama 4 turns its
     queries and keys by (transformers' Llama4TextRotaryEmbedding; torch.cos can differ from polar's by an ulp)."""
@@ -161,3 +171,21 @@ def apply_rotary_interleaved(
     cos, sin = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_rotary_adjacent_pairs(
+    x: Float[torch.Tensor, "batch pos head d_head"],
+    cos: Float[torch.Tensor, "batch pos d_rot"],
+    sin: Float[torch.Tensor, "batch pos d_rot"],
+) -> Float[torch.Tensor, "batch pos head d_head"]:
+    """Rotary on a whole head's dims as interleaved pairs (x0, x1), (x2, x3), ..., pair i turned by frequency i
+    and left in place, in real arithmetic: x * cos + rotate_pairs(x) * sin in float32 with each pair's angle
+    repeated over its two dims, cast back to x's dtype (transformers' ERNIE-4.5 apply_rotary_pos_emb, op for op).
+    cos and sin are cat(angles, angles) (Rotary's layout)."""
+    if cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"apply_rotary_adjacent_pairs turns whole heads: d_head {x.shape[-1]}, rotary width {cos.shape[-1]}")
+    half = cos.shape[-1] // 2
+    cos = cos.unsqueeze(2)[..., :half].repeat_interleave(2, dim=-1)
+    sin = sin.unsqueeze(2)[..., :half].repeat_interleave(2, dim=-1)
+    pairs_turned = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return ((x.float() * cos) + (pairs_turned.float() * sin)).to(x.dtype)

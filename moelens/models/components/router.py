@@ -26,6 +26,9 @@ class TopKRouter(nn.Module):
     scoring: ClassVar[str] = ""
     scores_form: ClassVar[str] = "default"  # hook_router_scores' form in the table of hook sites
     probs_form: ClassVar[str] = "default"  # hook_router_probs' form: how probabilities() makes a distribution
+    # the dtype weights() casts the top-k weights to: the logits' (False) or the block input's, the model dtype
+    # (True: a float32 router whose reference casts its weights back to the stream's dtype, ERNIE-4.5)
+    weights_in_stream_dtype: ClassVar[bool] = False
 
     @classmethod
     def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
