@@ -47,8 +47,32 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _capture(module: torch.nn.Module, what: str, store: dict, key: str) -> Callable[[], None]:
-    """Store what `what` reads (moelens.sitemap.Reference)."""
+def _capture(module: torch.nn.Module, reference: Reference, store: dict) -> Callable[[], None]:
+    """Store what the reference reads (moelens.sitemap.Reference), times its multiplier, divided by its divisor
+    (the reference's own ops, in its dtype)."""
+    remove = _capture_read(module, reference.read, store, reference.hook)
+    if reference.multiplier == 1.0 and reference.divisor == 1.0:
+        return remove
+    handle = module.register_forward_hook(lambda m, args, out: _rescale(store, reference), always_call=False)
+
+    def remove_both() -> None:
+        remove()
+        handle.remove()
+
+    return remove_both
+
+
+def _rescale(store: dict, reference: Reference) -> None:
+    value = store[reference.hook]
+    if reference.multiplier != 1.0:
+        value = value * reference.multiplier
+    if reference.divisor != 1.0:
+        value = value / reference.divisor
+    store[reference.hook] = value
+
+
+def _capture_read(module: torch.nn.Module, what: str, store: dict, key: str) -> Callable[[], None]:
+    """Store what `what` reads."""
     if what == "in":
         handle = module.register_forward_pre_hook(lambda m, args, kwargs: store.__setitem__(key, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
     elif what == "out.heads_first":
@@ -88,7 +112,7 @@ def _derived(steps: list[str]) -> Callable[[torch.Tensor], torch.Tensor]:
 def reference_forward(hf_model, references: tuple[Reference, ...], tokens, attention_mask=None, position_ids=None):
     """transformers' logits and the tensors at every reference site, keyed by moelens hook name."""
     store: dict[str, torch.Tensor] = {}
-    removers = [_capture(hf_model.get_submodule(r.module), r.read, store, r.hook) for r in references]
+    removers = [_capture(hf_model.get_submodule(r.module), r, store) for r in references]
     try:
         with torch.no_grad():
             out = hf_model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids)
