@@ -87,12 +87,14 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
     for l in range(model.cfg.n_layers):
         if not model.blocks[l].is_moe:
             continue
+        # components are what the stream receives: the block's residual multiplier (Granite's) applied
+        m = model.blocks[l].residual_multiplier
         experts = torch.stack([comp[f"L{l}.E{e}"] for e in range(model.cfg.n_experts)])
-        close(experts.sum(0), cache["routed_out", l])
+        close(experts.sum(0), cache["routed_out", l] * m)
         if has_shared_expert(model, l):
-            close(comp[f"L{l}.shared"], cache["shared_out", l], 0)
+            close(comp[f"L{l}.shared"], cache["shared_out", l] * m, 0)
         # an expert contributes only where the token chose it, and then exactly its slots' sum
-        indices, outputs = cache["expert_indices", l], cache["expert_outputs", l]
+        indices, outputs = cache["expert_indices", l], cache["expert_outputs", l] * m
         for e in range(model.cfg.n_experts):
             chosen = indices == e  # [batch pos k]
             expected = (outputs * chosen[..., None]).sum(-2)

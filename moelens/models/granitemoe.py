@@ -85,6 +85,11 @@ class HookedGraniteMoe(HookedTransformer):
 def granite_fields(hf: HFConfig) -> dict:
     """The fields granitemoe and granitemoeshared read alike (transformers' GraniteMoeConfig defaults)."""
     fields = common_fields(hf, rms_norm_eps=1e-6, max_position_embeddings=2048)
+    if fields["rope"].partial_rotary_factor != 1.0:  # transformers' Granite rotary turns the whole head
+        raise ValueError(
+            f"partial_rotary_factor = {fields['rope'].partial_rotary_factor}: Granite's rotary (transformers') turns "
+            "every dimension of the head, so only 1 is supported"
+        )
     n_experts = hf.integer("num_local_experts", 8, at_least=1)
     bias = hf.flag("attention_bias", False)
     routed = routed_fields(
