@@ -53,7 +53,11 @@ def granite_recipe(cfg: GraniteMoeConfig, base: Recipe) -> Recipe:
 
 
 def multiplier_fields(hf: HFConfig) -> dict:
-    """The four multipliers, finite and positive, 1 where config.json has none."""
+    """The four multipliers, finite and positive, 1 where config.json has none (null is refused: transformers
+    would multiply by it and fail)."""
+    for name in MULTIPLIERS:
+        if name in hf.raw and hf.raw[name] is None:
+            raise ValueError(f"config.json: {name} is null; a finite positive number is needed (1 where absent)")
     return {name: hf.number(name, 1.0, above=0) for name in MULTIPLIERS}
 
 
