@@ -12,6 +12,7 @@ from moelens.models.glm4_moe_lite import HookedGlm4MoeLite
 from moelens.models.glm_moe_dsa import HookedGlmMoeDsa
 from moelens.models.gpt_oss import HookedGptOss
 from moelens.models.granitemoe import HookedGraniteMoe
+from moelens.models.granitemoeshared import HookedGraniteMoeShared
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
 from moelens.models.llama4_text import HookedLlama4
 from moelens.models.longcat_flash import HookedLongcatFlash
@@ -40,4 +41,5 @@ __all__ = [
     "HookedGlm4MoeLite",
     "HookedDeepseekV2",
     "HookedGraniteMoe",
+    "HookedGraniteMoeShared",
 ]
