@@ -16,6 +16,7 @@ import tiny_glm_moe_dsa
 import tiny_glm4_moe
 import tiny_glm4_moe_lite
 import tiny_granitemoe
+import tiny_granitemoeshared
 import tiny_gpt_oss
 import tiny_llama4_text
 import tiny_minimax_m2
@@ -44,6 +45,7 @@ BUILDERS = {
     "deepseek_v2": tiny_deepseek_v2.build_deepseek_v2,
     "glm4_moe_lite": tiny_glm4_moe_lite.build_glm4_moe_lite,
     "granitemoe": tiny_granitemoe.build_granitemoe,
+    "granitemoeshared": tiny_granitemoeshared.build_granitemoeshared,
     # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
     "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
     "qwen3_5_moe_text": tiny_qwen3_5_moe.build_text,

@@ -30,6 +30,7 @@ DEFINITION = {
     "qwen3_next": softmax, "qwen3_5_moe": softmax, "nemotron_h": normalised_sigmoid,
     "deepseek_v2": softmax, "glm4_moe_lite": normalised_sigmoid,
     "granitemoe": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
+    "granitemoeshared": softmax,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

@@ -43,6 +43,7 @@ CONFIGS = {
     "tiny-glm4-moe-lite": "tiny_glm4_moe_lite.json",
     "tiny-deepseek-v2": "tiny_deepseek_v2.json",
     "tiny-granitemoe": "tiny_granitemoe.json",
+    "tiny-granitemoeshared": "tiny_granitemoeshared.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"
