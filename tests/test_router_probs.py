@@ -63,7 +63,7 @@ def test_support_says_what_the_scores_and_the_probs_are(family_models, family):
     rows = {row.name: row for row in family_models[family].support().rows}
     probs, scores = rows["blocks.L.mlp.hook_router_probs"], rows["blocks.L.mlp.hook_router_scores"]
     assert "distribution over the experts" in probs.meaning and "observation only" in probs.meaning
-    if family in ("gpt_oss", "llama4_text"):  # their rules take the top-k on the logits themselves
+    if family in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared"):  # top-k on the logits themselves
         assert scores.meaning.startswith("the logits the top-k is taken on")
     else:
         assert scores.meaning.startswith(SCORES_SAY[DEFINITION[family]])
