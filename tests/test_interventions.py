@@ -231,13 +231,17 @@ def test_replacing_expert_neurons_and_shared_out(family_models, family, tokens):
         torch.testing.assert_close(routed, left.to(routed.dtype), rtol=0, atol=0)
     else:
         assert torch.count_nonzero(routed) == 0
+    m_last, m_first = model.blocks[last].residual_multiplier, model.blocks[first].residual_multiplier  # Granite's
     if not has_shared_expert(model):
-        assert torch.equal(cache["mlp_out", last], routed)
+        assert torch.equal(cache["mlp_out", last], routed * m_last)
         return
-    torch.testing.assert_close(cache["mlp_out", last], routed + cache[f"blocks.{last}.mlp.hook_shared_out"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        cache["mlp_out", last], (routed + cache[f"blocks.{last}.mlp.hook_shared_out"]) * m_last, rtol=0, atol=0
+    )
     with model.hooks([(f"blocks.{first}.mlp.hook_shared_out", zero)]):
         _, cache = model.run_with_cache(tokens)
-    torch.testing.assert_close(cache["mlp_out", first], cache[f"blocks.{first}.mlp.hook_routed_out"], rtol=0, atol=0)
+    torch.testing.assert_close(cache["mlp_out", first], cache[f"blocks.{first}.mlp.hook_routed_out"] * m_first,
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
