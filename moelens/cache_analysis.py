@@ -25,6 +25,11 @@ norm on its own, with its own RMS: what the model would output if that component
 `stack @ model.W_U` is that stream's logits. Parts of a decomposition normed that way do not sum to the norm's
 output (each has its own RMS); on the whole final stream both recompute_ln values give the same result.
 
+Every component is what the stream receives: where a family multiplies each sublayer's output by a residual
+multiplier (Granite's muP), heads, neurons, experts, shared experts and o_proj biases carry it, as hook_attn_out
+and hook_mlp_out do, so a decomposition still sums to the stream (hook_result, hook_z and the expert sites hold
+the modules' own tensors, before it).
+
 project_output_onto (get_neuron_results, stack_neuron_results, get_full_resid_decomposition): a [d_model] or
 [d_model, n_outputs] matrix that every component is multiplied by, folded into the weights before the
 per-neuron expansion, so the [..., neurons, d_model] tensor is never built; a [d_model] one drops the last axis.
@@ -320,7 +325,18 @@ class CacheAnalysis:
         """The blocks before `upto` whose token mixer is softmax attention (the ones with heads)."""
         return [l for l in range(upto) if self.model.blocks[l].has_attention]
 
+    def _multiplier(self, layer: int) -> float:
+        """Block `layer`'s residual multiplier: what its sublayers' own outputs are multiplied by as the stream
+        receives them (Granite's; 1 elsewhere). Components of the stream carry it; hook_result does not."""
+        return self.model.blocks[layer].residual_multiplier
+
     def _head_result(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
+        """Each head's output as the stream receives it (times the block's residual multiplier)."""
+        result, multiplier = self._head_output(layer), self._multiplier(layer)
+        return result if multiplier == 1.0 else result * multiplier
+
+    def _head_output(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
+        """Each head's output, hook_result's tensor (cached, or from hook_z and o_proj)."""
         name = f"blocks.{layer}.attn.hook_result"
         if name in self.cache_dict:
             return self.cache_dict[name]
@@ -338,7 +354,7 @@ class CacheAnalysis:
         layers = self._attention_layers(self.model.cfg.n_layers)
         self._require("compute_head_results", [f"blocks.{l}.attn.hook_z" for l in layers])
         for l in layers:
-            self.cache_dict[f"blocks.{l}.attn.hook_result"] = self._head_result(l)
+            self.cache_dict[f"blocks.{l}.attn.hook_result"] = self._head_output(l)
 
     def stack_head_results(
         self,
@@ -401,6 +417,8 @@ class CacheAnalysis:
         post = self._get(part.neurons.name, pos_slice)
         if part.gate is not None:  # the gate scales the whole part, so each neuron
             post = post * part.gate.scale(self._get(part.gate.hook.name, pos_slice))
+        if self._multiplier(l) != 1.0:  # as the stream receives it
+            post = post * self._multiplier(l)
         W = part.write_weight()
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
@@ -427,6 +445,8 @@ class CacheAnalysis:
             W_rows = W_rows @ project.to(post.device, dtype)
         weighted_input = part.module.spec.weight_at == "input"
         coef = post.to(dtype) if weighted_input else weights.to(dtype)[..., None] * post.to(dtype)  # [*rest, k, n]
+        if self._multiplier(l) != 1.0:  # as the stream receives it
+            coef = coef * self._multiplier(l)
         return coef[..., None] * W_rows[indices], _ids(idx, post.shape[-1])
 
     def get_neuron_results(
@@ -497,6 +517,7 @@ class CacheAnalysis:
             bias_slots = down_bias.to(slots.device, slots.dtype)[indices]  # [*rest, k, d]
             if part.module.spec.weight_at == "output":  # an input weight does not reach the output bias
                 bias_slots = self._get(part.weights.name, pos_slice).to(slots.dtype)[..., None] * bias_slots
+            bias_slots = bias_slots * self._multiplier(l)
             stacks.append(torch.einsum("...kd,...ke->e...d", bias_slots, onehot))
             labels += [f"L{l}.E{e}.bias" for e in range(n_experts)]
         return stacks, labels
@@ -559,13 +580,16 @@ class CacheAnalysis:
                 self._require(what, [part.indices.name, part.slot_outputs.name])
                 n_experts = part.module.n_experts
                 onehot = torch.nn.functional.one_hot(self._get(part.indices.name, pos_slice), n_experts)
-                outputs = self._get(part.slot_outputs.name, pos_slice)
+                outputs = self._get(part.slot_outputs.name, pos_slice) * self._multiplier(l)  # as the stream gets it
                 stacks.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
                 labels += [f"L{l}.E{e}" for e in range(n_experts)]
                 continue
-            out = block.hook_mlp_out if part.out is None else part.out  # a dense MLP's term is all of hook_mlp_out
-            self._require(what, [out.name])
-            stacks.append(self._get(out.name, pos_slice)[None])
+            if part.out is None:  # a dense MLP's term is all of hook_mlp_out, the residual multiplier included
+                self._require(what, [block.hook_mlp_out.name])
+                stacks.append(self._get(block.hook_mlp_out.name, pos_slice)[None])
+            else:
+                self._require(what, [part.out.name])
+                stacks.append(self._get(part.out.name, pos_slice)[None] * self._multiplier(l))
             labels.append(f"{l}_mlp_out" if part.kind == "dense" else f"L{l}.{part.label}")
         return stacks, labels
 
@@ -575,8 +599,8 @@ class CacheAnalysis:
         bias = like.new_zeros(like.shape[-1])
         for l in self._attention_layers(n_attn):
             b = self.model.blocks[l].attn.o_proj.bias
-            if b is not None:
-                bias = bias + b.detach().to(like.device, like.dtype)
+            if b is not None:  # as the stream receives it: times the block's residual multiplier
+                bias = bias + b.detach().to(like.device, like.dtype) * self._multiplier(l)
         return bias.expand_as(like[:1])
 
     def get_full_resid_decomposition(
@@ -793,7 +817,7 @@ class CacheAnalysis:
         dirs = dirs * self._norm_weight("ln_final.hook_scale").float().to(dirs.device)  # what ln_final applies
         out = scale.new_zeros(cfg.n_layers, cfg.n_experts, *rest)
         for l, part in routed:
-            outputs = self._get(part.slot_outputs.name, pos_slice).float()  # [*rest, k, d]
+            outputs = self._get(part.slot_outputs.name, pos_slice).float() * self._multiplier(l)  # [*rest, k, d]
             indices = self._get(part.indices.name, pos_slice)
             per_slot = (outputs * dirs.to(outputs.device).unsqueeze(-2)).sum(-1) / scale  # [*rest, k]
             per_expert = per_slot.new_zeros(*rest, cfg.n_experts).scatter_add_(-1, indices, per_slot)

@@ -142,6 +142,13 @@ class ExpertStack:
     # where the files have neither spelling (a new checkpoint written, missing keys named): the fused one
     # (True: the family's published checkpoints are fused, Llama 4's) or the first per-expert one
     fused_first: bool = False
+    # other stacked spellings, tried after `fused` (Granite: the Hub's input_linear / output_linear, then
+    # transformers 5's experts.gate_up_proj / down_proj)
+    other_fused: tuple[FusedExperts, ...] = ()
+
+    def fused_in(self, present) -> FusedExperts | None:
+        """The stacked spelling whose gate_up the files hold (`present`: a set of keys or the files), if any."""
+        return next((f for f in (self.fused, *self.other_fused) if f.gate_up in present), None)
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -161,6 +168,13 @@ class Reference:
     hook: str
     module: str  # path from the transformers model's root, e.g. "model.layers.3.mlp.gate"
     read: str = "out"
+    # what the reference does to the module's output before the stream receives it, and the hook holds:
+    # times `multiplier`, then divided by `divisor` (Granite's residual_multiplier, logits_scaling)
+    multiplier: float = 1.0
+    divisor: float = 1.0
+    # another module whose output the reference adds to this one's (before the multiplier), as Granite's layer
+    # adds its shared_mlp's output to its block_sparse_moe's
+    added: str | None = None
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,38 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _capture(module: torch.nn.Module, what: str, store: dict, key: str) -> Callable[[], None]:
-    """Store what `what` reads (moelens.sitemap.Reference)."""
+def _capture(hf_model: torch.nn.Module, reference: Reference, store: dict) -> Callable[[], None]:
+    """Store what the reference reads (moelens.sitemap.Reference): its module's input or output, plus the added
+    module's output, times its multiplier, divided by its divisor (the reference's own ops, in its order and
+    dtype)."""
+    module = hf_model.get_submodule(reference.module)
+    handles = [_capture_read(module, reference.read, store, reference.hook)]
+    last = module  # the module whose forward completes the tensor
+    if reference.added is not None:
+        last = hf_model.get_submodule(reference.added)
+        handles.append(last.register_forward_hook(
+            lambda m, args, out: store.__setitem__(reference.hook, store[reference.hook] + out)).remove)
+    if reference.multiplier != 1.0 or reference.divisor != 1.0:
+        handles.append(last.register_forward_hook(lambda m, args, out: _rescale(store, reference)).remove)
+
+    def remove_all() -> None:
+        for remove in handles:
+            remove()
+
+    return remove_all
+
+
+def _rescale(store: dict, reference: Reference) -> None:
+    value = store[reference.hook]
+    if reference.multiplier != 1.0:
+        value = value * reference.multiplier
+    if reference.divisor != 1.0:
+        value = value / reference.divisor
+    store[reference.hook] = value
+
+
+def _capture_read(module: torch.nn.Module, what: str, store: dict, key: str) -> Callable[[], None]:
+    """Store what `what` reads."""
     if what == "in":
         handle = module.register_forward_pre_hook(lambda m, args, kwargs: store.__setitem__(key, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
     elif what == "out.heads_first":
@@ -88,7 +118,7 @@ def _derived(steps: list[str]) -> Callable[[torch.Tensor], torch.Tensor]:
 def reference_forward(hf_model, references: tuple[Reference, ...], tokens, attention_mask=None, position_ids=None):
     """transformers' logits and the tensors at every reference site, keyed by moelens hook name."""
     store: dict[str, torch.Tensor] = {}
-    removers = [_capture(hf_model.get_submodule(r.module), r.read, store, r.hook) for r in references]
+    removers = [_capture(hf_model, r, store) for r in references]
     try:
         with torch.no_grad():
             out = hf_model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids)

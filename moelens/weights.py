@@ -111,11 +111,17 @@ class WeightViews:
     # ---- embeddings ---------------------------------------------------------------------------------
     @property
     def W_E(self) -> Float[torch.Tensor, "d_vocab d_model"]:
-        return self.embed.weight
+        """Each token's row as it enters the stream (hook_embed): the table, times the embedding multiplier
+        where the family has one (Granite's; a new tensor then: edit embed.weight to change the model)."""
+        multiplier = self.embed.multiplier
+        return self.embed.weight if multiplier == 1.0 else self.embed.weight * multiplier
 
     @property
     def W_U(self) -> Float[torch.Tensor, "d_model d_vocab"]:
-        return self.unembed.weight.T
+        """The map from the final norm's output to the logits: the head's weight, transposed, divided by the
+        logits divisor where the family has one (Granite's logits_scaling; a new tensor then)."""
+        divisor = self.unembed.divisor
+        return self.unembed.weight.T if divisor == 1.0 else self.unembed.weight.T / divisor
 
     @property
     def b_U(self) -> Float[torch.Tensor, "d_vocab"]:
@@ -138,24 +144,26 @@ class WeightViews:
             if not self.blocks[l].has_attention:  # other token mixers' output projections have no bias
                 continue
             bias = self.blocks[l].attn.o_proj.bias
-            if bias is not None:
-                total = total + bias.to(total.device, total.dtype)
+            if bias is not None:  # as the stream receives it: times the block's residual multiplier
+                total = total + bias.to(total.device, total.dtype) * self.blocks[l].residual_multiplier
         return total
 
     def tokens_to_residual_directions(
         self, tokens: int | str | Int[torch.Tensor, "..."]
     ) -> Float[torch.Tensor, "... d_model"]:
         """TransformerLens's W_U[:, token]: the direction whose dot product with the final norm's output gives
-        the token's logit. The norm's weight is not in it (with fold_ln it is in W_U, and ln_final.weight is
-        1): the ActivationCache's normed stacks carry it (apply_ln_to_stack), so they pair with this and with
-        W_U alike, folded or not."""
+        the token's logit (divided by the logits divisor where the family has one, as W_U). The norm's weight
+        is not in it (with fold_ln it is in W_U, and ln_final.weight is 1): the ActivationCache's normed stacks
+        carry it (apply_ln_to_stack), so they pair with this and with W_U alike, folded or not."""
         if isinstance(tokens, str):
             ids = self.to_tokens(tokens).flatten()  # type: ignore[attr-defined]
             if ids.numel() != 1:
                 raise ValueError(f"{tokens!r} is {ids.numel()} tokens, not one")
             tokens = ids[0]
         tokens = torch.as_tensor(tokens, device=self.unembed.weight.device)
-        return self.unembed.weight[tokens].clone()  # its own tensor: an in-place edit must not reach the model
+        rows, divisor = self.unembed.weight[tokens], self.unembed.divisor
+        # its own tensor: an in-place edit must not reach the model
+        return rows.clone() if divisor == 1.0 else rows / divisor
 
     # ---- attention: each block's views (moelens.models.components.attention_views), stacked ---------------
     def _per_layer(self, fn: Callable[[Attention], torch.Tensor], what: str = "") -> torch.Tensor | AttentionLayers:

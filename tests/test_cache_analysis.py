@@ -87,12 +87,14 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
     for l in range(model.cfg.n_layers):
         if not model.blocks[l].is_moe:
             continue
+        # components are what the stream receives: the block's residual multiplier (Granite's) applied
+        m = model.blocks[l].residual_multiplier
         experts = torch.stack([comp[f"L{l}.E{e}"] for e in range(model.cfg.n_experts)])
-        close(experts.sum(0), cache["routed_out", l])
+        close(experts.sum(0), cache["routed_out", l] * m)
         if has_shared_expert(model, l):
-            close(comp[f"L{l}.shared"], cache["shared_out", l], 0)
+            close(comp[f"L{l}.shared"], cache["shared_out", l] * m, 0)
         # an expert contributes only where the token chose it, and then exactly its slots' sum
-        indices, outputs = cache["expert_indices", l], cache["expert_outputs", l]
+        indices, outputs = cache["expert_indices", l], cache["expert_outputs", l] * m
         for e in range(model.cfg.n_experts):
             chosen = indices == e  # [batch pos k]
             expected = (outputs * chosen[..., None]).sum(-2)
@@ -246,10 +248,11 @@ def test_head_results(runs, family):
         W = model.blocks[l].attn.o_proj.weight.detach()
         z = cache["z", l]
         d = z.shape[-1]  # a head's value width (MLA: v_head_dim)
+        m = model.blocks[l].residual_multiplier  # heads as the stream receives them (Granite's multiplier)
         for h in (0, cfg.n_heads - 1):  # head h reads o_proj's input columns of that head
-            close(per_layer[l][h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T)
+            close(per_layer[l][h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T * m)
         bias = model.blocks[l].attn.o_proj.bias
-        close(per_layer[l].sum(0) + (0 if bias is None else bias.detach()), cache["attn_out", l])
+        close(per_layer[l].sum(0) + (0 if bias is None else bias.detach() * m), cache["attn_out", l])
     upto = heads[1] + 1 if len(heads) > 1 else cfg.n_layers  # a bound with heads of two layers before it, where there are
     stack, labels = cache.stack_head_results(layer=upto, incl_remainder=True, return_labels=True)
     assert labels[-1] == "remainder" and len(labels) == len([l for l in heads if l < upto]) * cfg.n_heads + 1
@@ -295,7 +298,8 @@ def test_logit_attrs_sum_to_logits(runs, toks, family):
     # a stack normalised already is normalised again (TransformerLens's semantics): not the logits
     twice = cache.logit_attrs(cache.get_full_resid_decomposition(apply_ln=True, return_labels=False), toks)
     scale, weight = cache["ln_final.hook_scale"], norm_factor(model.ln_final)
-    close(twice, (stack / scale**2 * weight**2 * model.unembed.weight[toks].detach()).sum(-1))
+    W_U = model.unembed.weight[toks].detach() / model.unembed.divisor  # Granite's logits_scaling divides
+    close(twice, (stack / scale**2 * weight**2 * W_U).sum(-1))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -313,12 +317,13 @@ def test_expert_logit_attribution(runs, toks, family):
         assert (ela[l] == 0).all()
     # an independent loop for one token: slot outputs / final rms . (W_U column * final norm weight)
     b, p, tok = 1, 7, int(toks[1, 7])
-    direction = model.unembed.weight[tok].detach() * norm_factor(model.ln_final)
+    direction = model.unembed.weight[tok].detach() / model.unembed.divisor * norm_factor(model.ln_final)
     rms = cache["ln_final.hook_scale"][b, p, 0]
     for l in cfg.moe_layer_indices:
         expected = torch.zeros(cfg.n_experts)
+        m = model.blocks[l].residual_multiplier  # what the stream receives of a slot's output
         for s, e in enumerate(cache["expert_indices", l][b, p].tolist()):
-            expected[e] += cache["expert_outputs", l][b, p, s] @ direction / rms
+            expected[e] += cache["expert_outputs", l][b, p, s] * m @ direction / rms
         close(ela[l, :, b, p], expected)
         unchosen = torch.ones(cfg.n_experts, dtype=torch.bool)
         unchosen[cache["expert_indices", l][b, p]] = False

@@ -17,6 +17,8 @@ import tiny_qwen3_next
 import tiny_glm_moe_dsa
 import tiny_glm4_moe
 import tiny_glm4_moe_lite
+import tiny_granitemoe
+import tiny_granitemoeshared
 import tiny_gpt_oss
 import tiny_llama4_text
 import tiny_minimax_m2
@@ -46,6 +48,8 @@ BUILDERS = {
     "ernie4_5_moe": tiny_ernie4_5_moe.build_ernie4_5_moe,
     "flex_olmo": tiny_flex_olmo.build_flex_olmo,
     "glm4_moe_lite": tiny_glm4_moe_lite.build_glm4_moe_lite,
+    "granitemoe": tiny_granitemoe.build_granitemoe,
+    "granitemoeshared": tiny_granitemoeshared.build_granitemoeshared,
     # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
     "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
     "qwen3_5_moe_text": tiny_qwen3_5_moe.build_text,

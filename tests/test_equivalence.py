@@ -80,9 +80,11 @@ def test_bfloat16_is_bit_exact(checkpoints, family, variant):
     for layer, block in enumerate(model.blocks):
         if block.is_moe:
             ref_layer = ref.model.layers[layer]
-            # Llama 4's router is feed_forward.router, Nemotron-H's mixture is its layer's mixer
+            # Llama 4's router is feed_forward.router, Nemotron-H's mixture is its layer's mixer, Granite's
+            # block_sparse_moe.router
             ref_gate = (ref_layer.mlp.gate if hasattr(ref_layer, "mlp") else ref_layer.mixer.gate
-                        if hasattr(ref_layer, "mixer") else ref_layer.feed_forward.router)
+                        if hasattr(ref_layer, "mixer") else ref_layer.block_sparse_moe.router
+                        if hasattr(ref_layer, "block_sparse_moe") else ref_layer.feed_forward.router)
             ref_weight = ref_gate.wg.weight if hasattr(ref_gate, "wg") else ref_gate.weight
             assert block.mlp.router.weight.dtype == ref_weight.dtype
     tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(3))

@@ -467,6 +467,40 @@ CASES = {
             "use_mamba_kernels", "mamba_ssm_cache_dtype", "rescale_prenorm_residual", "time_step_max", "time_step_floor",
             "time_step_limit", "sliding_window", "attention_bias", "expand", "mamba_proj_bias", "num_nextn_predict_layers",
             "mtp_layers_block_type"),
+    "granitemoe": Case(
+        raw={"attention_bias": False, "attention_multiplier": 0.15, "embedding_multiplier": 6.0, "hidden_act": "silu",
+            "hidden_size": 64, "intermediate_size": 32, "logits_scaling": 2.5, "max_position_embeddings": 256,
+            "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2,
+            "num_local_experts": 8, "residual_multiplier": 0.4, "rms_norm_eps": 1e-06, "rope_parameters":
+            {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(3, 3, 3), d_expert=32, embedding_multiplier=6.0, residual_multiplier=0.4,
+            attention_multiplier=0.15, logits_scaling=2.5),
+        read=["attention_bias", "attention_multiplier", "embedding_multiplier", "head_dim", "hidden_act", "hidden_size",
+            "intermediate_size", "logits_scaling", "max_position_embeddings", "num_attention_heads",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "num_local_experts",
+            "partial_rotary_factor", "residual_multiplier", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "tie_word_embeddings", "vocab_size"],
+        ignored=(),
+    ),
+    "granitemoeshared": Case(
+        raw={"attention_bias": False, "attention_multiplier": 0.15, "embedding_multiplier": 6.0, "hidden_act": "silu",
+            "hidden_size": 64, "intermediate_size": 32, "logits_scaling": 2.5, "max_position_embeddings": 256,
+            "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2,
+            "num_local_experts": 8, "residual_multiplier": 0.4, "rms_norm_eps": 1e-06, "rope_parameters":
+            {"rope_theta": 10000.0, "rope_type": "default"}, "shared_intermediate_size": 48,
+            "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(3, 3, 3), d_expert=32, d_shared=48, embedding_multiplier=6.0, residual_multiplier=0.4,
+            attention_multiplier=0.15, logits_scaling=2.5),
+        read=["attention_bias", "attention_multiplier", "embedding_multiplier", "head_dim", "hidden_act", "hidden_size",
+            "intermediate_size", "logits_scaling", "max_position_embeddings", "num_attention_heads",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "num_local_experts",
+            "partial_rotary_factor", "residual_multiplier", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "shared_intermediate_size", "tie_word_embeddings", "vocab_size"],
+        ignored=(),
     ),
 }
 
@@ -645,6 +679,19 @@ MINIMAL = {
             d_shared=7688, norm_topk_prob=True, layer_types=("linear_attention", "moe", "full_attention", "mlp"),
             mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=8, mamba_d_state=128, mamba_d_conv=4,
             mamba_chunk_size=128, mamba_time_step_limit=(0.001, math.inf)),
+    "granitemoe": (
+        # transformers' GraniteMoeConfig defaults: 8 experts, top 2, intermediate_size 11008, every multiplier 1
+        {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(2, 2, 2), d_expert=11008),
+    ),
+    "granitemoeshared": (
+        # transformers' GraniteMoeSharedConfig defaults: no shared MLP (shared_intermediate_size 0), as granitemoe
+        {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(2, 2, 2), d_expert=11008),
     ),
 }
 
@@ -670,6 +717,8 @@ CONFIG_CLASSES = {
     "longcat_flash": "LongcatFlashConfig",
     "llama4_text": "Llama4Config",
     "nemotron_h": "NemotronHConfig",
+    "granitemoe": "GraniteMoeConfig",
+    "granitemoeshared": "GraniteMoeSharedConfig",
 }
 # Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling)
 ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw]

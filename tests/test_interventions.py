@@ -43,11 +43,13 @@ def test_identities(family_models, family, tokens):
         mlp, block = f"blocks.{layer}.mlp", model.blocks[layer]
         if not block.is_moe:
             continue
+        m = block.residual_multiplier  # the stream receives the mixture's output times it (Granite's; 1 elsewhere)
         if not has_shared_expert(model, layer):
-            assert torch.equal(cache[f"{mlp}.hook_routed_out"], cache["mlp_out", layer])
+            assert torch.equal(cache[f"{mlp}.hook_routed_out"] * m, cache["mlp_out", layer])
         else:
             torch.testing.assert_close(
-                cache[f"{mlp}.hook_routed_out"] + cache[f"{mlp}.hook_shared_out"], cache["mlp_out", layer], rtol=0, atol=0
+                (cache[f"{mlp}.hook_routed_out"] + cache[f"{mlp}.hook_shared_out"]) * m, cache["mlp_out", layer],
+                rtol=0, atol=0,
             )
         if shared_expert_gated(model, layer):
             gated = torch.sigmoid(cache[f"{mlp}.hook_shared_gate"]) * cache[f"{mlp}.shared_expert.hook_out"]
@@ -235,13 +237,17 @@ def test_replacing_expert_neurons_and_shared_out(family_models, family, tokens):
         torch.testing.assert_close(routed, left.to(routed.dtype), rtol=0, atol=0)
     else:
         assert torch.count_nonzero(routed) == 0
+    m_last, m_first = model.blocks[last].residual_multiplier, model.blocks[first].residual_multiplier  # Granite's
     if not has_shared_expert(model):
-        assert torch.equal(cache["mlp_out", last], routed)
+        assert torch.equal(cache["mlp_out", last], routed * m_last)
         return
-    torch.testing.assert_close(cache["mlp_out", last], routed + cache[f"blocks.{last}.mlp.hook_shared_out"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        cache["mlp_out", last], (routed + cache[f"blocks.{last}.mlp.hook_shared_out"]) * m_last, rtol=0, atol=0
+    )
     with model.hooks([(f"blocks.{first}.mlp.hook_shared_out", zero)]):
         _, cache = model.run_with_cache(tokens)
-    torch.testing.assert_close(cache["mlp_out", first], cache[f"blocks.{first}.mlp.hook_routed_out"], rtol=0, atol=0)
+    torch.testing.assert_close(cache["mlp_out", first], cache[f"blocks.{first}.mlp.hook_routed_out"] * m_first,
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

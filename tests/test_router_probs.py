@@ -29,6 +29,8 @@ DEFINITION = {
     "llama4_text": normalised_sigmoid,  # its scores are the logits; each chosen one's weight is its sigmoid
     "qwen3_next": softmax, "qwen3_5_moe": softmax, "nemotron_h": normalised_sigmoid,
     "deepseek_v2": softmax, "glm4_moe_lite": normalised_sigmoid, "ernie4_5_moe": softmax,
+    "granitemoe": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
+    "granitemoeshared": softmax,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
@@ -61,7 +63,7 @@ def test_support_says_what_the_scores_and_the_probs_are(family_models, family):
     rows = {row.name: row for row in family_models[family].support().rows}
     probs, scores = rows["blocks.L.mlp.hook_router_probs"], rows["blocks.L.mlp.hook_router_scores"]
     assert "distribution over the experts" in probs.meaning and "observation only" in probs.meaning
-    if family in ("gpt_oss", "llama4_text"):  # their rules take the top-k on the logits themselves
+    if family in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared"):  # top-k on the logits themselves
         assert scores.meaning.startswith("the logits the top-k is taken on")
     else:
         assert scores.meaning.startswith(SCORES_SAY[DEFINITION[family]])

@@ -73,7 +73,7 @@ def test_decompose_resid_logit_attrs_sum_to_logit(runs, family):
     close(cache.logit_attrs(full, toks).sum(0), logits.gather(-1, toks[..., None])[..., 0])
     # each component by hand: component / final rms . (W_U column * ln_final weight)
     rms = cache["ln_final.hook_scale"][:, -1]  # [batch, 1]
-    direction = model.unembed.weight[answer] * norm_factor(model.ln_final)
+    direction = model.unembed.weight[answer] / model.unembed.divisor * norm_factor(model.ln_final)
     close(attrs, ((stack / rms) * direction).sum(-1))
 
 

@@ -62,7 +62,7 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
         W_O, b_O = attention_view(model, "W_O", (H, D_v, M)), attention_view(model, "b_O", (M,))
         for l in layers:
             out = torch.einsum("bphd,hdm->bpm", cache["z", l], W_O[l]) + b_O[l]
-            close(out, cache["attn_out", l])
+            close(out * model.blocks[l].residual_multiplier, cache["attn_out", l])  # as the stream receives it
         if not attn.per_head_projections:  # MLA: keys and values come out of a normed latent
             for view in ("W_Q", "W_K", "W_V", "b_Q"):
                 with pytest.raises(ValueError, match="latent"):
@@ -378,7 +378,7 @@ def test_block_attention_views_are_transformer_lens_s(runs, family):
             attn = model.blocks[l].attn
             assert torch.equal(attn.W_O, model.W_O[l]) and torch.equal(attn.b_O, model.b_O[l])
             out = torch.einsum("bphd,hdm->bpm", cache["z", l], attn.W_O) + attn.b_O
-            close(out, cache["attn_out", l])
+            close(out * model.blocks[l].residual_multiplier, cache["attn_out", l])  # as the stream receives it
             if not attn.per_head_projections:
                 for view in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_K_grouped"):
                     with pytest.raises(ValueError, match=rf"{view}: .*latent"):

@@ -44,6 +44,8 @@ CONFIGS = {
     "tiny-deepseek-v2": "tiny_deepseek_v2.json",
     "tiny-ernie4.5-moe": "tiny_ernie4_5_moe.json",
     "tiny-flex-olmo": "tiny_flex_olmo.json",
+    "tiny-granitemoe": "tiny_granitemoe.json",
+    "tiny-granitemoeshared": "tiny_granitemoeshared.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

@@ -46,9 +46,10 @@ def _expert_keys(stack: ExpertStack, present: set[str] | SafetensorsFiles) -> di
     """The layer's expert keys in the spelling the files use (fused, or the first per-expert spelling whose
     expert 0 is there); the first per-expert spelling when none is (the fused one where the family has no
     per-expert spelling or puts it first, stack.fused_first), so that they are reported missing."""
-    fused = stack.fused.keys()
+    found = stack.fused_in(present)
+    fused = (found or stack.fused).keys()
     per_expert_present = any(k.first.format(e=0) in present for k in stack.per_expert)
-    if fused[0][0] in present or not stack.per_expert or (stack.fused_first and not per_expert_present):
+    if found is not None or not stack.per_expert or (stack.fused_first and not per_expert_present):
         return {key: Target(param, (), layout) for (key, layout), param in zip(fused, stack.params)}
     w_gate_up, w_down = stack.params
     spelling = next((k for k in stack.per_expert if k.first.format(e=0) in present), stack.per_expert[0])
@@ -141,10 +142,11 @@ def _check_fused_blocks(site_map: SiteMap, stored: dict[str, Stored], files: Saf
     them): refused rather than guessed. Per-expert keys, and every published checkpoint (d_expert a multiple of
     128), have one."""
     for stack in site_map.expert_stacks():
-        found = stored.get(stack.fused.gate_up)
+        gate_up = (stack.fused_in(files) or stack.fused).gate_up
+        found = stored.get(gate_up)
         if found is not None and isinstance(found.format, Fp8Blocks) and stack.d_expert % found.format.block[0]:
             raise CheckpointError(
-                f"{files.location[stack.fused.gate_up].name}: fused fp8 {stack.fused.gate_up!r} stacks gate and up "
+                f"{files.location[gate_up].name}: fused fp8 {gate_up!r} stacks gate and up "
                 f"rows of {stack.d_expert} each, which blocks of {found.format.block[0]} rows do not divide: its scale "
                 f"{found.keys[1]!r} {files.shapes[found.keys[1]]} could be a grid over the fused rows or gate's and "
                 "up's grids stacked. Store the experts per expert (the Hub's layout), where each is unambiguous"

@@ -105,12 +105,13 @@ def _check_experts(
 ) -> None:
     field = next((f for f in EXPERT_FIELDS if f in cfg.fields_read), "the expert count")
     layer = stack.prefix.split(".")[1]
-    if stack.fused.gate_up in files:
-        stored = files.shapes[stack.fused.gate_up][0] if files.shapes[stack.fused.gate_up] else 0
+    fused = stack.fused_in(files)
+    if fused is not None:
+        stored = files.shapes[fused.gate_up][0] if files.shapes[fused.gate_up] else 0
         if stored != stack.n_experts:
             raise CheckpointError(
-                f"{config}: {field} = {stack.n_experts:,}, but layer {layer}'s {stack.fused.gate_up!r} has shape "
-                f"{files.shapes[stack.fused.gate_up]} ({stored} experts)"
+                f"{config}: {field} = {stack.n_experts:,}, but layer {layer}'s {fused.gate_up!r} has shape "
+                f"{files.shapes[fused.gate_up]} ({stored} experts)"
             )
         return
     spelling = next((k for k in stack.per_expert if k.first.format(e=0) in files), None)

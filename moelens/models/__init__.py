@@ -13,6 +13,8 @@ from moelens.models.glm4_moe import HookedGlm4Moe
 from moelens.models.glm4_moe_lite import HookedGlm4MoeLite
 from moelens.models.glm_moe_dsa import HookedGlmMoeDsa
 from moelens.models.gpt_oss import HookedGptOss
+from moelens.models.granitemoe import HookedGraniteMoe
+from moelens.models.granitemoeshared import HookedGraniteMoeShared
 from moelens.models.hunyuan_v1_moe import HookedHunyuanMoe
 from moelens.models.llama4_text import HookedLlama4
 from moelens.models.longcat_flash import HookedLongcatFlash
@@ -42,4 +44,6 @@ __all__ = [
     "HookedDeepseekV2",
     "HookedErnie4_5Moe",
     "HookedFlexOlmo",
+    "HookedGraniteMoe",
+    "HookedGraniteMoeShared",
 ]

@@ -89,14 +89,14 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.embed = Embed(cfg.d_vocab, cfg.d_model)
-        self.hook_embed = site_hook("hook_embed")
-        self.rotary = self.rotary_class(cfg)
         recipe = self.recipe(cfg)
         recipe.check(cfg)
+        self.embed = Embed(cfg.d_vocab, cfg.d_model, recipe.embedding_multiplier)
+        self.hook_embed = site_hook("hook_embed")
+        self.rotary = self.rotary_class(cfg)
         self.blocks = nn.ModuleList((spec.block or Block)(cfg, layer, spec) for layer, spec in enumerate(recipe.layers))
         self.ln_final = recipe.final_norm(cfg.d_model, cfg.norm_eps)
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab)
+        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, recipe.logits_divisor)
         self.hook_logits = site_hook("hook_logits")
         self.tie_weights()
         self.setup()

@@ -16,6 +16,7 @@ Recipe.param_terms and Recipe.state_tensors gather them for moelens plan, which 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,10 +76,14 @@ class LayerSpec:
     # the block class built from this spec (None: components.block.Block); a family whose block has several
     # sublayers (LongCat-Flash) gives its own, listing them in sublayers()
     block: type[nn.Module] | None = None
+    # each sublayer's output is multiplied by this before it is added to the stream (Granite's muP
+    # residual_multiplier); hook_attn_out / hook_mlp_out hold the product, what the stream receives
+    residual_multiplier: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mixer is None and self.ffn is None:
             raise ValueError("a layer needs a token mixer or a feed-forward (LayerSpec with neither)")
+        _check_multiplier("residual_multiplier", self.residual_multiplier)
 
     @property
     def is_moe(self) -> bool:
@@ -87,8 +92,19 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class Recipe:
+    """The layers and the final norm; and the stream's two constant factors outside the blocks (Granite's muP
+    multipliers): the embedding is multiplied by embedding_multiplier before it enters the stream (hook_embed
+    holds the product), and the logits are the unembedding divided by logits_divisor (hook_logits holds the
+    quotient)."""
+
     layers: tuple[LayerSpec, ...]
     final_norm: type[nn.Module] = RMSNorm
+    embedding_multiplier: float = 1.0
+    logits_divisor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_multiplier("embedding_multiplier", self.embedding_multiplier)
+        _check_multiplier("logits_divisor", self.logits_divisor)
 
     def check(self, cfg: MoeConfig) -> None:
         if len(self.layers) != cfg.n_layers:
@@ -127,6 +143,12 @@ class Recipe:
         """Per layer, the tensors its mixer's state holds, each with its dtype; none for a layer without a mixer."""
         return [() if spec.mixer is None else spec.block.state_tensors(cfg, spec) if spec.block is not None
                 else spec.mixer.state_tensors(cfg) for spec in self.layers]
+
+
+def _check_multiplier(name: str, value: float) -> None:
+    """A stream factor must be a finite, nonzero number (zero would erase the stream, or divide by zero)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
+        raise ValueError(f"{name} must be a finite nonzero number, got {value!r}")
 
 
 def _asked(part, kind: str):

@@ -1,6 +1,11 @@
 """Pre-norm transformer block, built from its layer's recipe (moelens.models.recipe.LayerSpec): resid + mixer(ln1(resid)),
 then + ffn(ln2(.)); every stream hooked. A layer without a mixer or without a feed-forward has only the other
-sublayer (and no hook_resid_mid)."""
+sublayer (and no hook_resid_mid).
+
+With a residual multiplier m (Granite's muP), each sublayer adds m * its module's output: hook_attn_out and
+hook_mlp_out hold that product, so resid_pre + attn_out = resid_mid and resid_mid + mlp_out = resid_post still
+hold exactly; the sites inside a sublayer (hook_z, hook_result, hook_routed_out, hook_shared_out, ...) hold the
+module's own tensors, before m (Sublayer.scale says m to the decompositions)."""
 
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ class Sublayer(NamedTuple):
     norm: nn.Module | None  # None: the sublayer reads the stream unnormed (a post-norm block)
     module: nn.Module
     out_hook: str  # the block's attribute name of the output hook
+    # the out hook holds the module's output times this (the layer's residual multiplier)
+    scale: float = 1.0
 
 
 class Block(nn.Module):
@@ -51,6 +58,7 @@ class Block(nn.Module):
     def __init__(self, cfg: MoeConfig, layer: int, spec: LayerSpec) -> None:
         super().__init__()
         self.is_moe = spec.is_moe
+        self.residual_multiplier = spec.residual_multiplier
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.mixer_attribute: str | None = None  # "attn" (softmax attention) or "mixer"; None: no token mixer
         # registered in this order (modules, then the block's hooks) so names, parameters and hooks keep it
@@ -91,9 +99,9 @@ class Block(nn.Module):
         """What the block adds to its stream, in order: resid_post = resid_pre + the sublayers' outputs."""
         out = []
         if self.mixer_attribute is not None:
-            out.append(Sublayer("mixer", self.ln1, self.token_mixer, "hook_attn_out"))
+            out.append(Sublayer("mixer", self.ln1, self.token_mixer, "hook_attn_out", self.residual_multiplier))
         if hasattr(self, "mlp"):
-            out.append(Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out"))
+            out.append(Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out", self.residual_multiplier))
         return out
 
     def new_state(self, reserve: int = 0):
@@ -110,15 +118,20 @@ class Block(nn.Module):
     ) -> Float[torch.Tensor, "batch pos d_model"]:
         resid = self.hook_resid_pre(resid)
         if self.mixer_attribute is not None:
-            attn_out = self.hook_attn_out(self.token_mixer(self.attn_input(resid), inputs))
+            attn_out = self.hook_attn_out(self.scaled(self.token_mixer(self.attn_input(resid), inputs)))
             resid = resid + attn_out
             if not hasattr(self, "mlp"):
                 return self.hook_resid_post(resid)
             resid = self.hook_resid_mid(resid)
         # a copy, as TransformerLens: an edit of hook_mlp_in reaches the MLP, not the residual add
         mlp_in = self.hook_mlp_in(resid.clone()) if self.use_hook_mlp_in else resid
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(mlp_in)))
+        mlp_out = self.hook_mlp_out(self.scaled(self.mlp(self.ln2(mlp_in))))
         return self.hook_resid_post(resid + mlp_out)
+
+    def scaled(self, out: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        """A sublayer's output as the stream receives it: times the residual multiplier (in the output's dtype,
+        as the reference multiplies); untouched where it is 1."""
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def attn_input(self, resid: Float[torch.Tensor, "batch pos d_model"]) -> torch.Tensor | SplitInputs:
         """ln1(resid); with split inputs each head's hooked copy of resid, then ln1 of each (TransformerLens

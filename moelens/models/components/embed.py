@@ -10,11 +10,13 @@ from torch import nn
 
 class Embed(nn.Module):
     """nn.Embedding without its random initialisation: weights always come from a checkpoint, and
-    initialising on the meta device would import torch._dynamo (150 MB resident) for nothing."""
+    initialising on the meta device would import torch._dynamo (150 MB resident) for nothing. `multiplier`
+    (Granite's muP embedding_multiplier) multiplies the looked-up rows: the output is what enters the stream."""
 
-    def __init__(self, d_vocab: int, d_model: int) -> None:
+    def __init__(self, d_vocab: int, d_model: int, multiplier: float = 1.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
+        self.multiplier = multiplier
 
     @property
     def W_E(self) -> Float[torch.Tensor, "d_vocab d_model"]:
@@ -22,18 +24,29 @@ class Embed(nn.Module):
         return self.weight
 
     def forward(self, tokens: Int[torch.Tensor, "batch pos"]) -> Float[torch.Tensor, "batch pos d_model"]:
-        return F.embedding(tokens, self.weight)
+        rows = F.embedding(tokens, self.weight)
+        return rows if self.multiplier == 1.0 else rows * self.multiplier
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
+        scaled = "" if self.multiplier == 1.0 else f", multiplier={self.multiplier}"
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}{scaled}"
 
 
 class Unembed(nn.Linear):
     """The unembedding: a bias-free linear map d_model -> d_vocab (weight [d_vocab, d_model], the checkpoint's
-    layout), with TransformerLens's names model.unembed.W_U [d_model, d_vocab] and b_U (zeros: no bias)."""
+    layout), with TransformerLens's names model.unembed.W_U [d_model, d_vocab] and b_U (zeros: no bias). The
+    logits are the map's output divided by `divisor` (Granite's muP logits_scaling; 1 elsewhere)."""
 
-    def __init__(self, d_model: int, d_vocab: int) -> None:
+    def __init__(self, d_model: int, d_vocab: int, divisor: float = 1.0) -> None:
         super().__init__(d_model, d_vocab, bias=False)
+        self.divisor = divisor
+
+    def forward(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
+        out = super().forward(x)
+        return out if self.divisor == 1.0 else out / self.divisor  # divided, as the reference: not times 1/divisor
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.divisor == 1.0 else f", divisor={self.divisor}")
 
     @property
     def W_U(self) -> Float[torch.Tensor, "d_model d_vocab"]:

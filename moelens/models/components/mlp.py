@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from jaxtyping import Float
 from torch import nn
@@ -27,8 +29,11 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_mlp, bias=False)
         self.down_proj = nn.Linear(d_mlp, d_model, bias=False)
         self.act = activation(act_fn)
+        self._add_hooks(width_name, hook_out)
+
+    def _add_hooks(self, width_name: str, hook_out: bool) -> None:
         if width_name not in _SITE_OF_WIDTH:
-            raise ValueError(f"GatedMLP width_name must be one of {sorted(_SITE_OF_WIDTH)}, got {width_name!r}")
+            raise ValueError(f"{type(self).__name__} width_name must be one of {sorted(_SITE_OF_WIDTH)}, got {width_name!r}")
         site = _SITE_OF_WIDTH[width_name]
         self.hook_pre = site_hook(f"{site}.hook_pre")
         self.hook_pre_linear = site_hook(f"{site}.hook_pre_linear")
@@ -69,6 +74,43 @@ class GatedMLP(nn.Module):
         pre = self.hook_pre(self.gate_proj(x))
         pre_linear = self.hook_pre_linear(self.up_proj(x))
         out = self.down_proj(self.hook_post(self.act(pre) * pre_linear))
+        return self.hook_out(out) if self.has_hook_out else out
+
+
+class RowBlock(NamedTuple):
+    """A view of some rows of a fused projection's weight, read as a projection's own weight ([out, in])."""
+
+    weight: Float[torch.Tensor, "out d_in"]
+
+
+class FusedGateUpMLP(GatedMLP):
+    """A gated MLP whose gate and up projections are one linear map, gate rows first ([2 * d_mlp, d_model]),
+    computed in one matmul and split (Granite's shared_mlp.input_linear). gate_proj and up_proj are views of its
+    rows, so the weight views, fold_ln and the decompositions read them as a GatedMLP's."""
+
+    @staticmethod
+    def param_terms(d_model: int, d_mlp: int, component: str) -> tuple[ParamTerm, ...]:
+        return linear("gate_up_proj", d_model, 2 * d_mlp, False, component) + linear("down_proj", d_mlp, d_model, False, component)
+
+    def __init__(self, d_model: int, d_mlp: int, act_fn: str, width_name: str = "d_mlp", hook_out: bool = False):
+        nn.Module.__init__(self)
+        self.d_mlp = d_mlp
+        self.gate_up_proj = nn.Linear(d_model, 2 * d_mlp, bias=False)
+        self.down_proj = nn.Linear(d_mlp, d_model, bias=False)
+        self.act = activation(act_fn)
+        self._add_hooks(width_name, hook_out)
+
+    @property
+    def gate_proj(self) -> RowBlock:
+        return RowBlock(self.gate_up_proj.weight[: self.d_mlp])
+
+    @property
+    def up_proj(self) -> RowBlock:
+        return RowBlock(self.gate_up_proj.weight[self.d_mlp :])
+
+    def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        out = self.down_proj(self.hook_post(self.act(self.hook_pre(gate)) * self.hook_pre_linear(up)))
         return self.hook_out(out) if self.has_hook_out else out
 
 

@@ -381,14 +381,16 @@ class SharedExpertMoe(SparseMoe):
     """Routed experts, then a shared expert (d_shared wide) that every token goes through, added ungated
     (Solar-Open, DeepSeek-V3)."""
 
+    shared_mlp: ClassVar[type[GatedMLP]] = GatedMLP  # the shared expert's class (its weights' arrangement)
+
     @classmethod
     def param_terms(cls, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> tuple[ParamTerm, ...]:
         return super().param_terms(cfg, layer, router) + under(
-            "shared_expert", GatedMLP.param_terms(cfg.d_model, cfg.d_shared, "shared_experts"))
+            "shared_expert", cls.shared_mlp.param_terms(cfg.d_model, cfg.d_shared, "shared_experts"))
 
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__(cfg, layer, router)
-        self.shared_expert = GatedMLP(cfg.d_model, cfg.d_shared, cfg.act_fn, "d_shared", hook_out=True)
+        self.shared_expert = self.shared_mlp(cfg.d_model, cfg.d_shared, cfg.act_fn, "d_shared", hook_out=True)
         self.hook_shared_out = site_hook("blocks.L.mlp.hook_shared_out")
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:

@@ -84,6 +84,34 @@ class SoftmaxTopK(TopKRouter):
         return w.to(logits_dtype)
 
 
+class TopKLogitsSoftmax(TopKRouter):
+    """The top-k of the logits (computed in the weight's dtype, then float32), the k weights a float32 softmax
+    over the chosen logits, cast to the weight's dtype (Granite). hook_router_scores holds the float32 logits
+    the top-k is taken on."""
+
+    scoring = "top-k logits, softmax over the k"
+    scores_form = "top_k_logits"
+    probs_form = "softmax_of_logits"
+
+    def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
+        return F.linear(x.to(self.weight.dtype), self.weight).float()
+
+    def scores(self, logits: torch.Tensor) -> Float[torch.Tensor, "... n_experts"]:
+        return logits.float().clone()  # its own tensor: an in-place edit of the scores must not reach the logits
+
+    def choose(self, choice_scores: Float[torch.Tensor, "... n_experts"]) -> Int[torch.Tensor, "... top_k"]:
+        return torch.topk(choice_scores, self.top_k, dim=-1).indices
+
+    def weights(
+        self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype
+    ) -> Float[torch.Tensor, "... top_k"]:
+        return F.softmax(scores.gather(-1, indices), dim=-1, dtype=torch.float32).to(self.weight.dtype)
+
+    def probabilities(self, scores: Float[torch.Tensor, "... n_experts"]) -> Float[torch.Tensor, "... n_experts"]:
+        """The softmax of the logits over all experts, float32 (the weights are a softmax over the chosen k)."""
+        return F.softmax(scores, dim=-1, dtype=torch.float32)
+
+
 class Float32SoftmaxTopK(SoftmaxTopK):
     """SoftmaxTopK with a float32 weight: logits, scores and weights float32 in any model dtype (Hunyuan)."""
 
