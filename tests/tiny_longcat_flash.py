@@ -84,12 +84,16 @@ def with_identity_rows(folder: Path, to: Path) -> Path:
     return to
 
 
-# The family's own suite (test_family_longcat_flash.py) uses these; the generic suites (conftest's VARIANTS) the
-# base checkpoint.
+# The family's own suite (test_family_longcat_flash.py) uses these; the generic suites (conftest's VARIANTS) a
+# three-block base, as the other families' (they read blocks 0-2 and the final stream apart).
 FAMILY_VARIANTS = {
     ("longcat_flash", "base"): lambda d: build_longcat_flash(d, seed=0),
     ("longcat_flash", "hub_keys"): lambda d: hub_keys(build_longcat_flash(d, seed=0)),
     ("longcat_flash", "fused"): lambda d: tiny.fused(hub_keys(build_longcat_flash(d, seed=0))),
 }
 
-VARIANTS = {("longcat_flash", "base"): FAMILY_VARIANTS["longcat_flash", "base"]}
+VARIANTS = {
+    ("longcat_flash", "base"): lambda d: build_longcat_flash(d, seed=0, num_layers=3),
+    ("longcat_flash", "sharded"): lambda d: build_longcat_flash(d, seed=3, num_layers=3, max_shard_size="100KB"),
+    ("longcat_flash", "fused"): lambda d: tiny.fused(hub_keys(build_longcat_flash(d, seed=0, num_layers=3))),
+}
