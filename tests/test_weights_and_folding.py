@@ -6,7 +6,7 @@ comparing logits (and routing) with the unprocessed model.
 
 import pytest
 import torch
-from conftest import FAMILIES, attention_layers, has_shared_expert, norm_factor, shared_expert_gated
+from conftest import FAMILIES, attention_layers, has_shared_expert, norm_factor, routable_experts, shared_expert_gated
 
 from moelens import HookedTransformer
 from moelens.factored_matrix import FactoredMatrix
@@ -136,7 +136,8 @@ def test_expert_views_reproduce_hooks(runs, family):
 
     with torch.no_grad():
         W_gate, W_in, W_out = model.W_gate, model.W_in, model.W_out
-        assert shape(model.W_router) == (L, E, M)
+        R = routable_experts(model)  # the router's rows: the real experts', then the identity experts'
+        assert shape(model.W_router) == (L, R, M)
         assert shape(W_gate) == shape(W_in) == (L, E, M, I) and shape(W_out) == (L, E, I, M)
         shared = has_shared_expert(model)
         if shared:
@@ -156,25 +157,29 @@ def test_expert_views_reproduce_hooks(runs, family):
             b_out = model.W_E.new_zeros(L, E, M)
         if getattr(model.blocks[layers[0]].mlp.router, "bias", None) is not None:
             b_router = model.b_router
-            assert shape(b_router) == (L, E)
+            assert shape(b_router) == (L, R)
         else:
             with pytest.raises(ValueError, match="no bias"):
                 model.b_router
-            b_router = model.W_E.new_zeros(L, E)
+            b_router = model.W_E.new_zeros(L, R)
         for l in layers:
             x = cache["blocks.%d.ln2.hook_normalized" % l]
             close(x.float() @ model.W_router[l].float().T + b_router[l].float(), cache["router_logits", l])
             idx = cache["expert_indices", l]  # [b p k]: each slot through its expert's matrices
+            # a slot routed to an identity expert computes nothing: its hooks hold zeros, its output weight * x
+            identity = idx >= E
+            idx = idx.clamp(max=E - 1)
             w = cache["expert_weights", l][..., None]
             # where the routing weight scales the expert's input (Llama 4), each slot reads x * weight
             on_input = model.blocks[l].mlp.experts.spec.weight_at == "input"
             xs = x[:, :, None, :] * w if on_input else x[:, :, None, :].expand(-1, -1, idx.shape[-1], -1)
             pre = torch.einsum("bpkm,bpkmi->bpki", xs, W_gate[l][idx]) + b_gate[l][idx]
-            close(pre, cache["blocks.%d.mlp.experts.hook_pre" % l])
+            close(pre.masked_fill(identity[..., None], 0), cache["blocks.%d.mlp.experts.hook_pre" % l])
             pre_linear = torch.einsum("bpkm,bpkmi->bpki", xs, W_in[l][idx]) + b_in[l][idx]
-            close(pre_linear, cache["blocks.%d.mlp.experts.hook_pre_linear" % l])
+            close(pre_linear.masked_fill(identity[..., None], 0), cache["blocks.%d.mlp.experts.hook_pre_linear" % l])
             post = cache["blocks.%d.mlp.experts.hook_post" % l]
             out = torch.einsum("bpki,bpkim->bpkm", post, W_out[l][idx]) + b_out[l][idx]
+            out = torch.where(identity[..., None], x[:, :, None, :], out)
             close(out if on_input else out * w, cache["expert_outputs", l])
             if not shared:
                 continue
