@@ -330,8 +330,13 @@ def test_shapes_and_support_table(family_models, family, tokens):
             assert cache[f"blocks.{layer}.mlp.shared_expert.hook_post"].shape == (b, p, cfg.d_shared)
     table = model.support(print_table=False)
     names = set(table.names())
-    # one row per site: L for the block, E for the expert of a per-expert view
-    assert names == {re.sub(r"^blocks\.\d+\.", "blocks.L.", re.sub(r"\.experts\.\d+\.", ".experts.E.", n)) for n in model.hook_dict}
+    # one row per site: L for the block, E for the expert of a per-expert view; a block's numbered repeats of a
+    # module (LongCat-Flash's attn_1, ln1_1, ln2_1; its dense MLPs dense_0, dense_1) are the table's attn, ln1, ln2, mlp
+    def site(name: str) -> str:
+        name = re.sub(r"^blocks\.\d+\.", "blocks.L.", re.sub(r"\.experts\.\d+\.", ".experts.E.", name))
+        return re.sub(r"^blocks\.L\.dense_\d+\.", "blocks.L.mlp.", re.sub(r"^blocks\.L\.(attn|ln1|ln2)_\d+\.", r"blocks.L.\1.", name))
+
+    assert names == {site(n) for n in model.hook_dict}
     assert len(table.rows) == len(names)
     mlps = [b.mlp for b in model.blocks if b.is_moe]
     assert ("blocks.L.mlp.hook_shared_gate" in names) == shared_expert_gated(model)

@@ -253,8 +253,10 @@ def two_layers(model):
 
 
 def per_layer_experts(cache, model):
-    """By hand from the resident run: the distinct experts each mixture layer routed to."""
-    return [sorted(torch.unique(cache["expert_indices", layer]).tolist()) for layer in model.cfg.moe_layer_indices]
+    """By hand from the resident run: the distinct experts each mixture layer routed to (real ones: an identity
+    expert has nothing to fetch)."""
+    return [[e for e in sorted(torch.unique(cache["expert_indices", layer]).tolist()) if e < model.cfg.n_experts]
+            for layer in model.cfg.moe_layer_indices]
 
 
 def let_prefetch_finish(model):
