@@ -47,6 +47,7 @@ from moelens.hooks import slice_pos, unwrap_slice
 
 if TYPE_CHECKING:
     from moelens.models.base import HookedTransformer
+    from moelens.models.components.block import Sublayer
     from moelens.models.components.parts import GatedMlpPart, RoutedPart
 
 PosSlice = int | slice | tuple | list | torch.Tensor | None
@@ -96,16 +97,24 @@ class CacheAnalysis:
             raise ValueError(f"layer must be in [0, {n}] (or None / -1 for the final stream), got {layer}")
         return layer
 
-    def _has_mid(self, layer: int) -> bool:
-        block = self.model.blocks[layer]
-        return block.token_mixer is not None and block.has_ffn
-
     def _ffn_block(self, layer: int, what: str):
         """Block `layer`, which must have a feed-forward (mlp_input=True reads the stream its ln2 reads)."""
         block = self.model.blocks[layer]
         if not block.has_ffn:
             raise ValueError(f"{what}: block {layer} has no feed-forward sublayer (no ln2 / mlp): mlp_input=False there")
         return block
+
+    def _terms(self, layer: int, mlp_input: bool = False) -> list[tuple[int, Sublayer]]:
+        """(block, sublayer) of every sublayer output in the stream entering `layer` (a bound), block by block
+        in each block's order; mlp_input adds block `layer`'s sublayers before its first feed-forward (the
+        stream its ln2 reads)."""
+        terms = [(l, s) for l in range(layer) for s in self.model.blocks[l].sublayers()]
+        if mlp_input:
+            for sub in self.model.blocks[layer].sublayers():
+                if sub.kind == "ffn":
+                    break
+                terms.append((layer, sub))
+        return terms
 
     def _resid_name(self, layer: int) -> str:
         n = self.model.cfg.n_layers
@@ -139,7 +148,7 @@ class CacheAnalysis:
             if mlp_input and l == layer:
                 self._ffn_block(l, "accumulated_resid(mlp_input=True)")
             # a block of one sublayer has no resid_mid (its feed-forward, if any, reads resid_pre)
-            if ((incl_mid and l < layer) or (mlp_input and l == layer)) and self._has_mid(l):
+            if ((incl_mid and l < layer) or (mlp_input and l == layer)) and self.model.blocks[l].has_resid_mid:
                 names.append(f"blocks.{l}.hook_resid_mid")
                 labels.append(f"{l}_mid")
         self._require("accumulated_resid", names)
@@ -159,8 +168,10 @@ class CacheAnalysis:
         return_labels: bool = False,
     ) -> Stack | tuple[Stack, list[str]]:
         """The stream entering `layer` as the sum of its sublayer outputs: "embed", "{l}_attn_out",
-        "{l}_mlp_out" for l < layer (mlp_out is the whole mixture: routed experts plus shared expert);
-        mlp_input adds `layer`'s own attention output (the stream ln2 reads). mode picks attn / mlp only."""
+        "{l}_mlp_out" for l < layer (mlp_out is the whole mixture: routed experts plus shared expert; a block of
+        several sublayers gives each, by its output hook: LongCat-Flash's "{l}_dense_0_out", "{l}_attn_1_out",
+        ...); mlp_input adds `layer`'s own sublayers before its feed-forward (the stream ln2 reads). mode picks
+        the token mixers ("attn") or the feed-forwards ("mlp") only."""
         if mode not in ("all", "attn", "mlp"):
             raise ValueError(f"mode must be 'all', 'attn' or 'mlp', got {mode!r}")
         n, layer = self.model.cfg.n_layers, self._layer_bound(layer)
@@ -169,14 +180,11 @@ class CacheAnalysis:
         if mlp_input:
             self._ffn_block(layer, "decompose_resid(mlp_input=True)")
         names, labels = ([("hook_embed")], ["embed"]) if incl_embeds else ([], [])
-        for l in range(layer + (1 if mlp_input else 0)):
-            block = self.model.blocks[l]  # a sublayer a block lacks adds no term
-            if mode != "mlp" and block.token_mixer is not None:
-                names.append(f"blocks.{l}.hook_attn_out")
-                labels.append(f"{l}_attn_out")
-            if mode != "attn" and l < layer and block.has_ffn:
-                names.append(f"blocks.{l}.hook_mlp_out")
-                labels.append(f"{l}_mlp_out")
+        wanted = {"all": ("mixer", "ffn"), "attn": ("mixer",), "mlp": ("ffn",)}[mode]
+        for l, sub in self._terms(layer, mlp_input):
+            if sub.kind in wanted:
+                names.append(f"blocks.{l}.{sub.out_hook}")
+                labels.append(f"{l}_{sub.name}_out")
         if not names:
             raise ValueError("decompose_resid: these arguments select no component")
         self._require("decompose_resid", names)
@@ -268,8 +276,7 @@ class CacheAnalysis:
         if mlp_input:
             self._ffn_block(layer, "mlp_input=True")
             return f"blocks.{layer}.ln2.hook_scale"
-        # the norm reading resid_pre: ln1, or ln2 in a block whose only sublayer is its feed-forward
-        return f"blocks.{layer}.ln{1 if self.model.blocks[layer].token_mixer is not None else 2}.hook_scale"
+        return f"blocks.{layer}.{self.model.blocks[layer].first_norm_name}.hook_scale"
 
     def _norm_weight(self, scale_name: str) -> Float[torch.Tensor, "d_model"]:
         """The factor the norm whose hook_scale is `scale_name` multiplies by (its effective_weight(), as it is
@@ -321,40 +328,45 @@ class CacheAnalysis:
         return self._norm_weight("ln_final.hook_scale").to(stack.device) * normed
 
     # ---- attention heads ---------------------------------------------------------------------------
-    def _attention_layers(self, upto: int) -> list[int]:
-        """The blocks before `upto` whose token mixer is softmax attention (the ones with heads)."""
-        return [l for l in range(upto) if self.model.blocks[l].has_attention]
+    def _attentions(self, terms: list[tuple[int, Sublayer]]) -> list[tuple[int, str]]:
+        """(block, attribute name) of the softmax-attention sublayers among terms (the ones with heads)."""
+        return [(l, sub.name) for l, sub in terms if sub.is_attention]
 
     def _multiplier(self, layer: int) -> float:
         """Block `layer`'s residual multiplier: what its sublayers' own outputs are multiplied by as the stream
         receives them (Granite's; 1 elsewhere). Components of the stream carry it; hook_result does not."""
         return self.model.blocks[layer].residual_multiplier
 
-    def _head_result(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
+    def _z_missing(self, attentions: list[tuple[int, str]]) -> list[str]:
+        """The hook_z names the heads of these attentions need (none where hook_result is cached)."""
+        return [f"blocks.{l}.{a}.hook_z" for l, a in attentions if f"blocks.{l}.{a}.hook_result" not in self.cache_dict]
+
+    def _head_result(self, layer: int, attn: str = "attn") -> Float[torch.Tensor, "batch pos head d_model"]:
         """Each head's output as the stream receives it (times the block's residual multiplier)."""
-        result, multiplier = self._head_output(layer), self._multiplier(layer)
+        result, multiplier = self._head_output(layer, attn), self._multiplier(layer)
         return result if multiplier == 1.0 else result * multiplier
 
-    def _head_output(self, layer: int) -> Float[torch.Tensor, "batch pos head d_model"]:
-        """Each head's output, hook_result's tensor (cached, or from hook_z and o_proj)."""
-        name = f"blocks.{layer}.attn.hook_result"
+    def _head_output(self, layer: int, attn: str = "attn") -> Float[torch.Tensor, "batch pos head d_model"]:
+        """Each head of attention `attn`'s output, hook_result's tensor (cached, or from hook_z and o_proj)."""
+        name = f"blocks.{layer}.{attn}.hook_result"
         if name in self.cache_dict:
             return self.cache_dict[name]
-        self._require("the per-head attention results", [f"blocks.{layer}.attn.hook_z"])
-        z = self.cache_dict[f"blocks.{layer}.attn.hook_z"]
+        self._require("the per-head attention results", [f"blocks.{layer}.{attn}.hook_z"])
+        z = self.cache_dict[f"blocks.{layer}.{attn}.hook_z"]
         cfg = self.model.cfg
         # head h's output is z_h @ W_O[h]: o_proj's input columns of head h; the o bias is left out
         # -1: each head's value width (d_head, or MLA's v_head_dim)
-        W_O = self.model.blocks[layer].attn.o_proj.weight.view(cfg.d_model, cfg.n_heads, -1)
+        W_O = getattr(self.model.blocks[layer], attn).o_proj.weight.view(cfg.d_model, cfg.n_heads, -1)
         return torch.einsum("...hk,mhk->...hm", z, W_O.to(z.device, z.dtype))
 
     def compute_head_results(self) -> None:
         """Add blocks.L.attn.hook_result [batch pos head d_model] (each head's output, o_proj's bias not
-        included) to the cache, from hook_z and the model's *current* o_proj weight."""
-        layers = self._attention_layers(self.model.cfg.n_layers)
-        self._require("compute_head_results", [f"blocks.{l}.attn.hook_z" for l in layers])
-        for l in layers:
-            self.cache_dict[f"blocks.{l}.attn.hook_result"] = self._head_output(l)
+        included; every attention of a block of several, LongCat-Flash's blocks.L.attn_1.hook_result too) to
+        the cache, from hook_z and the model's *current* o_proj weight."""
+        attentions = self._attentions(self._terms(self.model.cfg.n_layers))
+        self._require("compute_head_results", [f"blocks.{l}.{a}.hook_z" for l, a in attentions])
+        for l, a in attentions:
+            self.cache_dict[f"blocks.{l}.{a}.hook_result"] = self._head_output(l, a)
 
     def stack_head_results(
         self,
@@ -367,13 +379,14 @@ class CacheAnalysis:
         """Each head's output ("L{l}H{h}") for blocks before `layer` (-1 / None: all), o_proj biases not
         included (get_full_resid_decomposition has them as "L{l}.attn_bias"). incl_remainder adds
         "remainder": the stream at `layer` minus the heads. apply_ln: as accumulated_resid. On a hybrid only the
-        softmax-attention blocks have heads (a linear-attention or state-space layer's output is in the remainder)."""
+        softmax-attention blocks have heads (a linear-attention or state-space layer's output is in the remainder).
+        A block of several attentions gives each one's heads, the first "L{l}H{h}", another "L{l}.{name}.H{h}"
+        (LongCat-Flash's "L{l}.attn_1.H{h}")."""
         layer = self._layer_bound(layer)
-        heads = self._attention_layers(layer)
-        self._require("stack_head_results", [f"blocks.{l}.attn.hook_z" for l in heads
-                                             if f"blocks.{l}.attn.hook_result" not in self.cache_dict])
-        parts = [slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0) for l in heads]
-        labels = [f"L{l}H{h}" for l in heads for h in range(self.model.cfg.n_heads)]
+        heads = self._attentions(self._terms(layer))
+        self._require("stack_head_results", self._z_missing(heads))
+        parts = [slice_pos(self._head_result(l, a), pos_slice, self._pos_dim).movedim(-2, 0) for l, a in heads]
+        labels = [head_label(l, a, h) for l, a in heads for h in range(self.model.cfg.n_heads)]
         if parts:
             stack = torch.cat(parts)
         else:
@@ -447,7 +460,9 @@ class CacheAnalysis:
         coef = post.to(dtype) if weighted_input else weights.to(dtype)[..., None] * post.to(dtype)  # [*rest, k, n]
         if self._multiplier(l) != 1.0:  # as the stream receives it
             coef = coef * self._multiplier(l)
-        return coef[..., None] * W_rows[indices], _ids(idx, post.shape[-1])
+        # a slot routed to an identity expert (index >= the real experts) has zero neurons: any row will do
+        rows = W_rows[indices.clamp(max=W_rows.shape[0] - 1)]
+        return coef[..., None] * rows, _ids(idx, post.shape[-1])
 
     def get_neuron_results(
         self,
@@ -484,32 +499,35 @@ class CacheAnalysis:
         return result.squeeze(-1) if squeeze else result
 
     def _mlp_neuron_parts(
-        self, l: int, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
+        self, l: int, sub: Sublayer, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
     ) -> tuple[list[torch.Tensor], list[str]]:
-        """Block l's neurons as components [n, *batch_and_pos, d_model], part by part (block.mlp.parts()): a
-        dense block's "L{l}N{i}" (as TransformerLens); a mixture's shared expert "L{l}.shared.N{i}" and each
-        routed expert's "L{l}.E{e}.N{i}" (zero where a token did not route to e; sums over a token's slots
-        routed to e), in the order of its parts."""
+        """A feed-forward sublayer's neurons as components [n, *batch_and_pos, d_model], part by part
+        (sub.module.parts()): a dense block's "L{l}N{i}" (as TransformerLens; another dense sublayer's
+        "L{l}.{name}.N{i}", LongCat-Flash's "L{l}.dense_0.N{i}"); a mixture's shared expert "L{l}.shared.N{i}"
+        and each routed expert's "L{l}.E{e}.N{i}" (zero where a token did not route to e; sums over a token's
+        slots routed to e), in the order of its parts."""
         stacks, labels = [], []
-        for part in self.model.blocks[l].mlp.parts():
+        for part in sub.module.parts():
             if part.kind == "routed":
                 routed, routed_labels = self._routed_neuron_parts(l, part, pos_slice, neuron_slice, project)
                 stacks, labels = stacks + routed, labels + routed_labels
                 continue
             stack, ids = self._gated_mlp_neurons(l, part, pos_slice, neuron_slice, project)
             stacks.append(stack.movedim(-2, 0))
-            labels += [f"L{l}N{i}" for i in ids] if part.kind == "dense" else [f"L{l}.{part.label}.N{i}" for i in ids]
+            label = (f"L{l}" if sub.name == "mlp" else f"L{l}.{sub.name}.") if part.kind == "dense" else f"L{l}.{part.label}."
+            labels += [f"{label}N{i}" for i in ids]
         return stacks, labels
 
     def _routed_neuron_parts(
         self, l: int, part: RoutedPart, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
     ) -> tuple[list[torch.Tensor], list[str]]:
         """The routed experts' neurons per expert "L{l}.E{e}.N{i}", then their output biases "L{l}.E{e}.bias"
-        where they have them."""
+        where they have them, then each identity expert's whole output "L{l}.E{e}" (weight * input: no neurons)."""
         slots, ids = self._slot_neurons(l, part, pos_slice, neuron_slice, project)  # [*rest, k, n, d]
         indices = self._get(part.indices.name, pos_slice)
-        n_experts = part.module.n_experts
-        onehot = torch.nn.functional.one_hot(indices, n_experts).to(slots.dtype)  # [*rest, k, E]
+        n_experts, n_identity = part.module.n_experts, part.module.spec.n_identity
+        every = torch.nn.functional.one_hot(indices, n_experts + n_identity).to(slots.dtype)  # [*rest, k, E + I]
+        onehot = every[..., :n_experts]
         stacks = [torch.einsum("...knd,...ke->en...d", slots, onehot).flatten(0, 1)]
         labels = [f"L{l}.E{e}.N{i}" for e in range(n_experts) for i in ids]
         down_bias = part.module.tensors().down_bias
@@ -520,6 +538,12 @@ class CacheAnalysis:
             bias_slots = bias_slots * self._multiplier(l)
             stacks.append(torch.einsum("...kd,...ke->e...d", bias_slots, onehot))
             labels += [f"L{l}.E{e}.bias" for e in range(n_experts)]
+        if n_identity:
+            self._require(f"the identity experts of block {l}", [part.slot_outputs.name])
+            outputs = self._get(part.slot_outputs.name, pos_slice)
+            identity = torch.einsum("...kd,...ke->e...d", outputs, every[..., n_experts:].to(outputs.dtype))
+            stacks.append(_project(identity, project))
+            labels += [f"L{l}.E{e}" for e in range(n_experts, n_experts + n_identity)]
         return stacks, labels
 
     def stack_neuron_results(
@@ -547,11 +571,10 @@ class CacheAnalysis:
         projected = project is not None
         project = self._weighted_projection(project, apply_ln, layer, False)
         parts, labels = [], []
-        for l in range(layer):
-            if not self.model.blocks[l].has_ffn:
-                continue
-            p, lab = self._mlp_neuron_parts(l, pos_slice, neuron_slice, project)
-            parts, labels = parts + p, labels + lab
+        for l, sub in self._terms(layer):
+            if sub.kind == "ffn":
+                p, lab = self._mlp_neuron_parts(l, sub, pos_slice, neuron_slice, project)
+                parts, labels = parts + p, labels + lab
         if parts:
             stack = _cat_promoted(parts)
         else:
@@ -568,37 +591,38 @@ class CacheAnalysis:
         return (stack, labels) if return_labels else stack
 
     # ---- the full decomposition --------------------------------------------------------------------
-    def _mlp_out_parts(self, l: int, pos_slice: PosSlice) -> tuple[list[torch.Tensor], list[str]]:
-        """Block l's MLP output as components, part by part (block.mlp.parts()): a dense block's "{l}_mlp_out"
-        (TransformerLens's label); a mixture's shared expert as added "L{l}.shared" and each routed expert
-        "L{l}.E{e}" (a token's share from e is the sum of its slots routed to e; zero where it did not choose
-        e), in the order of its parts."""
+    def _mlp_out_parts(self, l: int, sub: Sublayer, pos_slice: PosSlice) -> tuple[list[torch.Tensor], list[str]]:
+        """A feed-forward sublayer's output as components, part by part (sub.module.parts()): a dense MLP's
+        "{l}_mlp_out" (TransformerLens's label; another dense sublayer's "{l}_{name}_out"); a mixture's shared
+        expert as added "L{l}.shared" and each routed expert "L{l}.E{e}" (a token's share from e is the sum of
+        its slots routed to e; zero where it did not choose e), in the order of its parts."""
         block, what = self.model.blocks[l], "get_full_resid_decomposition"
         stacks, labels = [], []
-        for part in block.mlp.parts():
+        for part in sub.module.parts():
             if part.kind == "routed":
                 self._require(what, [part.indices.name, part.slot_outputs.name])
-                n_experts = part.module.n_experts
+                n_experts = part.module.n_experts + part.module.spec.n_identity  # identity experts too
                 onehot = torch.nn.functional.one_hot(self._get(part.indices.name, pos_slice), n_experts)
                 outputs = self._get(part.slot_outputs.name, pos_slice) * self._multiplier(l)  # as the stream gets it
                 stacks.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
                 labels += [f"L{l}.E{e}" for e in range(n_experts)]
                 continue
-            if part.out is None:  # a dense MLP's term is all of hook_mlp_out, the residual multiplier included
-                self._require(what, [block.hook_mlp_out.name])
-                stacks.append(self._get(block.hook_mlp_out.name, pos_slice)[None])
+            if part.out is None:  # a dense MLP's term: all of the block's output hook, the residual multiplier included
+                out = getattr(block, sub.out_hook)
+                self._require(what, [out.name])
+                stacks.append(self._get(out.name, pos_slice)[None])
             else:
                 self._require(what, [part.out.name])
                 stacks.append(self._get(part.out.name, pos_slice)[None] * self._multiplier(l))
-            labels.append(f"{l}_mlp_out" if part.kind == "dense" else f"L{l}.{part.label}")
+            labels.append(f"{l}_{sub.name}_out" if part.kind == "dense" else f"L{l}.{part.label}")
         return stacks, labels
 
-    def _accumulated_bias(self, n_attn: int, like: torch.Tensor) -> torch.Tensor:
-        """The o_proj biases of the first n_attn blocks, summed, as one component [1, *batch_and_pos, d]
-        (zeros where no block has one; moelens's MLPs, experts and routers have no bias)."""
+    def _accumulated_bias(self, attentions: list[tuple[int, str]], like: torch.Tensor) -> torch.Tensor:
+        """The o_proj biases of these attentions, summed, as one component [1, *batch_and_pos, d] (zeros where
+        none has one; moelens's MLPs, experts and routers have no bias)."""
         bias = like.new_zeros(like.shape[-1])
-        for l in self._attention_layers(n_attn):
-            b = self.model.blocks[l].attn.o_proj.bias
+        for l, a in attentions:
+            b = getattr(self.model.blocks[l], a).o_proj.bias
             if b is not None:  # as the stream receives it: times the block's residual multiplier
                 bias = bias + b.detach().to(like.device, like.dtype) * self._multiplier(l)
         return bias.expand_as(like[:1])
@@ -619,12 +643,14 @@ class CacheAnalysis:
 
         1. each head "L{l}H{h}", block by block (block `layer`'s too with mlp_input), o_proj bias excluded; on a
            hybrid, a block whose token mixer has no heads (linear attention, a state-space layer) gives its
-           whole output "{l}_attn_out" (hook_attn_out) instead, and a block without a token mixer nothing;
+           whole output "{l}_attn_out" (hook_attn_out) instead, and a block without a token mixer nothing; a
+           block of several attentions each one's heads (LongCat-Flash's second: "L{l}.attn_1.H{h}");
         2. block by block, the MLP part. expand_neurons=True: a dense block's neurons "L{l}N{i}"
            (TransformerLens's), a mixture's shared-expert neurons "L{l}.shared.N{i}" then every routed
            expert's neurons "L{l}.E{e}.N{i}" (as stack_neuron_results). expand_neurons=False: a dense block's
            "{l}_mlp_out" (TransformerLens's), a mixture's "L{l}.shared" (as added, Qwen2-MoE's gate in) and
-           each routed expert "L{l}.E{e}" where TransformerLens has one "{l}_mlp_out";
+           each routed expert "L{l}.E{e}" where TransformerLens has one "{l}_mlp_out"; a block's other dense
+           sublayers likewise, by name (LongCat-Flash's "L{l}.dense_0.N{i}", or "{l}_dense_0_out");
         3. "embed" (there is no "pos_embed": the position is in the rotary, inside attention);
         4. "bias": the sum of the o_proj biases of the blocks whose heads are in (zeros where none; the MLPs
            and experts have no bias).
@@ -644,31 +670,30 @@ class CacheAnalysis:
         what = "get_full_resid_decomposition"
         if mlp_input:
             self._ffn_block(layer, "get_full_resid_decomposition(mlp_input=True)")
-        n_attn = layer + 1 if mlp_input else layer  # blocks whose token mixers are in
-        heads = self._attention_layers(n_attn)
+        terms = self._terms(layer, mlp_input)
+        mixers = [(l, sub) for l, sub in terms if sub.kind == "mixer"]
+        heads = self._attentions(mixers)
         # a token mixer without heads (linear attention, a state-space layer): its whole output, "{l}_attn_out"
-        mixers = [l for l in range(n_attn) if l not in heads and self.model.blocks[l].token_mixer is not None]
-        self._require(what, ["hook_embed"] + [f"blocks.{l}.attn.hook_z" for l in heads
-                                               if f"blocks.{l}.attn.hook_result" not in self.cache_dict]
-                      + [f"blocks.{l}.hook_attn_out" for l in mixers])
+        self._require(what, ["hook_embed"] + self._z_missing(heads)
+                      + [f"blocks.{l}.{sub.out_hook}" for l, sub in mixers if not sub.is_attention])
         embed = self._get("hook_embed", pos_slice)[None]
-        bias = self._accumulated_bias(n_attn, embed)
+        bias = self._accumulated_bias(heads, embed)
         parts, labels = [], []
-        for l in range(n_attn):
-            if l in heads:
-                per_head = slice_pos(self._head_result(l), pos_slice, self._pos_dim).movedim(-2, 0)
+        for l, sub in mixers:
+            if sub.is_attention:
+                per_head = slice_pos(self._head_result(l, sub.name), pos_slice, self._pos_dim).movedim(-2, 0)
                 parts.append(_project(per_head, project))
-                labels += [f"L{l}H{h}" for h in range(per_head.shape[0])]
-            elif l in mixers:
-                parts.append(_project(self._get(f"blocks.{l}.hook_attn_out", pos_slice)[None], project))
-                labels.append(f"{l}_attn_out")
-        for l in range(layer):
-            if not self.model.blocks[l].has_ffn:
+                labels += [head_label(l, sub.name, h) for h in range(per_head.shape[0])]
+            else:
+                parts.append(_project(self._get(f"blocks.{l}.{sub.out_hook}", pos_slice)[None], project))
+                labels.append(f"{l}_{sub.name}_out")
+        for l, sub in terms:
+            if sub.kind != "ffn":
                 continue
             if expand_neurons:
-                mlp_parts, mlp_labels = self._mlp_neuron_parts(l, pos_slice, None, project)
+                mlp_parts, mlp_labels = self._mlp_neuron_parts(l, sub, pos_slice, None, project)
             else:
-                mlp_parts, mlp_labels = self._mlp_out_parts(l, pos_slice)
+                mlp_parts, mlp_labels = self._mlp_out_parts(l, sub, pos_slice)
                 mlp_parts = [_project(part, project) for part in mlp_parts]
             parts, labels = parts + mlp_parts, labels + mlp_labels
         parts += [_project(embed, project), _project(bias, project)]
@@ -803,7 +828,8 @@ class CacheAnalysis:
         (batch absent after remove_batch_dim, pos absent for an int pos_slice). Entry [l, e] is what expert
         e of block l wrote into the stream (its slots' weighted outputs), divided by the final norm's cached
         scale, times ln_final's weight and dotted with the token's direction (W_U column): it sums, with every
-        other component's, to the logit. Zero where a token did not choose e, and for dense blocks. The
+        other component's, to the logit. Zero where a token did not choose e, and for dense blocks. Identity
+        experts (LongCat-Flash's) follow the real ones, n_experts .. n_experts + n_identity - 1. The
         shared expert is not in it (see get_full_resid_decomposition, "L{l}.shared"). Computed in float32."""
         cfg = self.model.cfg
         routed = [(l, p) for l, block in enumerate(self.model.blocks) if block.has_ffn
@@ -815,14 +841,22 @@ class CacheAnalysis:
         rest = scale.shape[:-1]
         dirs = self._directions(tokens_or_logit_directions, incorrect_tokens, pos_slice, rest).float()
         dirs = dirs * self._norm_weight("ln_final.hook_scale").float().to(dirs.device)  # what ln_final applies
-        out = scale.new_zeros(cfg.n_layers, cfg.n_experts, *rest)
+        # every expert a slot may name, identity experts (ExpertSpec.n_identity) included
+        n_experts = max((p.module.n_experts + p.module.spec.n_identity for _, p in routed), default=cfg.n_experts)
+        out = scale.new_zeros(cfg.n_layers, n_experts, *rest)
         for l, part in routed:
             outputs = self._get(part.slot_outputs.name, pos_slice).float() * self._multiplier(l)  # [*rest, k, d]
             indices = self._get(part.indices.name, pos_slice)
             per_slot = (outputs * dirs.to(outputs.device).unsqueeze(-2)).sum(-1) / scale  # [*rest, k]
-            per_expert = per_slot.new_zeros(*rest, cfg.n_experts).scatter_add_(-1, indices, per_slot)
+            per_expert = per_slot.new_zeros(*rest, n_experts).scatter_add_(-1, indices, per_slot)
             out[l] += per_expert.movedim(-1, 0)
         return out
+
+
+def head_label(layer: int, attn: str, head: int) -> str:
+    """A head's label in the stacks: "L{l}H{h}" (TransformerLens's) for a block's attention, "L{l}.{name}.H{h}"
+    for another one of a block of several (LongCat-Flash's "L{l}.attn_1.H{h}")."""
+    return f"L{layer}H{head}" if attn == "attn" else f"L{layer}.{attn}.H{head}"
 
 
 def _projection(project: Projection, d_model: int) -> tuple[torch.Tensor | None, bool]:

@@ -226,6 +226,12 @@ class MoeConfig:
         return ExpertSpec(self.n_experts, self.d_model, self.d_expert, GLU(self.act_fn), storage=self.expert_storage)
 
     @property
+    def n_routable_experts(self) -> int:
+        """The router's axis: every expert id a slot may name, the real experts then the identity
+        (zero-computation) ones (LongCat-Flash's); n_experts where there are none."""
+        return self.expert_spec().n_routable if self.n_experts else self.n_experts
+
+    @property
     def moe_layer_indices(self) -> list[int]:
         """Indices of the mixture blocks (the others are dense MLPs)."""
         return [i for i, moe in enumerate(self.moe_layers) if moe]

@@ -80,24 +80,28 @@ def chosen_experts(model: HookedTransformer, tokens: torch.Tensor) -> dict[int, 
     return {layer: cache[name].sort(-1).values for layer, name in zip(model.cfg.moe_layer_indices, names)}
 
 
-@torch.no_grad()
-def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
-    """Fold every RMSNorm weight (ln1, ln2, ln_final) into its readers and set the norm weights to 1; return
-    how many tokens of a probe batch had their routing changed by it."""
+def fold_ln_refusal(model: HookedTransformer) -> str | None:
+    """Why fold_ln cannot fold this model's norms (fold_layer_norm raises it as a ValueError), or None."""
     routed = [part.module for block in model.blocks for sub in block.sublayers() if sub.kind == "ffn"
               for part in sub.module.parts() if part.kind == "routed"]
     identity = next((experts.spec for experts in routed if experts.spec.n_identity), None)
     if identity is not None:  # weight * ln2(x) reads the normed stream itself: no weight to fold ln2's into
-        raise ValueError(
-            f"fold_ln cannot fold the mixtures' norms: their experts include identity experts ({identity.describe()}), "
-            "whose output is the normed stream itself; load with fold_ln=False"
-        )
+        return (f"fold_ln cannot fold the mixtures' norms: their experts include identity experts ({identity.describe()}), "
+                "whose output is the normed stream itself; load with fold_ln=False")
     stored = next((experts.spec.storage for experts in routed if experts.spec.storage), None)
     if stored is not None:  # their tensors() are dequantized copies: scaling those would fold nothing
-        raise ValueError(
-            f"fold_ln rewrites the routed experts' gate and up rows, which this model keeps stored as {stored!r} "
-            "(from_pretrained(expert_storage=...)): load with expert_storage=None to fold"
-        )
+        return (f"fold_ln rewrites the routed experts' gate and up rows, which this model keeps stored as {stored!r} "
+                "(from_pretrained(expert_storage=...)): load with expert_storage=None to fold")
+    return None
+
+
+@torch.no_grad()
+def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
+    """Fold every RMSNorm weight (every sublayer's norm, ln_final) into its readers and set the norm weights to 1;
+    return how many tokens of a probe batch had their routing changed by it."""
+    refusal = fold_ln_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
     probe = probe_tokens(model)
     before = chosen_experts(model, probe)
     for block in model.blocks:

@@ -36,7 +36,7 @@ VARIANTS = {
 # A family's own test module tests/tiny_<family>.py adds its variants here (a dict VARIANTS like this one).
 for _path in sorted(Path(__file__).parent.glob("tiny_*.py")):
     VARIANTS.update(importlib.import_module(_path.stem).VARIANTS)
-FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "llama4_text", "qwen3_next", "qwen3_5_moe", "glm4_moe_lite", "deepseek_v2", "nemotron_h", "ernie4_5_moe", "granitemoe", "granitemoeshared"]
+FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "llama4_text", "qwen3_next", "qwen3_5_moe", "glm4_moe_lite", "deepseek_v2", "nemotron_h", "ernie4_5_moe", "granitemoe", "granitemoeshared", "longcat_flash"]
 # FlexOlmo (flex_olmo) runs its own suite (tests/test_family_flex_olmo.py) for now: the generic suites read every
 # block's ln1 / ln2 as the stream its sublayers read, which its post-norm blocks (ln1_post, ln2_post) do not have
 # The Triton kernels see a family only through its routing weights' dtype: model dtype (Qwen2-MoE; also
@@ -127,14 +127,40 @@ def norm_factor(norm) -> torch.Tensor:
     return 1 + w if type(norm).__name__ == "ZeroCenteredRMSNorm" else w
 
 
-def mixer_labels(model, layer: int) -> list[str]:
-    """The full decomposition's token-mixer components of a block: its heads (softmax attention), its whole
-    output "{l}_attn_out" (a mixer without heads: linear attention, a state-space layer), or none."""
-    block = model.blocks[layer]
-    if block.has_attention:
-        return [f"L{layer}H{h}" for h in range(model.cfg.n_heads)]
-    return [f"{layer}_attn_out"] if block.token_mixer is not None else []
+def mixer_labels(model, layer: int, before_ffn: bool = False) -> list[str]:
+    """The full decomposition's token-mixer components of a block: each softmax attention's heads ("L{l}H{h}"; a
+    block's further attention "L{l}.{name}.H{h}", LongCat-Flash's "L{l}.attn_1.H{h}"), a headless mixer's whole
+    output "{l}_attn_out" (linear attention, a state-space layer), or none. before_ffn: only the mixers before the
+    block's first feed-forward (what its ln2 reads)."""
+    labels = []
+    for sub in model.blocks[layer].sublayers():
+        if sub.kind == "ffn":
+            if before_ffn:
+                break
+            continue
+        if sub.is_attention:
+            prefix = f"L{layer}" if sub.name == "attn" else f"L{layer}.{sub.name}."
+            labels += [f"{prefix}H{h}" for h in range(model.cfg.n_heads)]
+        else:
+            labels.append(f"{layer}_{sub.name}_out")
+    return labels
 
 
 def attention_layers(model) -> list[int]:
     return [l for l, block in enumerate(model.blocks) if block.has_attention]
+
+
+def attentions(model) -> list[tuple[int, str]]:
+    """(block, name) of every softmax-attention sublayer, in order: blocks.{l}.{name} is the module ("attn";
+    LongCat-Flash's blocks have "attn_1" too)."""
+    return [(l, sub.name) for l, block in enumerate(model.blocks) for sub in block.attention_sublayers()]
+
+
+def ffn_stream(block) -> str:
+    """The cache name of the stream a block's ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone."""
+    return "resid_mid" if block.has_resid_mid else "resid_pre"
+
+
+def routable_experts(model) -> int:
+    """How many experts a slot may name: the real ones and the identity (zero-computation) ones after them."""
+    return model.cfg.n_experts + model.cfg.expert_spec().n_identity

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, routable_experts
 
 from moelens import HookedTransformer
 from moelens.analysis import (
@@ -70,7 +70,7 @@ def test_usage_counts_by_hand(family_models, family, tokens, padded):
         tokens, mask = left_padded(tokens)
     usage = expert_usage(model, tokens, attention_mask=mask)
     cache, valid = routing(model, tokens, mask)
-    E = model.cfg.n_experts
+    E = routable_experts(model)
     assert usage.layers == moe_layers(model) and usage.n_tokens == int(valid.sum())
     table = None if padded else routing_table(model, tokens[:1])
     assert table is None or table.layers == usage.layers
@@ -162,7 +162,7 @@ def test_coactivation_by_hand(family_models, family, tokens):
     pairs = [(layers[0], layers[-1]), (layers[1], layers[1]), (layers[-1], layers[0])]
     got = coactivations(model, tokens, pairs, attention_mask=mask)
     cache, valid = routing(model, tokens, mask)
-    E = model.cfg.n_experts
+    E = routable_experts(model)
     for a, b in pairs:
         by_hand = torch.zeros(E, E, dtype=torch.long)
         for r, p in valid.nonzero().tolist():
@@ -256,8 +256,8 @@ def test_mean_ablation_uses_the_reference_mean(family_models, family, tokens):
     _, clean = model.run_with_cache(tokens)
     # two experts the reference data reaches (a mean needs tokens), the most and the least used of those; the
     # input reaches them too, as the last run below takes the input as its own reference
-    counts = torch.bincount(ref["expert_indices", layer].flatten(), minlength=model.cfg.n_experts)
-    reached = torch.isin(torch.arange(model.cfg.n_experts), clean["expert_indices", layer])
+    counts = torch.bincount(ref["expert_indices", layer].flatten(), minlength=routable_experts(model))
+    reached = torch.isin(torch.arange(routable_experts(model)), clean["expert_indices", layer])
     used = [int(e) for e in counts.argsort(descending=True) if counts[e] > 0 and reached[e]]
     assert len(used) >= 2
     experts = [used[0], used[-1]]
@@ -285,7 +285,7 @@ def test_force_route_sets_the_indices(family_models, family, tokens, with_weight
     model = family_models[family]
     layer = moe_layers(model)[1]
     k = model.cfg.top_k_per_layer[layer]
-    forced = list(range(model.cfg.n_experts - k, model.cfg.n_experts))
+    forced = list(range(routable_experts(model) - k, routable_experts(model)))
     weights = [0.5 / (i + 1) for i in range(k)] if with_weights else None
     positions = [0, 3, 7, -1]
     _, clean = model.run_with_cache(tokens)
@@ -381,7 +381,7 @@ def test_plots_write_pngs(family_models, family, tokens, tmp_path):
     model = family_models[family]
     usage_png, routing_png = tmp_path / "usage.png", tmp_path / "routing.png"
     fig = plot_expert_usage(expert_usage(model, tokens), usage_png)
-    plot_routing(routing_table(model, tokens[:1]), routing_png, n_experts=model.cfg.n_experts)
+    plot_routing(routing_table(model, tokens[:1]), routing_png, n_experts=routable_experts(model))
     for png in (usage_png, routing_png):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert fig.axes[0].get_ylabel() == "layer"

@@ -5,7 +5,7 @@ Each check is against something computed another way: cached streams, the model'
 
 import pytest
 import torch
-from conftest import FAMILIES, attention_layers, has_shared_expert, mixer_labels, norm_factor
+from conftest import FAMILIES, attentions, ffn_stream, has_shared_expert, mixer_labels, norm_factor, routable_experts
 
 from moelens import HookedTransformer
 from moelens.cache_analysis import MissingHooksError
@@ -56,21 +56,26 @@ def expected_labels(model, expand=False):
 def decomposition_labels(model, layer, expand=False, mlp_input=False):
     """The labels of the decomposition of the stream entering `layer` (with mlp_input: entering its ffn)."""
     cfg = model.cfg
-    labels = [label for l in range(layer + mlp_input) for label in mixer_labels(model, l)]
+    labels = [label for l in range(layer) for label in mixer_labels(model, l)]
+    labels += mixer_labels(model, layer, before_ffn=True) if mlp_input else []
     for l, block in enumerate(model.blocks[:layer]):
-        if not block.has_ffn:
-            continue
-        if not block.is_moe:
-            labels += [f"L{l}N{i}" for i in range(cfg.d_mlp)] if expand else [f"{l}_mlp_out"]
-            continue
-        if has_shared_expert(model, l):
-            labels += [f"L{l}.shared.N{i}" for i in range(cfg.d_shared)] if expand else [f"L{l}.shared"]
-        if expand:
-            labels += [f"L{l}.E{e}.N{i}" for e in range(cfg.n_experts) for i in range(cfg.d_expert)]
-            if block.mlp.experts.spec.bias:  # each expert's output bias, weighted as its slots
-                labels += [f"L{l}.E{e}.bias" for e in range(cfg.n_experts)]
-        else:
-            labels += [f"L{l}.E{e}" for e in range(cfg.n_experts)]
+        for sub in block.sublayers():
+            if sub.kind != "ffn":
+                continue
+            if not hasattr(sub.module, "experts"):  # a dense MLP (a block's mlp, or another dense sublayer)
+                neurons = f"L{l}" if sub.name == "mlp" else f"L{l}.{sub.name}."
+                labels += [f"{neurons}N{i}" for i in range(cfg.d_mlp)] if expand else [f"{l}_{sub.name}_out"]
+                continue
+            if has_shared_expert(model, l):
+                labels += [f"L{l}.shared.N{i}" for i in range(cfg.d_shared)] if expand else [f"L{l}.shared"]
+            if expand:
+                labels += [f"L{l}.E{e}.N{i}" for e in range(cfg.n_experts) for i in range(cfg.d_expert)]
+                if block.mlp.experts.spec.bias:  # each expert's output bias, weighted as its slots
+                    labels += [f"L{l}.E{e}.bias" for e in range(cfg.n_experts)]
+                # an identity expert has no neurons: its whole output (weight * input)
+                labels += [f"L{l}.E{e}" for e in range(cfg.n_experts, routable_experts(model))]
+            else:
+                labels += [f"L{l}.E{e}" for e in range(routable_experts(model))]
     return labels + ["embed", "bias"]
 
 
@@ -89,13 +94,13 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
             continue
         # components are what the stream receives: the block's residual multiplier (Granite's) applied
         m = model.blocks[l].residual_multiplier
-        experts = torch.stack([comp[f"L{l}.E{e}"] for e in range(model.cfg.n_experts)])
+        experts = torch.stack([comp[f"L{l}.E{e}"] for e in range(routable_experts(model))])
         close(experts.sum(0), cache["routed_out", l] * m)
         if has_shared_expert(model, l):
             close(comp[f"L{l}.shared"], cache["shared_out", l] * m, 0)
-        # an expert contributes only where the token chose it, and then exactly its slots' sum
+        # an expert (identity experts too) contributes only where the token chose it, and then exactly its slots' sum
         indices, outputs = cache["expert_indices", l], cache["expert_outputs", l] * m
-        for e in range(model.cfg.n_experts):
+        for e in range(routable_experts(model)):
             chosen = indices == e  # [batch pos k]
             expected = (outputs * chosen[..., None]).sum(-2)
             close(experts[e], expected)
@@ -122,6 +127,10 @@ def test_full_decomposition_expanded_into_neurons(runs, family):
                 close(stack[index[f"L{l}.E{e}.bias"]], bias)
                 rows.append(index[f"L{l}.E{e}.bias"])
             close(stack[rows].sum(0), coarse[f"L{l}.E{e}"])
+        for e in range(model.cfg.n_experts, routable_experts(model)):  # an identity expert: weight * its input
+            chosen = cache["expert_indices", l] == e
+            weight = (cache["expert_weights", l] * chosen).sum(-1, keepdim=True)
+            close(stack[index[f"L{l}.E{e}"]], weight * cache[f"blocks.{l}.ln2.hook_normalized"])
         if has_shared_expert(model, l):
             rows = [index[f"L{l}.shared.N{i}"] for i in range(model.cfg.d_shared)]
             close(stack[rows].sum(0), coarse[f"L{l}.shared"])
@@ -152,7 +161,7 @@ def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     stack, labels = cache.get_full_resid_decomposition(layer=L, mlp_input=True, expand_neurons=False, return_labels=True)
     assert labels == decomposition_labels(model, L, mlp_input=True) and f"L{L}.E0" not in labels
     # the stream the ffn reads: resid_mid, or resid_pre in a block whose only sublayer is the ffn
-    close(stack.sum(0), cache["resid_mid" if model.blocks[L].token_mixer is not None else "resid_pre", L])
+    close(stack.sum(0), cache[ffn_stream(model.blocks[L]), L])
     # an int pos_slice drops the pos axis; apply_ln applies ln2: its cached scale and its weight
     stack = cache.get_full_resid_decomposition(layer=1, mlp_input=True, pos_slice=-1, apply_ln=True, return_labels=False)
     assert stack.shape[1:] == (2, model.cfg.d_model)
@@ -170,7 +179,7 @@ def test_accumulated_resid(runs, family):
     assert labels == [f"{l}_pre" for l in range(n)] + ["final_post"]
     close(stack[:n], torch.stack([cache["resid_pre", l] for l in range(n)]), 0)
     close(stack[-1], cache["resid_post", -1], 0)
-    mid = [l for l, b in enumerate(model.blocks) if b.token_mixer is not None and b.has_ffn]  # the blocks with resid_mid
+    mid = [l for l, b in enumerate(model.blocks) if b.has_resid_mid]
     stack, labels = cache.accumulated_resid(layer=2, incl_mid=True, return_labels=True)
     assert labels == ["0_pre"] + ["0_mid"] * (0 in mid) + ["1_pre"] + ["1_mid"] * (1 in mid) + ["2_pre"]
     if 1 in mid:
@@ -186,25 +195,26 @@ def test_accumulated_resid(runs, family):
     close(stack[1], by_hand)
     # and through the norm reading a block's resid_pre (ln1; ln2 in a block of a feed-forward alone)
     stack = cache.accumulated_resid(layer=2, apply_ln=True)
-    close(stack[-1], cache[f"blocks.2.ln{1 if model.blocks[2].token_mixer is not None else 2}.hook_normalized"])
+    close(stack[-1], cache[f"blocks.2.{model.blocks[2].first_norm_name}.hook_normalized"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decompose_resid(runs, family):
     model, _, cache = runs[family]
     n = model.cfg.n_layers
-    def terms(l):  # what block l adds, in order (a block may lack its token mixer or its feed-forward)
-        block = model.blocks[l]
-        return [f"{l}_attn_out"] * (block.token_mixer is not None) + [f"{l}_mlp_out"] * block.has_ffn
+    def terms(l, kinds=("mixer", "ffn")):  # what block l adds, in order (a block may lack a sublayer, or have several)
+        return [f"{l}_{sub.out_hook[5:-4]}_out" for sub in model.blocks[l].sublayers() if sub.kind in kinds]
 
     stack, labels = cache.decompose_resid(return_labels=True)
     assert labels == ["embed"] + [label for l in range(n) for label in terms(l)]
     close(stack.sum(0), cache["resid_post", -1])
     stack, labels = cache.decompose_resid(layer=1, mlp_input=True, return_labels=True)
-    assert labels == ["embed"] + terms(0) + [label for label in terms(1) if label.endswith("attn_out")]
-    close(stack.sum(0), cache["resid_mid" if model.blocks[1].token_mixer is not None else "resid_pre", 1])
+    block = model.blocks[1]  # the sublayers before its first feed-forward
+    first_ffn = next(i for i, sub in enumerate(block.sublayers()) if sub.kind == "ffn")
+    assert labels == ["embed"] + terms(0) + terms(1)[:first_ffn]
+    close(stack.sum(0), cache[ffn_stream(block), 1])
     attn, labels = cache.decompose_resid(mode="attn", incl_embeds=False, return_labels=True)
-    assert labels == [f"{l}_attn_out" for l in range(n) if model.blocks[l].token_mixer is not None]
+    assert labels == [label for l in range(n) for label in terms(l, ("mixer",))]
     mlp = cache.decompose_resid(mode="mlp", incl_embeds=False)
     close(attn.sum(0) + mlp.sum(0) + cache["hook_embed"], cache["resid_post", -1])
     # apply_ln: the same scale for every component, so it commutes with the sum
@@ -222,7 +232,7 @@ def test_stack_activation(runs, family):
             cache.stack_activation("blocks.L.mlp.hook_router_logits")
     else:
         logits = cache.stack_activation("blocks.L.mlp.hook_router_logits")
-        assert logits.shape == (n, 2, 12, model.cfg.n_experts)
+        assert logits.shape == (n, 2, 12, routable_experts(model))
         close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
     assert cache.stack_activation("resid_pre", layer=2).shape[0] == 2
     if all(block.has_ffn for block in model.blocks):
@@ -241,30 +251,32 @@ def test_head_results(runs, family):
     model, _, cache = runs[family]
     cfg = model.cfg
     stack, labels = cache.stack_head_results(return_labels=True)
-    heads = attention_layers(model)  # a hybrid's linear-attention layers have no heads in this sense
-    assert labels == [f"L{l}H{h}" for l in heads for h in range(cfg.n_heads)]
-    per_layer = dict(zip(heads, stack.unflatten(0, (len(heads), cfg.n_heads))))
-    for l in heads:
-        W = model.blocks[l].attn.o_proj.weight.detach()
-        z = cache["z", l]
+    heads = attentions(model)  # a hybrid's linear-attention layers have no heads in this sense
+    assert labels == [label for l in sorted({l for l, _ in heads}) for label in mixer_labels(model, l)]
+    assert labels[: cfg.n_heads] == [f"L{heads[0][0]}H{h}" for h in range(cfg.n_heads)]  # TransformerLens's labels
+    per_attention = dict(zip(heads, stack.unflatten(0, (len(heads), cfg.n_heads))))
+    for l, a in heads:
+        W = getattr(model.blocks[l], a).o_proj.weight.detach()
+        z = cache[f"blocks.{l}.{a}.hook_z"]
         d = z.shape[-1]  # a head's value width (MLA: v_head_dim)
         m = model.blocks[l].residual_multiplier  # heads as the stream receives them (Granite's multiplier)
         for h in (0, cfg.n_heads - 1):  # head h reads o_proj's input columns of that head
-            close(per_layer[l][h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T * m)
-        bias = model.blocks[l].attn.o_proj.bias
-        close(per_layer[l].sum(0) + (0 if bias is None else bias.detach() * m), cache["attn_out", l])
-    upto = heads[1] + 1 if len(heads) > 1 else cfg.n_layers  # a bound with heads of two layers before it, where there are
+            close(per_attention[l, a][h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T * m)
+        bias = getattr(model.blocks[l], a).o_proj.bias
+        close(per_attention[l, a].sum(0) + (0 if bias is None else bias.detach() * m), cache[f"blocks.{l}.hook_{a}_out"])
+    layers = sorted({l for l, _ in heads})
+    upto = layers[1] + 1 if len(layers) > 1 else cfg.n_layers  # a bound with heads of two layers before it, where there are
     stack, labels = cache.stack_head_results(layer=upto, incl_remainder=True, return_labels=True)
-    assert labels[-1] == "remainder" and len(labels) == len([l for l in heads if l < upto]) * cfg.n_heads + 1
+    assert labels[-1] == "remainder" and len(labels) == len([l for l, _ in heads if l < upto]) * cfg.n_heads + 1
     close(stack.sum(0), cache.accumulated_resid(layer=upto)[-1])
     if upto < cfg.n_layers:  # through the norm reading block upto's resid_pre (ln2 in a block of a feed-forward alone)
         normed = cache.stack_head_results(layer=upto, apply_ln=True, pos_slice=0)
-        ln = "ln1" if model.blocks[upto].token_mixer is not None else "ln2"
+        ln = model.blocks[upto].first_norm_name
         close(normed, stack[:-1, :, 0] / cache[f"blocks.{upto}.{ln}.hook_scale"][:, 0] * norm_factor(getattr(model.blocks[upto], ln)))
     fresh = model.run_with_cache(torch.zeros(1, 3, dtype=torch.long), names_filter=lambda n: n.endswith("hook_z"))[1]
     fresh.compute_head_results()
-    assert fresh[f"blocks.{heads[0]}.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)
-    assert sorted(k for k in fresh.cache_dict if k.endswith("hook_result")) == sorted(f"blocks.{l}.attn.hook_result" for l in heads)
+    assert fresh[f"blocks.{heads[0][0]}.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)
+    assert sorted(k for k in fresh.cache_dict if k.endswith("hook_result")) == sorted(f"blocks.{l}.{a}.hook_result" for l, a in heads)
     assert cache.stack_head_results(layer=0).shape == (0, 2, 12, cfg.d_model)
 
 
@@ -306,13 +318,14 @@ def test_logit_attrs_sum_to_logits(runs, toks, family):
 def test_expert_logit_attribution(runs, toks, family):
     model, logits, cache = runs[family]
     cfg = model.cfg
+    n_experts = routable_experts(model)  # identity experts after the real ones
     ela = cache.expert_logit_attribution(toks)
-    assert ela.shape == (cfg.n_layers, cfg.n_experts, 2, 12)
+    assert ela.shape == (cfg.n_layers, n_experts, 2, 12)
     # the same numbers as the decomposition's expert components through logit_attrs
     stack, labels = cache.get_full_resid_decomposition(expand_neurons=False, return_labels=True)
     attrs = dict(zip(labels, cache.logit_attrs(stack, toks)))
     for l in cfg.moe_layer_indices:
-        close(ela[l], torch.stack([attrs[f"L{l}.E{e}"] for e in range(cfg.n_experts)]))
+        close(ela[l], torch.stack([attrs[f"L{l}.E{e}"] for e in range(n_experts)]))
     for l in cfg.dense_layer_indices:  # a dense block routes nothing
         assert (ela[l] == 0).all()
     # an independent loop for one token: slot outputs / final rms . (W_U column * final norm weight)
@@ -320,17 +333,17 @@ def test_expert_logit_attribution(runs, toks, family):
     direction = model.unembed.weight[tok].detach() / model.unembed.divisor * norm_factor(model.ln_final)
     rms = cache["ln_final.hook_scale"][b, p, 0]
     for l in cfg.moe_layer_indices:
-        expected = torch.zeros(cfg.n_experts)
+        expected = torch.zeros(n_experts)
         m = model.blocks[l].residual_multiplier  # what the stream receives of a slot's output
         for s, e in enumerate(cache["expert_indices", l][b, p].tolist()):
             expected[e] += cache["expert_outputs", l][b, p, s] * m @ direction / rms
         close(ela[l, :, b, p], expected)
-        unchosen = torch.ones(cfg.n_experts, dtype=torch.bool)
+        unchosen = torch.ones(n_experts, dtype=torch.bool)
         unchosen[cache["expert_indices", l][b, p]] = False
         assert (ela[l, unchosen, b, p] == 0).all()
     # logit difference at one position, and a float direction
     diff = cache.expert_logit_attribution(3, pos_slice=-1, incorrect_tokens=9)
-    assert diff.shape == (cfg.n_layers, cfg.n_experts, 2)
+    assert diff.shape == (cfg.n_layers, n_experts, 2)
     close(diff, cache.expert_logit_attribution(3, pos_slice=-1) - cache.expert_logit_attribution(9, pos_slice=-1))
     d = model.tokens_to_residual_directions(3) - model.tokens_to_residual_directions(9)
     close(cache.expert_logit_attribution(d, pos_slice=-1), diff)

@@ -32,7 +32,7 @@ BLOCK_SITES = (
     "attn.hook_q_latent", "attn.hook_z", "attn_1.hook_q_latent", "attn_1.hook_z", "dense_0.hook_post", "dense_1.hook_post",
     "mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices", "mlp.hook_routed_out",
 )
-OUT_HOOKS = ("hook_attn_out", "hook_mlp_out", "hook_dense_0_out", "hook_attn_1_out", "hook_dense_1_out")
+OUT_HOOKS = ("hook_attn_out", "hook_dense_0_out", "hook_attn_1_out", "hook_dense_1_out", "hook_mlp_out")  # as added
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_every_block_is_resid_pre_plus_its_sublayers(model, refs):
     for layer, block in enumerate(model.blocks):
         subs = block.sublayers()
         assert tuple(s.out_hook for s in subs) == OUT_HOOKS
-        assert [s.norm for s in subs] == [block.ln1, block.ln2, block.ln2, block.ln1_1, block.ln2_1]
+        assert [s.norm for s in subs] == [block.ln1, block.ln2, block.ln1_1, block.ln2_1, block.ln2]
         total = cache[f"blocks.{layer}.hook_resid_pre"] + sum(cache[f"blocks.{layer}.{s.out_hook}"] for s in subs)
         post = cache[f"blocks.{layer}.hook_resid_post"]
         assert (total - post).abs().max() <= 1e-5

@@ -98,9 +98,12 @@ def test_cached_steps_match_the_uncached_forward(family_models, references, fami
         if layer in recurrent:  # a linear-attention layer holds a state of fixed size instead (its family's suite)
             assert not hasattr(kv, "keys")
             continue
-        assert kv.keys.shape == (3, 9, model.cfg.n_kv_heads, model.cfg.d_head)
-        # (on a hybrid the stream entering an attention layer carries the linear layers' gap)
-        assert (kv.keys - full_cache[f"blocks.{layer}.attn.hook_rot_k"])[real].abs().max() <= tol
+        # one state per attention of the block (LongCat-Flash's blocks hold attn's and attn_1's)
+        attentions = [sub.name for sub in model.blocks[layer].attention_sublayers()]
+        for state, attn in zip(getattr(kv, "parts", [kv]), attentions, strict=True):
+            assert state.keys.shape == (3, 9, model.cfg.n_kv_heads, model.cfg.d_head)
+            # (on a hybrid the stream entering an attention layer carries the linear layers' gap)
+            assert (state.keys - full_cache[f"blocks.{layer}.{attn}.hook_rot_k"])[real].abs().max() <= tol
 
 
 def test_cached_hooks_see_only_new_positions(family_models):

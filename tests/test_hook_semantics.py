@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import BACKEND_CASES, FAMILIES, norm_factor
+from conftest import BACKEND_CASES, FAMILIES, ffn_stream, norm_factor
 
 from moelens import HookedTransformer, KVCache
 from moelens.hooks import HookShapeError
@@ -108,7 +108,7 @@ def test_norm_divides_by_the_hooked_scale(family_models, family, tokens):
     model = family_models[family]
     new_scale = lambda s, hook: s * 2.0 + 0.5  # noqa: E731
     # the stream ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone (Nemotron-H)
-    stream = "blocks.1.hook_resid_mid" if model.blocks[1].token_mixer is not None else "blocks.1.hook_resid_pre"
+    stream = f"blocks.1.hook_{ffn_stream(model.blocks[1])}"
     _, cache = model.run_with_cache(tokens, names_filter=[stream, "blocks.1.ln2.hook_normalized"])
     with model.hooks(fwd_hooks=[("blocks.1.ln2.hook_scale", new_scale)]):
         _, hooked = model.run_with_cache(tokens, names_filter=["blocks.1.ln2.hook_normalized", stream])

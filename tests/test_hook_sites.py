@@ -6,7 +6,6 @@ reads its rows and absent list from the table, and the table's short and standar
 from __future__ import annotations
 
 import pytest
-import tiny_longcat_flash
 from conftest import FAMILIES, VARIANTS
 
 from moelens import HookedTransformer
@@ -22,11 +21,6 @@ MODEL_KEYS = sorted(k for k in VARIANTS if k[1] not in ("sharded", "fused"))
 # Mamba-2's.
 MIXER_ONLY = {s.name for s in SITES if s.name.startswith("blocks.L.mixer.")}
 AWAITING_FAMILY_FORMS: set[str] = set()
-# models not yet in conftest's generic suites (no TransformerLens switch on them)
-HYBRID_BUILDERS = {
-    ("longcat_flash", "base"): tiny_longcat_flash.build_longcat_flash,
-}
-
 # a form's meaning fields, as the model fills them: (model, layer) -> value
 FIELDS = {"formula": lambda model, layer: model.blocks[layer].mlp.experts.spec.activation.formula}
 
@@ -42,13 +36,9 @@ def switched_on(model: HookedTransformer) -> HookedTransformer:
 
 
 @pytest.fixture(scope="module")
-def models(checkpoints, tmp_path_factory):
+def models(checkpoints):
     """(family, variant) -> a model of its own (the switches change it), with every switch on it allows."""
-    out = {key: switched_on(HookedTransformer.from_pretrained(checkpoints[key], progress=False)) for key in MODEL_KEYS}
-    root = tmp_path_factory.mktemp("hybrid")
-    for key, build in HYBRID_BUILDERS.items():
-        out[key] = HookedTransformer.from_pretrained(build(root / key[0]), progress=False)
-    return out
+    return {key: switched_on(HookedTransformer.from_pretrained(checkpoints[key], progress=False)) for key in MODEL_KEYS}
 
 
 def forms_used(model: HookedTransformer) -> dict[str, set[str]]:
@@ -73,7 +63,7 @@ def forms_used(model: HookedTransformer) -> dict[str, set[str]]:
     return used
 
 
-@pytest.mark.parametrize("key", MODEL_KEYS + sorted(HYBRID_BUILDERS), ids=lambda k: f"{k[0]}-{k[1]}")
+@pytest.mark.parametrize("key", MODEL_KEYS, ids=lambda k: f"{k[0]}-{k[1]}")
 def test_every_hook_point_is_a_table_entry_with_its_layout_and_meaning(models, key):
     forms_used(models[key])
 

@@ -13,7 +13,9 @@ import re
 
 import pytest
 import torch
-from conftest import BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, attention_layers, has_shared_expert, shared_expert_gated
+from conftest import (
+    BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, attention_layers, has_shared_expert, routable_experts, shared_expert_gated,
+)
 
 from moelens import HookedTransformer
 from moelens.models.deepseek_v2 import SoftmaxGroupLimitedTopK
@@ -89,6 +91,11 @@ def test_router_rules(family_models, family, tokens):
             top = logits.topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
             expected = top.values.float().sigmoid()
+        elif router.choice_bias:  # LongCat-Flash: top-k of softmax + correction bias; the scores, scaled, unnormalised
+            scores = logits.float().softmax(-1)
+            choice = scores + router.e_score_correction_bias.float()
+            assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
+            expected = scores.gather(-1, idx) * model.cfg.routed_scaling_factor
         elif isinstance(router, SoftmaxGroupLimitedTopK):  # DeepSeek-V2: groups by their best score, unsorted slots
             scores = logits.float().softmax(-1)
             grouped = scores.unflatten(-1, (model.cfg.n_group, -1))
@@ -156,8 +163,10 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # each chosen logit's sigmoid
         expected = torch.sigmoid(new_logits)
     else:
-        probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (model.cfg.n_experts - k)), -1)[:k]
+        probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (routable_experts(model) - k)), -1)[:k]
         expected = probs / probs.sum() if model.cfg.norm_topk_prob else probs
+        if model.blocks[layer].mlp.router.choice_bias:  # LongCat-Flash's weights: the scores times the scaling factor
+            expected = expected * model.cfg.routed_scaling_factor
     order = idx.argsort(-1)
     by_expert = torch.tensor(forced[:k]).argsort()
     torch.testing.assert_close(w.gather(-1, order), expected[by_expert].expand_as(w), rtol=0, atol=1e-6)
@@ -235,6 +244,12 @@ def test_replacing_expert_neurons_and_shared_out(family_models, family, tokens):
         left = (w[..., None] * experts.tensors().down_bias[idx]).sum(-2)
         assert torch.count_nonzero(left) > 0
         torch.testing.assert_close(routed, left.to(routed.dtype), rtol=0, atol=0)
+    elif experts.spec.n_identity:  # zero neurons leave the identity experts' slots: weight * the mixture's input
+        idx, w = cache["expert_indices", last], cache["expert_weights", last]
+        x = cache[f"blocks.{last}.ln2.hook_normalized"]
+        left = (w * (idx >= model.cfg.n_experts)).sum(-1, keepdim=True) * x
+        assert torch.count_nonzero(left) > 0
+        torch.testing.assert_close(routed, left.to(routed.dtype), rtol=1e-6, atol=1e-6)
     else:
         assert torch.count_nonzero(routed) == 0
     m_last, m_first = model.blocks[last].residual_multiplier, model.blocks[first].residual_multiplier  # Granite's
@@ -319,7 +334,7 @@ def test_shapes_and_support_table(family_models, family, tokens):
         if not model.blocks[layer].is_moe:
             assert cache[f"blocks.{layer}.mlp.hook_post"].shape == (b, p, cfg.d_mlp)
             continue
-        assert cache["router_logits", layer].shape == (b, p, cfg.n_experts)
+        assert cache["router_logits", layer].shape == (b, p, routable_experts(model))
         assert cache["expert_indices", layer].shape == (b, p, k)
         assert cache[f"blocks.{layer}.mlp.experts.hook_post"].shape == (b, p, k, cfg.d_expert)
         assert cache[f"blocks.{layer}.mlp.hook_expert_outputs"].shape == (b, p, k, cfg.d_model)
@@ -327,8 +342,13 @@ def test_shapes_and_support_table(family_models, family, tokens):
             assert cache[f"blocks.{layer}.mlp.shared_expert.hook_post"].shape == (b, p, cfg.d_shared)
     table = model.support(print_table=False)
     names = set(table.names())
-    # one row per site: L for the block, E for the expert of a per-expert view
-    assert names == {re.sub(r"^blocks\.\d+\.", "blocks.L.", re.sub(r"\.experts\.\d+\.", ".experts.E.", n)) for n in model.hook_dict}
+    # one row per site: L for the block, E for the expert of a per-expert view; a block's numbered repeats of a
+    # module (LongCat-Flash's attn_1, ln1_1, ln2_1; its dense MLPs dense_0, dense_1) are the table's attn, ln1, ln2, mlp
+    def site(name: str) -> str:
+        name = re.sub(r"^blocks\.\d+\.", "blocks.L.", re.sub(r"\.experts\.\d+\.", ".experts.E.", name))
+        return re.sub(r"^blocks\.L\.dense_\d+\.", "blocks.L.mlp.", re.sub(r"^blocks\.L\.(attn|ln1|ln2)_\d+\.", r"blocks.L.\1.", name))
+
+    assert names == {site(n) for n in model.hook_dict}
     assert len(table.rows) == len(names)
     mlps = [b.mlp for b in model.blocks if b.is_moe]
     assert ("blocks.L.mlp.hook_shared_gate" in names) == shared_expert_gated(model)

@@ -34,8 +34,10 @@ def resident(checkpoints):
 
 
 def distinct_experts(cache, model):
-    """By hand from the resident run: how many distinct experts each mixture layer's tokens routed to."""
-    return sum(len(torch.unique(cache["expert_indices", layer])) for layer in model.cfg.moe_layer_indices)
+    """By hand from the resident run: how many distinct experts each mixture layer's tokens routed to (real ones:
+    an identity expert has nothing to fetch)."""
+    real = [torch.unique(cache["expert_indices", layer]) for layer in model.cfg.moe_layer_indices]
+    return sum(int((ids < model.cfg.n_experts).sum()) for ids in real)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -251,8 +253,10 @@ def two_layers(model):
 
 
 def per_layer_experts(cache, model):
-    """By hand from the resident run: the distinct experts each mixture layer routed to."""
-    return [sorted(torch.unique(cache["expert_indices", layer]).tolist()) for layer in model.cfg.moe_layer_indices]
+    """By hand from the resident run: the distinct experts each mixture layer routed to (real ones: an identity
+    expert has nothing to fetch)."""
+    return [[e for e in sorted(torch.unique(cache["expert_indices", layer]).tolist()) if e < model.cfg.n_experts]
+            for layer in model.cfg.moe_layer_indices]
 
 
 def let_prefetch_finish(model):

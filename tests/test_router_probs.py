@@ -31,6 +31,7 @@ DEFINITION = {
     "deepseek_v2": softmax, "glm4_moe_lite": normalised_sigmoid, "ernie4_5_moe": softmax,
     "granitemoe": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
     "granitemoeshared": softmax,
+    "longcat_flash": softmax,  # over the real and the identity experts
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
@@ -52,7 +53,7 @@ def test_router_probs_are_the_documented_distribution_of_transformers_logits(che
     assert len(cache.cache_dict) == len(references)
     for layer in model.cfg.moe_layer_indices:
         probs = cache["router_probs", layer]
-        assert probs.shape == (*tokens.shape, model.cfg.n_experts) and probs.dtype == torch.float32
+        assert probs.shape == (*tokens.shape, model.cfg.n_routable_experts) and probs.dtype == torch.float32
         torch.testing.assert_close(probs.double().sum(-1), torch.ones(tokens.shape, dtype=torch.float64), rtol=0, atol=1e-6)
         logits = theirs[f"blocks.{layer}.mlp.hook_router_logits"].reshape(probs.shape)
         torch.testing.assert_close(probs.double(), DEFINITION[family](logits), rtol=0, atol=1e-6)
@@ -89,4 +90,4 @@ def test_editing_router_probs_changes_no_routing_but_reaches_the_cache(family_mo
                 logits, cache = model.run_with_cache(tokens, names_filter=[name, f"blocks.{layer}.mlp.hook_expert_indices"])
             assert torch.equal(logits, plain_logits)
             assert torch.equal(cache["expert_indices", layer], plain["expert_indices", layer])
-            assert torch.all(cache[name] == 1.0 / model.cfg.n_experts) and not torch.equal(cache[name], plain[name])
+            assert torch.all(cache[name] == 1.0 / model.cfg.n_routable_experts) and not torch.equal(cache[name], plain[name])

@@ -55,9 +55,9 @@ def test_decompose_resid_logit_attrs_sum_to_logit(runs, family):
     model, toks, logits, cache = runs[family]
     stack, labels = cache.decompose_resid(pos_slice=-1, return_labels=True)  # apply_ln=False by default
     n = model.cfg.n_layers
-    # each block's sublayers (a Nemotron-H block has one: its token mixer or its feed-forward)
-    terms = [(l, s) for l, b in enumerate(model.blocks) for s, has in (("attn_out", b.token_mixer is not None),
-                                                                      ("mlp_out", b.has_ffn)) if has]
+    # each block's sublayers, by output hook (a Nemotron-H block has one: its token mixer or its feed-forward;
+    # a LongCat-Flash block five: attn_out, mlp_out, dense_0_out, attn_1_out, dense_1_out)
+    terms = [(l, sub.out_hook.removeprefix("hook_")) for l, b in enumerate(model.blocks) for sub in b.sublayers()]
     assert labels == ["embed"] + [f"{l}_{s}" for l, s in terms]
     answer = 7
     attrs = cache.logit_attrs(stack, tokens=answer, pos_slice=-1)

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import FAMILIES, attention_layers
+from conftest import FAMILIES, attention_layers, attentions
 
 from moelens import HookedTransformer
 
@@ -51,21 +51,23 @@ def test_attn_result_is_each_heads_share_of_the_output(load, family):
     with torch.no_grad():
         out, cache = model.run_with_cache(TOKENS)
     torch.testing.assert_close(out, logits, rtol=0, atol=ATOL)
-    layers = attention_layers(model)  # a hybrid's linear-attention layers have no heads: no hook_result there
-    assert sorted(n for n in cache.keys() if n.endswith("attn.hook_result")) == sorted(
-        f"blocks.{l}.attn.hook_result" for l in layers)
-    for layer in layers:
-        attn = model.blocks[layer].attn
-        z = plain["z", layer]  # [batch pos head d_head]
+    # every softmax attention (a block's several, LongCat-Flash's attn_1 too); a hybrid's linear-attention layers
+    # have no heads: no hook_result there
+    heads = attentions(model)
+    assert sorted(n for n in cache.keys() if n.endswith("hook_result")) == sorted(
+        f"blocks.{l}.{a}.hook_result" for l, a in heads)
+    for layer, a in heads:
+        attn = getattr(model.blocks[layer], a)
+        z = plain[f"blocks.{layer}.{a}.hook_z"]  # [batch pos head d_head]
         n_heads, d_head = z.shape[-2:]
         w_o = attn.o_proj.weight.detach().view(-1, n_heads, d_head)  # [d_model head d_head]
         expected = torch.stack([z[:, :, h] @ w_o[:, h].T for h in range(n_heads)], dim=2)
-        result = cache["result", layer]
+        result = cache[f"blocks.{layer}.{a}.hook_result"]
         assert result.shape == (*TOKENS.shape, n_heads, model.cfg.d_model)
         torch.testing.assert_close(result, expected, rtol=0, atol=ATOL)
         bias = 0 if attn.o_proj.bias is None else attn.o_proj.bias.detach()
-        m = model.blocks[layer].residual_multiplier  # attn_out is what the stream receives (Granite's multiplier)
-        torch.testing.assert_close((result.sum(2) + bias) * m, plain["attn_out", layer], rtol=0, atol=ATOL)
+        m = model.blocks[layer].residual_multiplier  # the block's out hook is what the stream receives (Granite's multiplier)
+        torch.testing.assert_close((result.sum(2) + bias) * m, plain[f"blocks.{layer}.hook_{a}_out"], rtol=0, atol=ATOL)
 
 
 def test_attn_result_edits_reach_the_output(load):
@@ -132,13 +134,17 @@ def test_a_cfg_with_a_switch_on_builds_a_model_with_it_on(load):
 
 
 # ---- use_split_qkv_input -----------------------------------------------------------------------------------
-# latent attention (DeepSeek-V2, V3, GLM-4.7-Flash, and V3.2 / GLM-5 with DSA) refuses split inputs, tested below
-SPLIT_FAMILIES = [f for f in FAMILIES if f not in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2", "glm4_moe_lite")]
+def require_per_head_inputs(model: HookedTransformer) -> None:
+    """Latent attention (DeepSeek-V2 / V3, LongCat-Flash, ...) has no per-head map of the stream, and
+    set_use_split_qkv_input refuses it (tested below): what its attention reports, per_head_projections."""
+    if not all(sub.module.per_head_projections for b in model.attention_blocks() for sub in b.attention_sublayers()):
+        pytest.skip(f"{model.cfg.family}'s attention has no per-head projections: split inputs are refused")
 
 
-@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_split_qkv_inputs_are_copies_of_resid_pre_and_the_output_is_unchanged(load, family):
     model = load(family)
+    require_per_head_inputs(model)
     logits, plain = plain_run(model)
     model.set_use_split_qkv_input(True)
     assert model.cfg.use_split_qkv_input is True
@@ -159,11 +165,12 @@ def test_split_qkv_inputs_are_copies_of_resid_pre_and_the_output_is_unchanged(lo
             torch.testing.assert_close(cache[site, layer], plain[site, layer], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_editing_one_heads_input_changes_only_that_heads_projection(load, family):
     """For the projections that are linear maps of the normed stream (attn.linear_hooks; OLMoE norms its q and
     k over all heads together, so only its v qualifies)."""
     model = load(family)
+    require_per_head_inputs(model)
     model.set_use_split_qkv_input(True)
     _, plain = plain_run(model)
     gen = torch.Generator().manual_seed(0)

@@ -20,9 +20,9 @@ def _normalise(model, experts: Experts) -> dict[int, list[int]]:
     for layer, chosen in experts.items():
         (block,) = resolve_layers(model, layer)
         chosen = [chosen] if isinstance(chosen, int) else list(chosen)
-        bad = [e for e in chosen if not 0 <= e < model.cfg.n_experts]
+        bad = [e for e in chosen if not 0 <= e < model.cfg.n_routable_experts]
         if bad:
-            raise IndexError(f"experts {bad} are out of range: layer {block} has {model.cfg.n_experts} experts")
+            raise IndexError(f"experts {bad} are out of range: layer {block} has {model.cfg.n_routable_experts} experts")
         out[block] = chosen
     return out
 
@@ -37,7 +37,7 @@ def expert_mean_outputs(
     expert adds to a token it is chosen for, on average.
     """
     layers = resolve_layers(model, list(layers))
-    E, d = model.cfg.n_experts, model.cfg.d_model
+    E, d = model.cfg.n_routable_experts, model.cfg.d_model
     sums = {layer: torch.zeros(E, d, dtype=torch.float64, device=model.device) for layer in layers}
     counts = {layer: torch.zeros(E, dtype=torch.long, device=model.device) for layer in layers}
     for tokens, valid in iter_batches(model, reference, attention_mask, batch_size):

@@ -33,7 +33,7 @@ def coactivations(
         raise ValueError("coactivations needs at least one (layer_a, layer_b) pair")
     resolved = {pair: tuple(resolve_layers(model, list(pair))) for pair in pairs}
     layers = sorted({layer for pair in resolved.values() for layer in pair})
-    E = model.cfg.n_experts
+    E = model.cfg.n_routable_experts
     # float64 matmul counts exactly up to 2**53 tokens and runs on every device (integer matmul does not).
     out = {pair: torch.zeros(E, E, dtype=torch.float64) for pair in pairs}
     for tokens, valid in iter_batches(model, data, attention_mask, batch_size):

@@ -67,7 +67,7 @@ def force_route_hooks(
     Without ``weights`` each slot's weight is read from the router scores of its new expert, by the family's
     rule (renormalised where the family renormalises); with ``weights`` those are used as given.
     """
-    experts = _expert_ids("force_route: experts", experts, model.cfg.n_experts)
+    experts = _expert_ids("force_route: experts", experts, model.cfg.n_routable_experts)
     if weights is not None:
         if isinstance(weights, str) or not isinstance(weights, (Sequence, torch.Tensor)):
             raise TypeError(f"force_route: weights must be a sequence or tensor of floats, got {weights!r}")
@@ -93,9 +93,9 @@ def steer_router_hooks(
 ) -> Hooks:
     """Add ``value`` to the router logit of ``expert`` (one or several) at these layers and positions; the
     choice and the weights then follow from the new logits."""
-    ids = _expert_ids("steer_router: expert", expert, model.cfg.n_experts)
+    ids = _expert_ids("steer_router: expert", expert, model.cfg.n_routable_experts)
     value = _number("steer_router: value", value)
-    onehot = torch.zeros(model.cfg.n_experts).index_fill_(0, ids, 1.0)
+    onehot = torch.zeros(model.cfg.n_routable_experts).index_fill_(0, ids, 1.0)
 
     def steer(logits, hook):
         added = logits + value * onehot.to(device=logits.device, dtype=logits.dtype)

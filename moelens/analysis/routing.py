@@ -73,7 +73,7 @@ def routing_table(model, prompt: str | torch.Tensor, top_next: int = 5) -> Routi
     for layer in layers:
         probs = cache["router_probs", layer][0].double()
         entropy = float(-(probs * probs.clamp_min(1e-300).log()).sum(-1).mean())
-        load = torch.bincount(cache["expert_indices", layer][0].flatten(), minlength=model.cfg.n_experts)
+        load = torch.bincount(cache["expert_indices", layer][0].flatten(), minlength=model.cfg.n_routable_experts)
         gate = float(gates[layer].scale(cache[gates[layer].hook.name][0].float()).mean()) if layer in gates else None
         summaries.append(LayerSummary(load.cpu(), entropy, gate))
         w = cache["expert_weights", layer][0].float()

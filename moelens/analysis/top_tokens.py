@@ -66,8 +66,8 @@ def top_tokens(
     if by not in ("weight", "score"):
         raise ValueError(f"by must be 'weight' or 'score', got {by!r}")
     (layer,) = resolve_layers(model, layer)
-    if not 0 <= expert < model.cfg.n_experts:
-        raise IndexError(f"expert {expert} is out of range: layer {layer} has {model.cfg.n_experts} experts")
+    if not 0 <= expert < model.cfg.n_routable_experts:
+        raise IndexError(f"expert {expert} is out of range: layer {layer} has {model.cfg.n_routable_experts} experts")
     best: list[tuple[float, int, int, int, int, list[int]]] = []
     for b, (tokens, valid) in enumerate(iter_batches(model, data, attention_mask, batch_size)):
         cache = run_sites(model, tokens, valid, [layer], ("expert_indices", "expert_weights", "router_scores"))

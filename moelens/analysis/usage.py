@@ -67,7 +67,7 @@ def expert_usage(
     """
     layers = resolve_layers(model, layers)
     biased = any(block.is_moe and block.mlp.router.choice_bias for block in model.blocks)
-    n, E = len(layers), model.cfg.n_experts
+    n, E = len(layers), model.cfg.n_routable_experts
     counts = torch.zeros(n, E, dtype=torch.long)
     entropy_sum = torch.zeros(n, dtype=torch.float64)
     changed = torch.zeros(n, dtype=torch.long)

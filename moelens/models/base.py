@@ -513,7 +513,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         if backend not in ("eager", "fused"):
             raise ValueError(f"attention backend must be 'eager' or 'fused', got {backend!r}")
         for block in self.attention_blocks():
-            block.attn.backend = backend
+            for sub in block.attention_sublayers():
+                sub.module.backend = backend
 
     def attention_blocks(self) -> list[Block]:
         """The blocks whose token mixer is softmax attention: every block, except a hybrid's linear-attention or
@@ -529,7 +530,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         TransformerLens's; it costs a [batch pos head d_model] tensor per layer."""
         on = _switch_value(use_attn_result, "use_attn_result")
         for block in self.attention_blocks():
-            set_use_attn_result(block.attn, on)
+            for sub in block.attention_sublayers():
+                set_use_attn_result(sub.module, on)
         self._switched("use_attn_result", on)
 
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:

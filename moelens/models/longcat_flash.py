@@ -10,7 +10,8 @@ What is special about the family:
       r = r + attn_1(ln1_1(r))                                  hook_attn_1_out,  then hook_resid_mid_2
       resid_post = r + dense_1(ln2_1(r)) + m                    hook_dense_1_out, hook_resid_post
 
-  so resid_post = resid_pre + the five sublayers' output hooks (block.sublayers()). The mixture keeps the name
+  so resid_post = resid_pre + the five sublayers' output hooks (block.sublayers(), in that order of adding: attn,
+  dense_0, attn_1, dense_1, the mixture). The mixture keeps the name
   blocks.L.mlp (router and expert sites as in every family); transformers' self_attn.0 / .1, mlps.0 / .1,
   input_layernorm.0 / .1 and post_attention_layernorm.0 / .1 are attn / attn_1, dense_0 / dense_1, ln1 /
   ln1_1 and ln2 / ln2_1. Each attention has its own cache (transformers' cache layers 2L and 2L + 1).
@@ -205,12 +206,14 @@ class LongcatBlock(Block):
         self.hook_resid_post = site_hook("blocks.L.hook_resid_post")
 
     def sublayers(self) -> list[Sublayer]:
+        # in the order the forward adds them (the shortcut mixture last), so that resid_pre plus the outputs in
+        # this order is resid_post bit for bit
         return [
             Sublayer("mixer", self.ln1, self.attn, "hook_attn_out"),
-            Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out"),
             Sublayer("ffn", self.ln2, self.dense_0, "hook_dense_0_out"),
             Sublayer("mixer", self.ln1_1, self.attn_1, "hook_attn_1_out"),
             Sublayer("ffn", self.ln2_1, self.dense_1, "hook_dense_1_out"),
+            Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out"),
         ]
 
     def new_state(self, reserve: int = 0) -> SublayerStates:

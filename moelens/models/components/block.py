@@ -48,6 +48,17 @@ class Sublayer(NamedTuple):
     # the out hook holds the module's output times this (the layer's residual multiplier)
     scale: float = 1.0
 
+    @property
+    def name(self) -> str:
+        """What the output hook names the sublayer: "attn", "mlp" (LongCat-Flash's also "dense_0", "attn_1", ...);
+        a softmax attention sublayer is the block's attribute of that name."""
+        return self.out_hook.removeprefix("hook_").removesuffix("_out")
+
+    @property
+    def is_attention(self) -> bool:
+        """A token mixer that is softmax attention (heads, W_Q, patterns; blocks.L.<name>.hook_z)."""
+        return self.kind == "mixer" and self.module.block_attribute == "attn"
+
 
 class Block(nn.Module):
     # the switches of OPTIONAL_HOOKS, off by default (set per instance by set_optional_hooks)
@@ -108,10 +119,34 @@ class Block(nn.Module):
         """The block's empty state for a cache: its token mixer's (a block of several mixers holds one each)."""
         return self.token_mixer.new_state(reserve)
 
+    def attention_sublayers(self) -> list[Sublayer]:
+        """The sublayers that are softmax attention, in order: none, "attn", or several (LongCat-Flash's "attn",
+        "attn_1"). The attention switches and backend reach each of them."""
+        return [s for s in self.sublayers() if s.is_attention]
+
+    def norm_name(self, norm: nn.Module) -> str:
+        """The block's attribute name of one of its norms ("ln1", "ln2", "ln1_1", ...)."""
+        for name, child in self.named_children():
+            if child is norm:
+                return name
+        raise ValueError(f"{type(norm).__name__} is not one of this block's norms")
+
     @property
     def first_norm(self) -> nn.Module:
         """The norm of the first sublayer (its weight's device is where the block runs)."""
         return self.sublayers()[0].norm
+
+    @property
+    def first_norm_name(self) -> str:
+        """The name of the norm reading resid_pre: "ln1", or "ln2" in a block whose only sublayer is its
+        feed-forward."""
+        return self.norm_name(self.first_norm)
+
+    @property
+    def has_resid_mid(self) -> bool:
+        """Whether the block hooks hook_resid_mid, the stream its feed-forward (ln2, the mixture) reads after a
+        token mixer; a block of one sublayer has none (its feed-forward, if any, reads resid_pre)."""
+        return hasattr(self, "hook_resid_mid")
 
     def forward(
         self, resid: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
