@@ -182,6 +182,7 @@ class LongcatBlock(Block):
     def __init__(self, cfg: LongcatFlashConfig, layer: int, spec: LayerSpec) -> None:
         nn.Module.__init__(self)
         self.is_moe = True
+        self.residual_multiplier = 1.0  # its sublayers' outputs enter the stream as they are
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.mixer_attribute = "attn"
         norm = spec.norm
