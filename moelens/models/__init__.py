@@ -18,6 +18,7 @@ from moelens.models.minimax_m2 import HookedMiniMaxM2
 from moelens.models.mixtral import HookedMixtral
 from moelens.models.nemotron_h import HookedNemotronH
 from moelens.models.olmoe import HookedOlmoe
+from moelens.models.phimoe import HookedPhimoe
 from moelens.models.qwen2_moe import HookedQwen2Moe
 from moelens.models.qwen3_5_moe import HookedQwen3_5Moe
 from moelens.models.qwen3_moe import HookedQwen3Moe
@@ -38,4 +39,5 @@ __all__ = [
     "HookedLongcatFlash",
     "HookedGlm4MoeLite",
     "HookedDeepseekV2",
+    "HookedPhimoe",
 ]

@@ -29,11 +29,12 @@ class Embed(nn.Module):
 
 
 class Unembed(nn.Linear):
-    """The unembedding: a bias-free linear map d_model -> d_vocab (weight [d_vocab, d_model], the checkpoint's
-    layout), with TransformerLens's names model.unembed.W_U [d_model, d_vocab] and b_U (zeros: no bias)."""
+    """The unembedding: a linear map d_model -> d_vocab (weight [d_vocab, d_model], the checkpoint's layout),
+    bias-free unless the family has one (Phi-3.5-MoE's lm_head_bias), with TransformerLens's names
+    model.unembed.W_U [d_model, d_vocab] and b_U (zeros where there is no bias)."""
 
-    def __init__(self, d_model: int, d_vocab: int) -> None:
-        super().__init__(d_model, d_vocab, bias=False)
+    def __init__(self, d_model: int, d_vocab: int, bias: bool = False) -> None:
+        super().__init__(d_model, d_vocab, bias=bias)
 
     @property
     def W_U(self) -> Float[torch.Tensor, "d_model d_vocab"]:
@@ -41,4 +42,4 @@ class Unembed(nn.Linear):
 
     @property
     def b_U(self) -> Float[torch.Tensor, "d_vocab"]:
-        return self.weight.new_zeros(self.weight.shape[0])
+        return self.weight.new_zeros(self.weight.shape[0]) if self.bias is None else self.bias

@@ -1,4 +1,5 @@
-"""LayerNorm with a weight and a bias (the norm kind of DeepSeek Sparse Attention's indexer keys)."""
+"""LayerNorm with a weight and a bias: plain (DeepSeek Sparse Attention's indexer keys), or hooked as a block's
+norm (Phi-3.5-MoE)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import nn
+
+from moelens.hooks.sites import site_hook
 
 from moelens.models.terms import ParamTerm, vector
 
@@ -29,3 +32,36 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class HookedLayerNorm(LayerNorm):
+    """A block's or the final LayerNorm (Phi-3.5-MoE), with RMSNorm's hooks: hook_scale holds sqrt(var + eps)
+    and the norm divides the centred input by what it holds; hook_normalized its output (bias included).
+    Without a hook on the scale it is torch's layer_norm, as transformers' nn.LayerNorm, bit for bit; with one
+    the centring, division, weight and bias run in float32 and are cast back once."""
+
+    def __init__(self, d: int, eps: float, hooked: bool = True, site: str = "ln_final") -> None:
+        super().__init__(d, eps)
+        self.hooked = hooked
+        if hooked:
+            self.hook_scale = site_hook(f"{site}.hook_scale")
+            self.hook_normalized = site_hook(f"{site}.hook_normalized")
+
+    def forward(self, x: Float[torch.Tensor, "... d"]) -> Float[torch.Tensor, "... d"]:
+        if not self.hooked:
+            return super().forward(x)
+        if not self.hook_scale.has_hooks:
+            return self.hook_normalized(super().forward(x))
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        scale = self.hook_scale(torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps))
+        normed = centred / scale * self.weight.float() + self.bias.float()
+        return self.hook_normalized(normed.to(x.dtype))
+
+    def effective_weight(self) -> Float[torch.Tensor, " d"]:
+        """The per-dimension factor applied to the normed input (the bias is added after it)."""
+        return self.weight
+
+    @torch.no_grad()
+    def make_identity(self) -> None:
+        self.weight.fill_(1.0)
