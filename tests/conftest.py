@@ -36,7 +36,7 @@ VARIANTS = {
 # A family's own test module tests/tiny_<family>.py adds its variants here (a dict VARIANTS like this one).
 for _path in sorted(Path(__file__).parent.glob("tiny_*.py")):
     VARIANTS.update(importlib.import_module(_path.stem).VARIANTS)
-FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "llama4_text", "qwen3_next", "qwen3_5_moe", "glm4_moe_lite", "deepseek_v2", "nemotron_h"]
+FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "llama4_text", "qwen3_next", "qwen3_5_moe", "glm4_moe_lite", "deepseek_v2", "nemotron_h", "phimoe"]
 # The Triton kernels see a family only through its routing weights' dtype: model dtype (Qwen2-MoE; also
 # Qwen3-MoE, OLMoE) or float32 (Hunyuan, softmax; Solar, sigmoid; also Mixtral, DeepSeek-V3). Every family
 # runs the Triton backend end to end against the torch one (every hook tensor); the interpreter-heavy

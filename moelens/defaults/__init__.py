@@ -42,6 +42,7 @@ CONFIGS = {
     "tiny-longcat-flash": "tiny_longcat_flash.json",
     "tiny-glm4-moe-lite": "tiny_glm4_moe_lite.json",
     "tiny-deepseek-v2": "tiny_deepseek_v2.json",
+    "tiny-phimoe": "tiny_phimoe.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"
