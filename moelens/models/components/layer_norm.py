@@ -37,8 +37,10 @@ class LayerNorm(nn.Module):
 class HookedLayerNorm(LayerNorm):
     """A block's or the final LayerNorm (Phi-3.5-MoE), with RMSNorm's hooks: hook_scale holds sqrt(var + eps)
     and the norm divides the centred input by what it holds; hook_normalized its output (bias included).
-    Without a hook on the scale it is torch's layer_norm, as transformers' nn.LayerNorm, bit for bit; with one
-    the centring, division, weight and bias run in float32 and are cast back once."""
+    Its value is torch's layer_norm, as transformers' nn.LayerNorm, bit for bit, wherever the scale is the
+    computed one (hooked or not: caching hook_scale changes nothing); where a hook changed it, the centring,
+    division, weight and bias run in float32 and are cast back once. The gradient is that of the float32
+    formula throughout, so it reaches hook_scale."""
 
     def __init__(self, d: int, eps: float, hooked: bool = True, site: str = "ln_final") -> None:
         super().__init__(d, eps)
@@ -54,9 +56,12 @@ class HookedLayerNorm(LayerNorm):
             return self.hook_normalized(super().forward(x))
         x32 = x.float()
         centred = x32 - x32.mean(-1, keepdim=True)
-        scale = self.hook_scale(torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps))
-        normed = centred / scale * self.weight.float() + self.bias.float()
-        return self.hook_normalized(normed.to(x.dtype))
+        computed = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = self.hook_scale(computed.clone())  # its own tensor: an in-place edit shows against `computed`
+        formula = (centred / scale * self.weight.float() + self.bias.float()).to(x.dtype)
+        with torch.no_grad():
+            value = torch.where(scale == computed, super().forward(x), formula)
+        return self.hook_normalized(_ValueWithGradOf.apply(formula, value))
 
     def effective_weight(self) -> Float[torch.Tensor, " d"]:
         """The per-dimension factor applied to the normed input (the bias is added after it)."""
@@ -65,3 +70,15 @@ class HookedLayerNorm(LayerNorm):
     @torch.no_grad()
     def make_identity(self) -> None:
         self.weight.fill_(1.0)
+
+
+class _ValueWithGradOf(torch.autograd.Function):
+    """Forward: `value`; backward: the gradient flows to `formula` (the same function up to rounding)."""
+
+    @staticmethod
+    def forward(ctx, formula: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
