@@ -5,7 +5,7 @@ Each check is against something computed another way: cached streams, the model'
 
 import pytest
 import torch
-from conftest import FAMILIES, attention_layers, has_shared_expert, mixer_labels, norm_factor
+from conftest import FAMILIES, families_applying_norms, attention_layers, has_shared_expert, mixer_labels, norm_factor
 
 from moelens import HookedTransformer
 from moelens.cache_analysis import MissingHooksError
@@ -140,7 +140,7 @@ def test_full_decomposition_dense_block_and_o_bias(variant_runs, key, expand):
     close(stack.sum(0), cache["resid_post", -1])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_applying_norms())
 def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     model, _, cache = runs[family]
     stack, labels = cache.get_full_resid_decomposition(layer=2, expand_neurons=False, return_labels=True)
@@ -160,7 +160,7 @@ def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
 
 
 # ---- accumulated and decomposed streams --------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_applying_norms())
 def test_accumulated_resid(runs, family):
     model, _, cache = runs[family]
     n = model.cfg.n_layers
@@ -187,7 +187,7 @@ def test_accumulated_resid(runs, family):
     close(stack[-1], cache[f"blocks.2.ln{1 if model.blocks[2].token_mixer is not None else 2}.hook_normalized"])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_applying_norms())
 def test_decompose_resid(runs, family):
     model, _, cache = runs[family]
     n = model.cfg.n_layers
@@ -234,7 +234,7 @@ def test_stack_activation(runs, family):
 
 
 # ---- heads ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_applying_norms())
 def test_head_results(runs, family):
     model, _, cache = runs[family]
     cfg = model.cfg
@@ -266,7 +266,7 @@ def test_head_results(runs, family):
 
 
 # ---- logit attribution ------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_applying_norms())
 def test_logit_attrs_sum_to_logits(runs, toks, family):
     model, logits, cache = runs[family]
     # as TransformerLens, logit_attrs applies the final norm's cached scale itself: the stack is un-normalised
@@ -298,7 +298,7 @@ def test_logit_attrs_sum_to_logits(runs, toks, family):
     close(twice, (stack / scale**2 * weight**2 * model.unembed.weight[toks].detach()).sum(-1))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_applying_norms())
 def test_expert_logit_attribution(runs, toks, family):
     model, logits, cache = runs[family]
     cfg = model.cfg
@@ -356,7 +356,7 @@ def test_missing_hooks_are_named(runs, toks):
         cache.decompose_resid(layer=7)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_applying_norms())
 def test_without_batch_dim(runs, toks, family):
     """The analyses of a cache without its batch axis are those of the same one-row run with it (a one-row run:
     a batch of two rounds a chunked linear-attention layer differently, as transformers' own does)."""

@@ -29,6 +29,7 @@ DEFINITION = {
     "llama4_text": normalised_sigmoid,  # its scores are the logits; each chosen one's weight is its sigmoid
     "qwen3_next": softmax, "qwen3_5_moe": softmax, "nemotron_h": normalised_sigmoid,
     "deepseek_v2": softmax, "glm4_moe_lite": normalised_sigmoid,
+    "phimoe": softmax,  # its scores are the logits; each slot's weight is a softmax over the logits near its own
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
@@ -63,6 +64,8 @@ def test_support_says_what_the_scores_and_the_probs_are(family_models, family):
     assert "distribution over the experts" in probs.meaning and "observation only" in probs.meaning
     if family in ("gpt_oss", "llama4_text"):  # their rules take the top-k on the logits themselves
         assert scores.meaning.startswith("the logits the top-k is taken on")
+    elif family == "phimoe":  # the sparsemixer chooses slot by slot on the logits
+        assert scores.meaning.startswith("the logits the slots are chosen on")
     else:
         assert scores.meaning.startswith(SCORES_SAY[DEFINITION[family]])
     assert SITE_BY_NAME["blocks.L.mlp.hook_router_probs"].observed
