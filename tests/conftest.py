@@ -56,6 +56,14 @@ def families_applying_norms():
     return [pytest.param(f, marks=refused) if f in LAYER_NORM_FAMILIES else f for f in FAMILIES]
 
 
+def fold_ln_refused(cases):
+    """Parameters (a family, or a (family, variant) key) with a LayerNorm family's marked to raise: fold_ln refuses
+    its biased norms (a ValueError naming the norm; strict: passing fails)."""
+    refused = pytest.mark.xfail(raises=ValueError, strict=True, reason="fold_ln refuses a LayerNorm with bias")
+    family = lambda case: case if isinstance(case, str) else case[0]  # noqa: E731
+    return [pytest.param(c, marks=refused) if family(c) in LAYER_NORM_FAMILIES else c for c in cases]
+
+
 def pytest_collection_modifyitems(config, items):
     """Without a GPU, every test that runs the Triton kernels (its id says triton: the kernel tests, the triton
     backend cases) runs them in Triton's CPU interpreter, 10 to 90 s each on a 2-core machine: marked slow, so

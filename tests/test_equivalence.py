@@ -81,7 +81,9 @@ def test_bfloat16_is_bit_exact(checkpoints, family, variant):
         if block.is_moe:
             ref_layer = ref.model.layers[layer]
             # Llama 4's router is feed_forward.router, Nemotron-H's mixture is its layer's mixer
-            ref_gate = (ref_layer.mlp.gate if hasattr(ref_layer, "mlp") else ref_layer.mixer.gate
+            # Phi-3.5-MoE's is mlp.router
+            ref_gate = ((ref_layer.mlp.router if hasattr(ref_layer.mlp, "router") else ref_layer.mlp.gate)
+                        if hasattr(ref_layer, "mlp") else ref_layer.mixer.gate
                         if hasattr(ref_layer, "mixer") else ref_layer.feed_forward.router)
             ref_weight = ref_gate.wg.weight if hasattr(ref_gate, "wg") else ref_gate.weight
             assert block.mlp.router.weight.dtype == ref_weight.dtype
