@@ -63,6 +63,10 @@ class MissingHooksError(KeyError):
         return str(self.args[0])
 
 
+class NormNotDecomposable(ValueError):
+    """An analysis that applies a norm to a stack of components, asked of a norm it cannot apply that way."""
+
+
 class CacheAnalysis:
     """Mixin for ActivationCache (see the module docstring for the conventions)."""
 
@@ -280,8 +284,16 @@ class CacheAnalysis:
 
     def _norm_weight(self, scale_name: str) -> Float[torch.Tensor, "d_model"]:
         """The factor the norm whose hook_scale is `scale_name` multiplies by (its effective_weight(), as it is
-        now: 1 after fold_ln)."""
-        return self.model.mod_dict[scale_name.removesuffix(".hook_scale")].effective_weight().detach()
+        now: 1 after fold_ln). A norm that centres its input and adds a bias (a LayerNorm) is refused: dividing
+        the components by its scale would not give its output."""
+        name = scale_name.removesuffix(".hook_scale")
+        norm = self.model.mod_dict[name]
+        if getattr(norm, "bias", None) is not None:
+            raise NormNotDecomposable(
+                f"{name} is a LayerNorm (it centres its input and adds a bias): applying it to a stack of components "
+                "is not supported yet; use apply_ln=False and the cached normalised streams"
+            )
+        return norm.effective_weight().detach()
 
     def _divide_by_scale(
         self, residual_stack: torch.Tensor, name: str, pos_slice: PosSlice, batch_slice: PosSlice = None

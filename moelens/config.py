@@ -18,11 +18,11 @@ from moelens.experts.spec import GLU, ExpertSpec
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: plain, YaRN, Llama 3's frequency-band scaling ("llama3") or an NTK-alpha stretch
-    (which only changes the base)."""
+    """Rotary embedding: plain, YaRN, Llama 3's frequency-band scaling ("llama3"), LongRoPE (per-frequency
+    factors, "longrope") or an NTK-alpha stretch (which only changes the base)."""
 
     theta: float
-    kind: Literal["default", "yarn", "llama3"] = "default"
+    kind: Literal["default", "yarn", "llama3", "longrope"] = "default"
     partial_rotary_factor: float = 1.0
     # YaRN
     factor: float = 1.0
@@ -37,6 +37,12 @@ class RopeConfig:
     # are divided by factor, those below original / high_freq_factor kept, the band between blended
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # longrope (original_max_position_embeddings above): each frequency divided by its factor, the short ones
+    # within original_max_position_embeddings, the long ones past it; cos and sin scaled by the mscale
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    short_mscale: float | None = None
+    long_mscale: float | None = None
     # the rotated dims stored as interleaved pairs (x0, x1), (x2, x3), ... (config.json's rope_interleave)
     interleaved: bool = False
 
@@ -149,10 +155,12 @@ class MoeConfig:
     # sizes and constants the routers read; how a family routes is its router class (models/components)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+    router_jitter_noise: float = 0.0  # sparsemixer: the relative distance within which experts share a slot's weight
     n_group: int = 1
     topk_group: int = 1
     # embeddings
     tie_word_embeddings: bool = False
+    unembed_bias: bool = False  # the unembedding adds a bias [d_vocab] (config.json's lm_head_bias)
     # bookkeeping: which config.json fields the family reads, for the printout
     fields_read: tuple[str, ...] = field(default=(), compare=False)
     fields_ignored: tuple[str, ...] = field(default=(), compare=False)  # present, but unused (as in transformers)
@@ -506,7 +514,31 @@ class HFConfig:
             )
         if kind == "llama3":
             return self.llama3_rope(rope, theta, partial)
+        if kind == "longrope":
+            return self.longrope(rope, theta, partial)
         raise ValueError(f"rope type {kind!r} is not supported by this family (rope settings: {rope.raw})")
+
+    def longrope(self, rope: HFConfig, theta: float, partial: float) -> RopeConfig:
+        """LongRoPE: short_factor and long_factor (one per rotated frequency) and the two mscales are required;
+        original_max_position_embeddings in the rope settings, else config.json's top level (Phi-3.5-MoE has
+        both); factor and attention_factor as transformers reads them."""
+        half = int(self.head_dim() * partial) // 2
+        factors = {}
+        for name in ("short_factor", "long_factor"):
+            value = rope.req(name)
+            if not isinstance(value, list) or len(value) != half or not all(
+                not isinstance(v, bool) and isinstance(v, (int, float)) and _finite(v) and v > 0 for v in value
+            ):
+                raise _bad(rope.label(name), value, f"a list of {half} positive numbers (one per rotated frequency)")
+            factors[name] = tuple(float(v) for v in value)
+        original_max = rope.integer("original_max_position_embeddings", None, at_least=1)
+        original_max = original_max or self.integer("original_max_position_embeddings", at_least=1)
+        return RopeConfig(
+            theta=theta, kind="longrope", partial_rotary_factor=partial, original_max_position_embeddings=original_max,
+            factor=rope.number("factor", self.integer("max_position_embeddings", at_least=1) / original_max, above=0),
+            attention_factor=rope.number("attention_factor", None, above=0), **factors,
+            short_mscale=rope.number("short_mscale"), long_mscale=rope.number("long_mscale"),
+        )
 
     def llama3_rope(self, rope: HFConfig, theta: float, partial: float) -> RopeConfig:
         """Llama 3's rotary scaling: factor, low_freq_factor, high_freq_factor and

@@ -92,6 +92,10 @@ def fold_ln_refusal(model: HookedTransformer) -> str | None:
     if stored is not None:  # their tensors() are dequantized copies: scaling those would fold nothing
         return (f"fold_ln rewrites the routed experts' gate and up rows, which this model keeps stored as {stored!r} "
                 "(from_pretrained(expert_storage=...)): load with expert_storage=None to fold")
+    biased = next((name for name, norm in _norms(model) if getattr(norm, "bias", None) is not None), None)
+    if biased is not None:  # W (w * n + b) = (W * w) n + W b: the router and experts have no bias to take W b
+        return (f"fold_ln cannot fold {biased}: it is a LayerNorm with a bias, and the router and experts that read it "
+                "have no bias to take it; load with fold_ln=False")
     return None
 
 
@@ -120,6 +124,13 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
     after = chosen_experts(model, probe)
     per_layer = {layer: int((before[layer] != after[layer]).any(-1).sum()) for layer in before}
     return RoutingChanges(probe.numel(), per_layer)
+
+
+def _norms(model: HookedTransformer) -> list[tuple[str, nn.Module]]:
+    """Every norm fold_layer_norm folds, with its module name."""
+    names = {module: name for name, module in model.named_modules()}
+    return [(names[sub.norm], sub.norm) for block in model.blocks for sub in block.sublayers()] + [
+        ("ln_final", model.ln_final)]
 
 
 def _readers(sub) -> list[torch.Tensor]:

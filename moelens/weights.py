@@ -6,7 +6,7 @@ stale after an edit or a fold, but writing into a returned stack does not change
 `blocks[L]...` parameters for that).
 
 Layouts are TransformerLens's: input dimension first, `x @ W`:
-  W_E [d_vocab, d_model]                 W_U [d_model, d_vocab]        b_U [d_vocab] (zeros)
+  W_E [d_vocab, d_model]                 W_U [d_model, d_vocab]        b_U [d_vocab] (zeros without a head bias)
   W_Q [n_layers, n_heads, d_model, d_head]       b_Q [n_layers, n_heads, d_head]
   W_K, W_V: the same shape as W_Q; kv heads are repeated for the query heads that share them (query head h
       reads kv head h // (n_heads // n_kv_heads), as the attention computes), so W_K[l, h] is the key map
@@ -125,9 +125,12 @@ class WeightViews:
 
     @property
     def b_U(self) -> Float[torch.Tensor, "d_vocab"]:
-        """TransformerLens's unembedding bias: zeros (no family's head has a bias), so TL code computing
-        `resid @ W_U + b_U` runs unchanged."""
-        return self.unembed.weight.new_zeros(self.cfg.d_vocab)
+        """TransformerLens's unembedding bias: the head's bias where the family has one (Phi-3.5-MoE), else zeros,
+        so TL code computing `resid @ W_U + b_U` runs unchanged."""
+        bias, divisor = self.unembed.bias, self.unembed.divisor
+        if bias is None:
+            return self.unembed.weight.new_zeros(self.cfg.d_vocab)
+        return bias if divisor == 1.0 else bias / divisor  # as W_U: the logits are divided
 
     def accumulated_bias(
         self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True

@@ -23,6 +23,7 @@ from moelens.analysis import (
     steer_router_hooks,
     top_tokens,
 )
+from moelens.models.components.router import SparseMixer
 from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.llama4_text import SigmoidOfChosenLogits
 
@@ -52,9 +53,10 @@ def routing(model, tokens, mask=None):
 # ---- usage -----------------------------------------------------------------------------------------------
 def router_probabilities(model, layer, scores):
     """Each token's distribution over the experts, by hand from the router's declared scoring: a softmax of
-    logit scores (gpt-oss), the scores normalised to sum to one otherwise (softmax or sigmoid scores)."""
+    logit scores (gpt-oss, Phi-3.5-MoE's sparsemixer), the scores normalised to sum to one otherwise (softmax or
+    sigmoid scores)."""
     scores = scores.double()
-    if model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:
+    if model.blocks[layer].mlp.router.scoring in (LogitTopKSoftmax.scoring, SparseMixer.scoring):
         return scores.softmax(-1)
     if model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # Llama 4: logit scores, sigmoid weights
         return scores.sigmoid() / scores.sigmoid().sum(-1, keepdim=True)

@@ -27,6 +27,7 @@ import tiny_olmoe
 import tiny_qwen3_moe
 import tiny_longcat_flash
 import tiny_nemotron_h
+import tiny_phimoe
 from moelens import HookedTransformer
 from moelens.config import HFConfig
 from moelens.loaders.errors import CheckpointError
@@ -50,6 +51,7 @@ BUILDERS = {
     "glm4_moe_lite": tiny_glm4_moe_lite.build_glm4_moe_lite,
     "granitemoe": tiny_granitemoe.build_granitemoe,
     "granitemoeshared": tiny_granitemoeshared.build_granitemoeshared,
+    "phimoe": tiny_phimoe.build_phimoe,
     # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
     "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
     "qwen3_5_moe_text": tiny_qwen3_5_moe.build_text,

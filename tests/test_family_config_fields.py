@@ -12,6 +12,7 @@ import math
 from typing import NamedTuple
 
 import pytest
+from transformers import AutoConfig
 
 from moelens.config import RopeConfig
 from moelens.models import FAMILIES
@@ -106,6 +107,28 @@ CASES = {
             "num_local_experts", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
             "rope_theta", "sliding_window", "tie_word_embeddings", "vocab_size"],
         ignored=(),
+    ),
+    "phimoe": Case(
+        raw={"attention_bias": True, "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 64,
+            "input_jitter_noise": 0.0, "intermediate_size": 32, "lm_head_bias": True, "max_position_embeddings": 256,
+            "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2,
+            "num_local_experts": 8, "rms_norm_eps": 1e-05, "rope_parameters": {"long_factor": [2.0, 3.0, 4.0, 5.0,
+            6.0, 7.0, 8.0, 9.0], "long_mscale": 1.5, "original_max_position_embeddings": 200, "rope_theta": 1000.0,
+            "rope_type": "longrope", "short_factor": [1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75], "short_mscale":
+            1.25}, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.3, "sliding_window": None,
+            "tie_word_embeddings": False, "vocab_size": 96},
+        # LongRoPE's factor where config.json has none: max_position_embeddings / original_max_position_embeddings
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000.0, kind="longrope", factor=256 / 200, original_max_position_embeddings=200,
+            short_factor=(1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75), long_factor=(2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0,
+            9.0), short_mscale=1.25, long_mscale=1.5), max_position_embeddings=256, qkv_bias=True, o_bias=True,
+            attention_windows=(None, None, None), moe_layers=(True, True, True), n_experts=8, top_k_per_layer=(2, 2, 2),
+            d_expert=32, router_jitter_noise=0.3, unembed_bias=True),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "lm_head_bias",
+            "max_position_embeddings", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_local_experts", "partial_rotary_factor", "rms_norm_eps", "rope_parameters",
+            "rope_scaling", "rope_theta", "router_jitter_noise", "sliding_window", "tie_word_embeddings", "vocab_size"],
+        ignored=("input_jitter_noise", "router_aux_loss_coef", "attention_dropout"),
     ),
     "olmoe": Case(
         raw={"attention_bias": False, "clip_qkv": None, "hidden_act": "silu", "hidden_size": 64, "intermediate_size":
@@ -467,6 +490,7 @@ CASES = {
             "use_mamba_kernels", "mamba_ssm_cache_dtype", "rescale_prenorm_residual", "time_step_max", "time_step_floor",
             "time_step_limit", "sliding_window", "attention_bias", "expand", "mamba_proj_bias", "num_nextn_predict_layers",
             "mtp_layers_block_type"),
+    ),
     "granitemoe": Case(
         raw={"attention_bias": False, "attention_multiplier": 0.15, "embedding_multiplier": 6.0, "hidden_act": "silu",
             "hidden_size": 64, "intermediate_size": 32, "logits_scaling": 2.5, "max_position_embeddings": 256,
@@ -541,6 +565,13 @@ MINIMAL = {
         dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-05,
             rope=RopeConfig(theta=1000000.0), max_position_embeddings=131072, attention_windows=(None, None, None),
             moe_layers=(True, True, True), n_experts=8, top_k_per_layer=(2, 2, 2), d_expert=32, norm_topk_prob=True),
+    ),
+    "phimoe": (
+        {"hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=8, n_kv_heads=8, d_head=8, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000000.0), max_position_embeddings=131072, attention_windows=(None, None, None),
+            moe_layers=(True, True, True), n_experts=16, top_k_per_layer=(2, 2, 2), d_expert=6400,
+            router_jitter_noise=0.01),
     ),
     "olmoe": (
         {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_experts": 8,
@@ -679,6 +710,7 @@ MINIMAL = {
             d_shared=7688, norm_topk_prob=True, layer_types=("linear_attention", "moe", "full_attention", "mlp"),
             mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=8, mamba_d_state=128, mamba_d_conv=4,
             mamba_chunk_size=128, mamba_time_step_limit=(0.001, math.inf)),
+    ),
     "granitemoe": (
         # transformers' GraniteMoeConfig defaults: 8 experts, top 2, intermediate_size 11008, every multiplier 1
         {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96},
@@ -702,6 +734,7 @@ CONFIG_CLASSES = {
     "qwen3_moe": "MoeConfig",
     "mixtral": "MixtralConfig",
     "olmoe": "ClipQKVConfig",
+    "phimoe": "MoeConfig",
     "deepseek_v3": "DeepseekV3Config",
     "deepseek_v2": "DeepseekV3Config",
     "ernie4_5_moe": "Ernie4_5MoeConfig",
@@ -787,8 +820,20 @@ def test_absent_fields_take_the_familys_defaults(family):
 
 @pytest.mark.parametrize("family", MINIMAL)
 def test_a_required_field_missing_is_named(family):
+    """Each of these fields, left out, is named in a KeyError, or (where transformers' config class has a default
+    for it, as Phi-3.5-MoE's hidden_size 4096) read as that default."""
     raw, _ = MINIMAL[family]
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if name in raw:
-            with pytest.raises(KeyError, match=name):
-                FAMILIES[family].config_from_hf({k: v for k, v in raw.items() if k != name})
+    fields = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+              "vocab_size": "d_vocab"}
+    for name, field in fields.items():
+        if name not in raw:
+            continue
+        without = {k: v for k, v in raw.items() if k != name}
+        try:
+            cfg = FAMILIES[family].config_from_hf(without)
+        except KeyError as err:
+            assert name in str(err)
+            continue
+        reference = AutoConfig.for_model(FAMILIES[family].model_type)
+        assert name in reference.to_dict(), f"{family}: {name} left out was read without transformers having a default"
+        assert getattr(cfg, field) == getattr(reference, name), (family, name)

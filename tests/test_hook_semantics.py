@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import BACKEND_CASES, FAMILIES, ffn_stream, norm_factor
+from conftest import BACKEND_CASES, FAMILIES, LAYER_NORM_FAMILIES, ffn_stream, norm_factor
 
 from moelens import HookedTransformer, KVCache
 from moelens.hooks import HookShapeError
@@ -113,8 +113,13 @@ def test_norm_divides_by_the_hooked_scale(family_models, family, tokens):
     with model.hooks(fwd_hooks=[("blocks.1.ln2.hook_scale", new_scale)]):
         _, hooked = model.run_with_cache(tokens, names_filter=["blocks.1.ln2.hook_normalized", stream])
     x = hooked[stream].double()
-    scale = x.pow(2).mean(-1, keepdim=True).add(model.blocks[1].ln2.eps).sqrt() * 2.0 + 0.5
-    expected = norm_factor(model.blocks[1].ln2).double() * x / scale
+    ln2 = model.blocks[1].ln2
+    if family in LAYER_NORM_FAMILIES:  # a LayerNorm: the centred stream over its standard deviation, then the bias
+        x = x - x.mean(-1, keepdim=True)
+    scale = x.pow(2).mean(-1, keepdim=True).add(ln2.eps).sqrt() * 2.0 + 0.5
+    expected = norm_factor(ln2).double() * x / scale
+    if family in LAYER_NORM_FAMILIES:
+        expected = expected + ln2.bias.double()
     torch.testing.assert_close(hooked["blocks.1.ln2.hook_normalized"].double(), expected, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(hooked["blocks.1.ln2.hook_normalized"], cache["blocks.1.ln2.hook_normalized"])
 

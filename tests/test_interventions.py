@@ -19,6 +19,7 @@ from conftest import (
 
 from moelens import HookedTransformer
 from moelens.models.deepseek_v2 import SoftmaxGroupLimitedTopK
+from moelens.models.components.router import SparseMixer
 from moelens.models.ernie4_5_moe import StatisticsBiasedSoftmaxTopK
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.gpt_oss import LogitTopKSoftmax
@@ -29,6 +30,22 @@ from moelens.models.mixtral import SoftmaxTopKFloat32Weights
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
 # the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral, MiniMax-M2)
 FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK, SoftmaxTopKFloat32Weights, SigmoidTopKFloat32Weights)
+
+
+def sparsemixer_by_hand(logits, idx, eps):
+    """Phi-3.5-MoE's slot weights by hand, in float64: slot s keeps the experts no earlier slot took whose logit l
+    is within 2 * eps of its chosen logit c relative to max(|l|, c); its weight is c's share of their exp."""
+    logits = logits.double()
+    taken = torch.zeros_like(logits, dtype=torch.bool)
+    weights = []
+    for s in range(idx.shape[-1]):
+        chosen = idx[..., s : s + 1]
+        c = logits.gather(-1, chosen)
+        keep = ((c - logits) / torch.maximum(logits.abs(), c) <= 2 * eps) & ~taken
+        share = torch.where(keep, (logits - c).exp(), torch.zeros_like(logits))
+        weights.append(share.gather(-1, chosen) / share.sum(-1, keepdim=True))
+        taken = taken | torch.zeros_like(taken).scatter_(-1, chosen, True)
+    return torch.cat(weights, -1)
 
 
 def moe_layers(model):
@@ -96,6 +113,11 @@ def test_router_rules(family_models, family, tokens):
             choice = scores + router.e_score_correction_bias.float()
             assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
             expected = scores.gather(-1, idx) * model.cfg.routed_scaling_factor
+        elif router.scoring == SparseMixer.scoring:  # Phi-3.5-MoE: the largest logit, then the largest of the rest
+            first = logits.argmax(-1, keepdim=True)
+            second = logits.scatter(-1, first, float("-inf")).argmax(-1, keepdim=True)
+            assert torch.equal(torch.cat([first, second], -1), idx)
+            expected = sparsemixer_by_hand(logits, idx, model.cfg.router_jitter_noise)
         elif isinstance(router, SoftmaxGroupLimitedTopK):  # DeepSeek-V2: groups by their best score, unsorted slots
             scores = logits.float().softmax(-1)
             grouped = scores.unflatten(-1, (model.cfg.n_group, -1))
@@ -162,6 +184,9 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
         expected = torch.softmax(new_logits, -1)
     elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # each chosen logit's sigmoid
         expected = torch.sigmoid(new_logits)
+    elif model.blocks[layer].mlp.router.scoring == SparseMixer.scoring:  # near logits share a slot's softmax
+        row = torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (model.cfg.n_experts - k))
+        expected = sparsemixer_by_hand(row, torch.arange(k), model.cfg.router_jitter_noise).float()
     else:
         probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (routable_experts(model) - k)), -1)[:k]
         expected = probs / probs.sum() if model.cfg.norm_topk_prob else probs
@@ -201,6 +226,9 @@ def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
         expected = scores.float().softmax(-1)
     elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # the new experts' logits' sigmoids
         expected = scores.float().sigmoid()
+    elif model.blocks[layer].mlp.router.scoring == SparseMixer.scoring:  # from every logit near the new experts'
+        logits = cache[f"blocks.{layer}.mlp.hook_router_scores"]
+        expected = sparsemixer_by_hand(logits, new.expand(*logits.shape[:-1], k), model.cfg.router_jitter_noise)
     else:
         if model.cfg.norm_topk_prob:
             scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)

@@ -32,6 +32,7 @@ DEFINITION = {
     "granitemoe": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
     "granitemoeshared": softmax,
     "longcat_flash": softmax,  # over the real and the identity experts
+    "phimoe": softmax,  # its scores are the logits; each slot's weight is a softmax over the logits near its own
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
@@ -66,6 +67,8 @@ def test_support_says_what_the_scores_and_the_probs_are(family_models, family):
     assert "distribution over the experts" in probs.meaning and "observation only" in probs.meaning
     if family in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared"):  # top-k on the logits themselves
         assert scores.meaning.startswith("the logits the top-k is taken on")
+    elif family == "phimoe":  # the sparsemixer chooses slot by slot on the logits
+        assert scores.meaning.startswith("the logits the slots are chosen on")
     else:
         assert scores.meaning.startswith(SCORES_SAY[DEFINITION[family]])
     assert SITE_BY_NAME["blocks.L.mlp.hook_router_probs"].observed

@@ -46,6 +46,7 @@ CONFIGS = {
     "tiny-flex-olmo": "tiny_flex_olmo.json",
     "tiny-granitemoe": "tiny_granitemoe.json",
     "tiny-granitemoeshared": "tiny_granitemoeshared.json",
+    "tiny-phimoe": "tiny_phimoe.json",
 }
 TRAINED = {"tiny-code-moe": "tiny-code-moe"}  # name -> folder beside this file
 DEFAULT = "tiny-code-moe"

@@ -239,6 +239,9 @@ SITES: tuple[Site, ...] = (
                                "the logits the top-k is taken on (a softmax over the chosen k gives the weights)"),
               "top_k_logits_sigmoid": ("batch pos n_experts",
                                        "the logits the top-k is taken on (each chosen one's sigmoid is its weight)"),
+              "sparsemixer": ("batch pos n_experts",
+                              "the logits the slots are chosen on, largest first (each slot's weight is a softmax "
+                              "over the logits near its chosen one)"),
           }),
     _site("blocks.L.mlp.hook_router_probs", "batch pos n_experts",
           _PROBS.format("hook_router_scores renormalised to sum to 1 (the softmax of the logits)"),
@@ -248,6 +251,9 @@ SITES: tuple[Site, ...] = (
               "softmax_of_logits": ("batch pos n_experts", _PROBS.format(
                   "softmax of the logits (hook_router_scores) over all experts; the weights are a softmax over the "
                   "chosen k only")),
+              "sparsemixer": ("batch pos n_experts", _PROBS.format(
+                  "softmax of the logits (hook_router_scores) over all experts; each slot's weight is a softmax "
+                  "over the experts near its chosen one only")),
           }),
     _site("blocks.L.mlp.hook_choice_scores", "batch pos n_experts",
           "scores the top-k is taken on (scores + correction bias)", short="choice_scores"),

@@ -22,6 +22,7 @@ from moelens.models.minimax_m2 import HookedMiniMaxM2
 from moelens.models.mixtral import HookedMixtral
 from moelens.models.nemotron_h import HookedNemotronH
 from moelens.models.olmoe import HookedOlmoe
+from moelens.models.phimoe import HookedPhimoe
 from moelens.models.qwen2_moe import HookedQwen2Moe
 from moelens.models.qwen3_5_moe import HookedQwen3_5Moe
 from moelens.models.qwen3_moe import HookedQwen3Moe
@@ -46,4 +47,5 @@ __all__ = [
     "HookedFlexOlmo",
     "HookedGraniteMoe",
     "HookedGraniteMoeShared",
+    "HookedPhimoe",
 ]

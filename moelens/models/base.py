@@ -96,7 +96,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
         self.rotary = self.rotary_class(cfg)
         self.blocks = nn.ModuleList((spec.block or Block)(cfg, layer, spec) for layer, spec in enumerate(recipe.layers))
         self.ln_final = recipe.final_norm(cfg.d_model, cfg.norm_eps)
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, recipe.logits_divisor)
+        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, cfg.unembed_bias, recipe.logits_divisor)
         self.hook_logits = site_hook("hook_logits")
         self.tie_weights()
         self.setup()

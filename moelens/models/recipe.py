@@ -137,6 +137,8 @@ class Recipe:
         terms += under("ln_final", _asked(self.final_norm, "norm")(cfg.d_model))
         if not cfg.tie_word_embeddings:  # tied: the embedding's matrix, counted once
             terms.append(ParamTerm("unembed.weight", (cfg.d_vocab, cfg.d_model), "unembedding", flops=head))
+        if cfg.unembed_bias:
+            terms.append(ParamTerm("unembed.bias", (cfg.d_vocab,), "unembedding"))
         return tuple(terms)
 
     def state_tensors(self, cfg: MoeConfig) -> list[tuple[StateTensor, ...]]:

@@ -33,12 +33,13 @@ class Embed(nn.Module):
 
 
 class Unembed(nn.Linear):
-    """The unembedding: a bias-free linear map d_model -> d_vocab (weight [d_vocab, d_model], the checkpoint's
-    layout), with TransformerLens's names model.unembed.W_U [d_model, d_vocab] and b_U (zeros: no bias). The
-    logits are the map's output divided by `divisor` (Granite's muP logits_scaling; 1 elsewhere)."""
+    """The unembedding: a linear map d_model -> d_vocab (weight [d_vocab, d_model], the checkpoint's layout),
+    bias-free unless the family has one (Phi-3.5-MoE's lm_head_bias), with TransformerLens's names
+    model.unembed.W_U [d_model, d_vocab] and b_U (zeros where there is no bias). The logits are the map's output
+    divided by `divisor` (Granite's muP logits_scaling; 1 elsewhere)."""
 
-    def __init__(self, d_model: int, d_vocab: int, divisor: float = 1.0) -> None:
-        super().__init__(d_model, d_vocab, bias=False)
+    def __init__(self, d_model: int, d_vocab: int, bias: bool = False, divisor: float = 1.0) -> None:
+        super().__init__(d_model, d_vocab, bias=bias)
         self.divisor = divisor
 
     def forward(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
@@ -54,4 +55,4 @@ class Unembed(nn.Linear):
 
     @property
     def b_U(self) -> Float[torch.Tensor, "d_vocab"]:
-        return self.weight.new_zeros(self.weight.shape[0])
+        return self.weight.new_zeros(self.weight.shape[0]) if self.bias is None else self.bias

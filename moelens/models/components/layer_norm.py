@@ -1,4 +1,5 @@
-"""LayerNorm with a weight and a bias (the norm kind of DeepSeek Sparse Attention's indexer keys)."""
+"""LayerNorm with a weight and a bias: plain (DeepSeek Sparse Attention's indexer keys), or hooked as a block's
+norm (Phi-3.5-MoE)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import nn
+
+from moelens.hooks.sites import site_hook
 
 from moelens.models.terms import ParamTerm, vector
 
@@ -29,3 +32,53 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class HookedLayerNorm(LayerNorm):
+    """A block's or the final LayerNorm (Phi-3.5-MoE), with RMSNorm's hooks: hook_scale holds sqrt(var + eps)
+    and the norm divides the centred input by what it holds; hook_normalized its output (bias included).
+    Its value is torch's layer_norm, as transformers' nn.LayerNorm, bit for bit, wherever the scale is the
+    computed one (hooked or not: caching hook_scale changes nothing); where a hook changed it, the centring,
+    division, weight and bias run in float32 and are cast back once. The gradient is that of the float32
+    formula throughout, so it reaches hook_scale."""
+
+    def __init__(self, d: int, eps: float, hooked: bool = True, site: str = "ln_final") -> None:
+        super().__init__(d, eps)
+        self.hooked = hooked
+        if hooked:
+            self.hook_scale = site_hook(f"{site}.hook_scale")
+            self.hook_normalized = site_hook(f"{site}.hook_normalized")
+
+    def forward(self, x: Float[torch.Tensor, "... d"]) -> Float[torch.Tensor, "... d"]:
+        if not self.hooked:
+            return super().forward(x)
+        if not self.hook_scale.has_hooks:
+            return self.hook_normalized(super().forward(x))
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        computed = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = self.hook_scale(computed.clone())  # its own tensor: an in-place edit shows against `computed`
+        formula = (centred / scale * self.weight.float() + self.bias.float()).to(x.dtype)
+        with torch.no_grad():
+            value = torch.where(scale == computed, super().forward(x), formula)
+        return self.hook_normalized(_ValueWithGradOf.apply(formula, value))
+
+    def effective_weight(self) -> Float[torch.Tensor, " d"]:
+        """The per-dimension factor applied to the normed input (the bias is added after it)."""
+        return self.weight
+
+    @torch.no_grad()
+    def make_identity(self) -> None:
+        self.weight.fill_(1.0)
+
+
+class _ValueWithGradOf(torch.autograd.Function):
+    """Forward: `value`; backward: the gradient flows to `formula` (the same function up to rounding)."""
+
+    @staticmethod
+    def forward(ctx, formula: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None

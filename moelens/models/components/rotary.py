@@ -1,4 +1,5 @@
-"""Rotary position embedding: inverse frequencies (default, YaRN) and their application to q and k."""
+"""Rotary position embedding: inverse frequencies (default, YaRN, Llama 3, LongRoPE) and their application to q
+and k."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def inverse_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float
         return _yarn(rope, dim, pos_freqs)
     if rope.kind == "llama3":
         return _llama3(rope, 1.0 / pos_freqs), 1.0
+    if rope.kind == "longrope":
+        return _longrope(rope, pos_freqs)
     raise ValueError(f"unsupported rotary kind {rope.kind!r}")
 
 
@@ -54,6 +57,17 @@ def _yarn(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> tuple[torch.Te
     interpolation, extrapolation = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
     inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
     return inv_freq, attention_factor
+
+
+def _longrope(rope: RopeConfig, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """LongRoPE's short frequencies (transformers' _compute_longrope_parameters without a sequence length: each
+    frequency divided by its short_factor) and its attention factor (attention_factor, else from factor)."""
+    factor, original_max = rope.factor, rope.original_max_position_embeddings
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    ext_factors = torch.tensor(rope.short_factor, dtype=torch.float32)
+    return 1.0 / (ext_factors * pos_freqs), attention_factor
 
 
 def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -198,3 +198,59 @@ class SigmoidGroupedTopK(TopKRouter):
             f"routed_scaling_factor={self.routed_scaling_factor}"
         )
 
+
+
+class SparseMixer(TopKRouter):
+    """Phi-3.5-MoE's sparsemixer as it runs at inference. Logits in the weight's dtype (the model's); slot 1 takes
+    the expert of the largest logit, each later slot the largest of those not yet taken (torch.max's choice, as
+    the reference). A slot's weight is a softmax, in the logits' dtype, over the experts it keeps: not those of
+    earlier slots, nor those whose logit l falls short of the slot's chosen logit c by more than
+    2 * router_jitter_noise relative to max(|l|, c), i.e. (c - l) / max(|l|, c) > 2 * router_jitter_noise; the
+    slot's weight is its chosen expert's share. Not renormalised across slots. Computed from whatever indices
+    it is given, so a replaced hook_expert_indices is weighted the same way.
+
+    Training-only parts are left out (the model is never in training mode here): the Gumbel sampling of the
+    choices, the input jitter noise and the custom gradient (Heun's third-order estimator)."""
+
+    scoring = "sparsemixer"
+    scores_form = probs_form = "sparsemixer"
+
+    def __init__(self, cfg: MoeConfig, top_k: int) -> None:
+        super().__init__(cfg, top_k)
+        self.jitter_eps = cfg.router_jitter_noise
+
+    def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+    def scores(self, logits: torch.Tensor) -> Float[torch.Tensor, "... n_experts"]:
+        return logits.clone()  # its own tensor: an in-place edit of the scores must not reach the cached logits
+
+    def choose(self, choice_scores: Float[torch.Tensor, "... n_experts"]) -> Int[torch.Tensor, "... top_k"]:
+        remaining, chosen = choice_scores, []
+        for _ in range(self.top_k):
+            index = remaining.max(dim=-1, keepdim=True).indices
+            chosen.append(index)
+            remaining = torch.scatter(remaining, -1, index, float("-inf"))
+        return torch.cat(chosen, dim=-1)
+
+    def weights(
+        self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype
+    ) -> Float[torch.Tensor, "... top_k"]:
+        remaining, weights = scores, []
+        for slot in range(indices.shape[-1]):
+            index = indices[..., slot : slot + 1]
+            threshold = remaining.gather(-1, index)  # the slot's chosen logit (-inf for an expert taken before)
+            with torch.no_grad():
+                factor = scores.abs().clamp(min=threshold)
+                far = ((threshold - scores) / factor) > (2 * self.jitter_eps)
+            kept = remaining.masked_fill(far, float("-inf"))
+            weights.append(torch.softmax(kept, dim=-1).gather(-1, index))
+            remaining = torch.scatter(remaining, -1, index, float("-inf"))
+        return torch.cat(weights, dim=-1).to(logits_dtype)
+
+    def probabilities(self, scores: Float[torch.Tensor, "... n_experts"]) -> Float[torch.Tensor, "... n_experts"]:
+        """The softmax of the logits over all experts, float32 (each slot's weight is a softmax over fewer)."""
+        return F.softmax(scores, dim=-1, dtype=torch.float32)
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, top_k={self.top_k}, router_jitter_noise={self.jitter_eps}"
