@@ -108,6 +108,11 @@ def test_router_rules(family_models, family, tokens):
             top = logits.topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
             expected = top.values.float().sigmoid()
+        elif isinstance(router, StatisticsBiasedSoftmaxTopK):  # ERNIE-4.5: biased choice, a floor under the sum
+            scores = logits.float().softmax(-1)
+            assert torch.equal((scores + router.e_score_correction_bias).topk(k, -1).indices, idx)
+            expected = scores.gather(-1, idx)
+            expected = expected / expected.sum(-1, keepdim=True).clamp(min=router.norm_min)
         elif router.choice_bias:  # LongCat-Flash: top-k of softmax + correction bias; the scores, scaled, unnormalised
             scores = logits.float().softmax(-1)
             choice = scores + router.e_score_correction_bias.float()
@@ -126,11 +131,6 @@ def test_router_rules(family_models, family, tokens):
             choice = grouped.masked_fill(~keep[..., None], 0.0).flatten(-2)
             assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
             expected = scores.gather(-1, idx) * model.cfg.routed_scaling_factor
-        elif isinstance(router, StatisticsBiasedSoftmaxTopK):  # ERNIE-4.5: biased choice, a floor under the sum
-            scores = logits.float().softmax(-1)
-            assert torch.equal((scores + router.e_score_correction_bias).topk(k, -1).indices, idx)
-            expected = scores.gather(-1, idx)
-            expected = expected / expected.sum(-1, keepdim=True).clamp(min=router.norm_min)
         else:
             top = logits.float().softmax(-1).topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
