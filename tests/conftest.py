@@ -11,7 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
 
-torch.set_num_threads(2)
+# two threads; one per worker when the suite runs in pytest-xdist's workers (-n auto: one per core), so that the
+# workers never ask for more threads than there are cores
+torch.set_num_threads(1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2)
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU (set before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
