@@ -5,7 +5,8 @@ Each check is against something computed another way: cached streams, the model'
 
 import pytest
 import torch
-from conftest import FAMILIES, attention_layers, has_shared_expert, mixer_labels, norm_factor
+from conftest import (FAMILIES, attention_layers, has_shared_expert, mixer_labels, norm_factor, post_norm_factor,
+                      sublayer_input)
 
 from moelens import HookedTransformer
 from moelens.cache_analysis import MissingHooksError
@@ -151,10 +152,11 @@ def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     assert labels == decomposition_labels(model, L, mlp_input=True) and f"L{L}.E0" not in labels
     # the stream the ffn reads: resid_mid, or resid_pre in a block whose only sublayer is the ffn
     close(stack.sum(0), cache["resid_mid" if model.blocks[L].token_mixer is not None else "resid_pre", L])
-    # an int pos_slice drops the pos axis; apply_ln applies ln2: its cached scale and its weight
+    # an int pos_slice drops the pos axis; apply_ln applies ln2: its cached scale and its weight (nothing where
+    # the feed-forward reads the stream unnormed: a post-norm block)
     stack = cache.get_full_resid_decomposition(layer=1, mlp_input=True, pos_slice=-1, apply_ln=True, return_labels=False)
     assert stack.shape[1:] == (2, model.cfg.d_model)
-    close(stack.sum(0), cache["blocks.1.ln2.hook_normalized"][:, -1])
+    close(stack.sum(0), sublayer_input(model, cache, 1, "ffn")[:, -1])
     stack = cache.get_full_resid_decomposition(pos_slice=slice(3, 7), return_labels=False)
     close(stack.sum(0), cache["resid_post", -1][:, 3:7])
 
@@ -184,7 +186,7 @@ def test_accumulated_resid(runs, family):
     close(stack[1], by_hand)
     # and through the norm reading a block's resid_pre (ln1; ln2 in a block of a feed-forward alone)
     stack = cache.accumulated_resid(layer=2, apply_ln=True)
-    close(stack[-1], cache[f"blocks.2.ln{1 if model.blocks[2].token_mixer is not None else 2}.hook_normalized"])
+    close(stack[-1], sublayer_input(model, cache, 2, model.blocks[2].sublayers()[0].kind))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -223,9 +225,10 @@ def test_stack_activation(runs, family):
         assert logits.shape == (n, 2, 12, model.cfg.n_experts)
         close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
     assert cache.stack_activation("resid_pre", layer=2).shape[0] == 2
-    if all(block.has_ffn for block in model.blocks):
+    if all(sub.norm is not None for block in model.blocks for sub in block.sublayers() if sub.kind == "ffn") and all(
+            block.has_ffn for block in model.blocks):
         close(cache.stack_activation("normalized", sublayer_type="ln2")[2], cache["blocks.2.ln2.hook_normalized"], 0)
-    else:  # a block without a feed-forward has no ln2
+    else:  # a block without a feed-forward, or whose feed-forward reads the stream unnormed, has no ln2
         with pytest.raises(MissingHooksError, match="have no such tensor"):
             cache.stack_activation("normalized", sublayer_type="ln2")
     if len(set(model.cfg.top_k_per_layer)) > 1 and not model.cfg.dense_layer_indices:  # Hunyuan: top_k differs per layer
@@ -246,18 +249,22 @@ def test_head_results(runs, family):
         W = model.blocks[l].attn.o_proj.weight.detach()
         z = cache["z", l]
         d = z.shape[-1]  # a head's value width (MLA: v_head_dim)
+        # as the stream receives it: through a post-norm's weight over its cached scale, where the block has one
+        factor = post_norm_factor(model, cache, l, "mixer")
         for h in (0, cfg.n_heads - 1):  # head h reads o_proj's input columns of that head
-            close(per_layer[l][h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T)
+            close(per_layer[l][h], (z[:, :, h] @ W[:, h * d : (h + 1) * d].T) * factor)
         bias = model.blocks[l].attn.o_proj.bias
-        close(per_layer[l].sum(0) + (0 if bias is None else bias.detach()), cache["attn_out", l])
+        close(per_layer[l].sum(0) + (0 if bias is None else bias.detach() * factor), cache["attn_out", l])
     upto = heads[1] + 1 if len(heads) > 1 else cfg.n_layers  # a bound with heads of two layers before it, where there are
     stack, labels = cache.stack_head_results(layer=upto, incl_remainder=True, return_labels=True)
     assert labels[-1] == "remainder" and len(labels) == len([l for l in heads if l < upto]) * cfg.n_heads + 1
     close(stack.sum(0), cache.accumulated_resid(layer=upto)[-1])
     if upto < cfg.n_layers:  # through the norm reading block upto's resid_pre (ln2 in a block of a feed-forward alone)
         normed = cache.stack_head_results(layer=upto, apply_ln=True, pos_slice=0)
-        ln = "ln1" if model.blocks[upto].token_mixer is not None else "ln2"
-        close(normed, stack[:-1, :, 0] / cache[f"blocks.{upto}.{ln}.hook_scale"][:, 0] * norm_factor(getattr(model.blocks[upto], ln)))
+        reader = model.blocks[upto].sublayers()[0].norm  # None: the block reads its stream unnormed (post-norm)
+        expected = stack[:-1, :, 0] if reader is None else (
+            stack[:-1, :, 0] / cache[reader.hook_scale.name][:, 0] * norm_factor(reader))
+        close(normed, expected)
     fresh = model.run_with_cache(torch.zeros(1, 3, dtype=torch.long), names_filter=lambda n: n.endswith("hook_z"))[1]
     fresh.compute_head_results()
     assert fresh[f"blocks.{heads[0]}.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)
@@ -317,8 +324,10 @@ def test_expert_logit_attribution(runs, toks, family):
     rms = cache["ln_final.hook_scale"][b, p, 0]
     for l in cfg.moe_layer_indices:
         expected = torch.zeros(cfg.n_experts)
+        factor = post_norm_factor(model, cache, l, "ffn")  # a post-norm's weight over its cached scale, or 1
+        factor = factor[b, p] if torch.is_tensor(factor) else factor
         for s, e in enumerate(cache["expert_indices", l][b, p].tolist()):
-            expected[e] += cache["expert_outputs", l][b, p, s] @ direction / rms
+            expected[e] += (cache["expert_outputs", l][b, p, s] * factor) @ direction / rms
         close(ela[l, :, b, p], expected)
         unchosen = torch.ones(cfg.n_experts, dtype=torch.bool)
         unchosen[cache["expert_indices", l][b, p]] = False

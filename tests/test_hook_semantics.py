@@ -104,19 +104,25 @@ def test_editing_in_place_equals_returning_the_edit_at_every_site(backend_models
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_norm_divides_by_the_hooked_scale(family_models, family, tokens):
-    """Oracle written out: ln2's output is weight * x / scale, with x the cached resid_mid, for a replaced scale."""
+    """Oracle written out: ln2's output is weight * x / scale, with x the cached resid_mid, for a replaced scale
+    (where the feed-forward reads the stream unnormed, a post-norm block, the final norm's, reading resid_post)."""
     model = family_models[family]
     new_scale = lambda s, hook: s * 2.0 + 0.5  # noqa: E731
-    # the stream ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone (Nemotron-H)
-    stream = "blocks.1.hook_resid_mid" if model.blocks[1].token_mixer is not None else "blocks.1.hook_resid_pre"
-    _, cache = model.run_with_cache(tokens, names_filter=[stream, "blocks.1.ln2.hook_normalized"])
-    with model.hooks(fwd_hooks=[("blocks.1.ln2.hook_scale", new_scale)]):
-        _, hooked = model.run_with_cache(tokens, names_filter=["blocks.1.ln2.hook_normalized", stream])
+    norm = next(sub.norm for sub in model.blocks[1].sublayers() if sub.kind == "ffn")
+    if norm is not None:
+        site = "blocks.1.ln2"
+        # the stream ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone (Nemotron-H)
+        stream = "blocks.1.hook_resid_mid" if model.blocks[1].token_mixer is not None else "blocks.1.hook_resid_pre"
+    else:
+        norm, site, stream = model.ln_final, "ln_final", f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    _, cache = model.run_with_cache(tokens, names_filter=[stream, f"{site}.hook_normalized"])
+    with model.hooks(fwd_hooks=[(f"{site}.hook_scale", new_scale)]):
+        _, hooked = model.run_with_cache(tokens, names_filter=[f"{site}.hook_normalized", stream])
     x = hooked[stream].double()
-    scale = x.pow(2).mean(-1, keepdim=True).add(model.blocks[1].ln2.eps).sqrt() * 2.0 + 0.5
-    expected = norm_factor(model.blocks[1].ln2).double() * x / scale
-    torch.testing.assert_close(hooked["blocks.1.ln2.hook_normalized"].double(), expected, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(hooked["blocks.1.ln2.hook_normalized"], cache["blocks.1.ln2.hook_normalized"])
+    scale = x.pow(2).mean(-1, keepdim=True).add(norm.eps).sqrt() * 2.0 + 0.5
+    expected = norm_factor(norm).double() * x / scale
+    torch.testing.assert_close(hooked[f"{site}.hook_normalized"].double(), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(hooked[f"{site}.hook_normalized"], cache[f"{site}.hook_normalized"])
 
 
 def test_gradient_flows_through_hook_scale(qwen_model, tokens):

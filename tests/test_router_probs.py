@@ -29,6 +29,7 @@ DEFINITION = {
     "llama4_text": normalised_sigmoid,  # its scores are the logits; each chosen one's weight is its sigmoid
     "qwen3_next": softmax, "qwen3_5_moe": softmax, "nemotron_h": normalised_sigmoid,
     "deepseek_v2": softmax, "glm4_moe_lite": normalised_sigmoid, "ernie4_5_moe": softmax,
+    "flex_olmo": softmax,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import FAMILIES, attention_layers
+from conftest import FAMILIES, as_added, attention_layers
 
 from moelens import HookedTransformer
 
@@ -64,7 +64,8 @@ def test_attn_result_is_each_heads_share_of_the_output(load, family):
         assert result.shape == (*TOKENS.shape, n_heads, model.cfg.d_model)
         torch.testing.assert_close(result, expected, rtol=0, atol=ATOL)
         bias = 0 if attn.o_proj.bias is None else attn.o_proj.bias.detach()
-        torch.testing.assert_close(result.sum(2) + bias, plain["attn_out", layer], rtol=0, atol=ATOL)
+        # the heads' sum is attention's output, which a post-norm block norms before the add
+        torch.testing.assert_close(as_added(model, layer, "mixer", result.sum(2) + bias), plain["attn_out", layer], rtol=0, atol=ATOL)
 
 
 def test_attn_result_edits_reach_the_output(load):

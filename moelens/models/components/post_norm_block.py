@@ -59,8 +59,9 @@ class PostNormBlock(Block):
         self.hook_resid_post = site_hook("blocks.L.hook_resid_post")
 
     def sublayers(self) -> list[Sublayer]:
-        """The sublayers read the stream unnormed: no norm (None) before either."""
-        return [Sublayer("mixer", None, self.token_mixer, "hook_attn_out"), Sublayer("ffn", None, self.mlp, "hook_mlp_out")]
+        """The sublayers read the stream unnormed (no norm before either); ln1_post / ln2_post norm their outputs."""
+        return [Sublayer("mixer", None, self.token_mixer, "hook_attn_out", self.ln1_post),
+                Sublayer("ffn", None, self.mlp, "hook_mlp_out", self.ln2_post)]
 
     @property
     def first_norm(self) -> nn.Module:
