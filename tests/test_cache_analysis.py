@@ -89,14 +89,15 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
         if not model.blocks[l].is_moe:
             continue
         experts = torch.stack([comp[f"L{l}.E{e}"] for e in range(model.cfg.n_experts)])
-        close(experts.sum(0), cache["routed_out", l])
+        factor = post_norm_factor(model, cache, l, "ffn")  # each part as the stream receives it (1: added as is)
+        close(experts.sum(0), cache["routed_out", l] * factor)
         if has_shared_expert(model, l):
-            close(comp[f"L{l}.shared"], cache["shared_out", l], 0)
+            close(comp[f"L{l}.shared"], cache["shared_out", l] * factor, 0)
         # an expert contributes only where the token chose it, and then exactly its slots' sum
         indices, outputs = cache["expert_indices", l], cache["expert_outputs", l]
         for e in range(model.cfg.n_experts):
             chosen = indices == e  # [batch pos k]
-            expected = (outputs * chosen[..., None]).sum(-2)
+            expected = (outputs * chosen[..., None]).sum(-2) * factor
             close(experts[e], expected)
             assert (experts[e][~chosen.any(-1)] == 0).all()
 
@@ -118,6 +119,7 @@ def test_full_decomposition_expanded_into_neurons(runs, family):
                 indices, weights = cache["expert_indices", l], cache["expert_weights", l]
                 chosen = (indices == e).to(weights.dtype)
                 bias = (weights * chosen).sum(-1)[..., None] * experts.tensors().down_bias[e].detach()
+                bias = bias * post_norm_factor(model, cache, l, "ffn")
                 close(stack[index[f"L{l}.E{e}.bias"]], bias)
                 rows.append(index[f"L{l}.E{e}.bias"])
             close(stack[rows].sum(0), coarse[f"L{l}.E{e}"])
