@@ -30,6 +30,13 @@ multiplier (Granite's muP), heads, neurons, experts, shared experts and o_proj b
 and hook_mlp_out do, so a decomposition still sums to the stream (hook_result, hook_z and the expert sites hold
 the modules' own tensors, before it).
 
+Post-norm blocks (a norm on each sublayer's output before the add: FlexOlmo's ln1_post / ln2_post): the parts of
+a sublayer's output (heads, experts, neurons, the o_proj bias) are given as the stream receives them, each times
+the post-norm's weight and divided by the scale the post-norm computed on the whole output during the run (its
+cached hook_scale), the scale frozen as TransformerLens freezes a norm's scale in a decomposition; so they still
+sum to hook_attn_out / hook_mlp_out. Such a block's sublayers read the stream unnormed: apply_ln_to_stack at its
+layer returns the stack as it is. hook_result / compute_head_results stay each head's raw output (before the norm).
+
 project_output_onto (get_neuron_results, stack_neuron_results, get_full_resid_decomposition): a [d_model] or
 [d_model, n_outputs] matrix that every component is multiplied by, folded into the weights before the
 per-neuron expansion, so the [..., neurons, d_model] tensor is never built; a [d_model] one drops the last axis.
@@ -263,6 +270,8 @@ class CacheAnalysis:
         if recompute_ln:
             return self._final_norm(residual_stack)
         name = self._scale_name(layer, mlp_input)
+        if name is None:  # a post-norm block: its sublayers read the stream itself
+            return residual_stack
         weight = self._norm_weight(name)
         if residual_stack.shape[-1] != weight.shape[0]:
             raise ValueError(
@@ -273,14 +282,32 @@ class CacheAnalysis:
         scaled = self._divide_by_scale(residual_stack, name, pos_slice, batch_slice)
         return scaled * weight.to(scaled.device, scaled.dtype)
 
-    def _scale_name(self, layer: int, mlp_input: bool) -> str:
-        """The cached scale of the norm reading the stream at `layer` (a bound from _layer_bound)."""
+    def _scale_name(self, layer: int, mlp_input: bool) -> str | None:
+        """The cached scale of the norm reading the stream at `layer` (a bound from _layer_bound); None where the
+        sublayer reads the stream unnormed (a post-norm block)."""
         if layer == self.model.cfg.n_layers:
             return "ln_final.hook_scale"
+        block = self.model.blocks[layer]
         if mlp_input:
             self._ffn_block(layer, "mlp_input=True")
+        reader = next(sub for sub in block.sublayers() if sub.kind == "ffn" or not mlp_input)
+        if reader.norm is None:
+            return None
+        if mlp_input:
             return f"blocks.{layer}.ln2.hook_scale"
         return f"blocks.{layer}.{self.model.blocks[layer].first_norm_name}.hook_scale"
+
+    def _post_norm_factor(self, layer: int, kind: str, pos_slice: PosSlice) -> torch.Tensor | None:
+        """What block `layer`'s post-norm of its `kind` sublayer ("mixer" / "ffn") multiplies every part of the
+        output by, its scale frozen at the cached value: effective_weight / hook_scale, float32
+        [*batch_and_pos, d_model]; None where the block adds the output as it is."""
+        norm = self.model.blocks[layer].post_norm(kind)
+        if norm is None:
+            return None
+        name = norm.hook_scale.name
+        self._require(f"the parts of block {layer}'s post-normed output", [name])
+        scale = self._get(name, pos_slice).float()
+        return norm.effective_weight().detach().float().to(scale.device) / scale
 
     def _norm_weight(self, scale_name: str) -> Float[torch.Tensor, "d_model"]:
         """The factor the norm whose hook_scale is `scale_name` multiplies by (its effective_weight(), as it is
@@ -316,9 +343,10 @@ class CacheAnalysis:
     ) -> torch.Tensor | None:
         """project_output_onto with the norm's weight folded in where apply_ln will norm the projected stack
         (whose last axis is no longer d_model, so the weight cannot be applied after the projection)."""
-        if project is None or not apply_ln:
+        name = None if project is None or not apply_ln else self._scale_name(layer, mlp_input)
+        if name is None:
             return project
-        weight = self._norm_weight(self._scale_name(layer, mlp_input))
+        weight = self._norm_weight(name)
         dtype = torch.promote_types(weight.dtype, project.dtype)
         return weight.to(project.device, dtype)[:, None] * project.to(dtype)
 
@@ -327,9 +355,10 @@ class CacheAnalysis:
     ) -> torch.Tensor:
         """apply_ln of a stacking method: apply_ln_to_stack, or for a stack projected through
         _weighted_projection (the weight already in) the division by the cached scale alone."""
-        if not projected:
+        name = self._scale_name(layer, mlp_input)
+        if not projected or name is None:
             return self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
-        return self._divide_by_scale(stack, self._scale_name(layer, mlp_input), pos_slice)
+        return self._divide_by_scale(stack, name, pos_slice)
 
     def _final_norm(self, stack: torch.Tensor) -> torch.Tensor:
         """ln_final applied to every row of the last axis on its own: weight * x / sqrt(mean(x^2) + eps), in the
@@ -371,6 +400,12 @@ class CacheAnalysis:
         W_O = getattr(self.model.blocks[layer], attn).o_proj.weight.view(cfg.d_model, cfg.n_heads, -1)
         return torch.einsum("...hk,mhk->...hm", z, W_O.to(z.device, z.dtype))
 
+    def _head_terms(self, layer: int, attn: str, pos_slice: PosSlice) -> Float[torch.Tensor, "head *batch_and_pos d_model"]:
+        """Each head of attention `attn`'s output as the stream receives it (times the residual multiplier, and
+        through a post-norm's frozen factor where the block has one), the head axis first."""
+        heads = slice_pos(self._head_result(layer, attn), pos_slice, self._pos_dim).movedim(-2, 0)
+        return _times(heads, self._post_norm_factor(layer, "mixer", pos_slice))
+
     def compute_head_results(self) -> None:
         """Add blocks.L.attn.hook_result [batch pos head d_model] (each head's output, o_proj's bias not
         included; every attention of a block of several, LongCat-Flash's blocks.L.attn_1.hook_result too) to
@@ -397,7 +432,7 @@ class CacheAnalysis:
         layer = self._layer_bound(layer)
         heads = self._attentions(self._terms(layer))
         self._require("stack_head_results", self._z_missing(heads))
-        parts = [slice_pos(self._head_result(l, a), pos_slice, self._pos_dim).movedim(-2, 0) for l, a in heads]
+        parts = [self._head_terms(l, a, pos_slice) for l, a in heads]
         labels = [head_label(l, a, h) for l, a in heads for h in range(self.model.cfg.n_heads)]
         if parts:
             stack = torch.cat(parts)
@@ -424,10 +459,16 @@ class CacheAnalysis:
         return slice_pos(torch.arange(n, device=device), neuron_slice, 0)
 
     @staticmethod
-    def _writes(post: torch.Tensor, W: torch.Tensor, project: torch.Tensor | None) -> torch.Tensor:
+    def _writes(
+        post: torch.Tensor, W: torch.Tensor, project: torch.Tensor | None, factor: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """post [..., n] times each neuron's write direction W [d_model, n]: [..., n, d_model], or with a
-        projection P [d_model, o] folded into W first, [..., n, o]."""
+        projection P [d_model, o] folded into W first, [..., n, o]. factor [..., d_model] (a post-norm's, per
+        token): each write times it, the projection after (it cannot be folded into W then)."""
         Wt = W.T.to(post.device, post.dtype)
+        if factor is not None:
+            writes = post[..., None] * Wt * factor[..., None, :].to(post.device)
+            return writes if project is None else writes @ project.to(writes.device, writes.dtype)
         if project is not None:
             Wt = Wt @ project.to(post.device, post.dtype)
         return post[..., None] * Wt
@@ -448,7 +489,8 @@ class CacheAnalysis:
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
             post, W = post.index_select(-1, idx), W.index_select(1, idx.to(W.device))
-        return self._writes(post, W, project), _ids(idx, post.shape[-1])
+        factor = self._post_norm_factor(l, "ffn", pos_slice)
+        return self._writes(post, W, project, factor), _ids(idx, post.shape[-1])
 
     def _slot_neurons(
         self, l: int, part: RoutedPart, pos_slice: PosSlice, neuron_slice, project: torch.Tensor | None = None
@@ -466,15 +508,20 @@ class CacheAnalysis:
         if idx is not None:
             post, W_down = post.index_select(-1, idx), W_down.index_select(2, idx.to(W_down.device))
         W_rows = W_down.to(post.device, dtype).transpose(-1, -2)  # [E, n, d_model]
-        if project is not None:  # folded in before the gather: [E, n, o]
+        factor = self._post_norm_factor(l, "ffn", pos_slice)
+        if project is not None and factor is None:  # folded in before the gather: [E, n, o]
             W_rows = W_rows @ project.to(post.device, dtype)
         weighted_input = part.module.spec.weight_at == "input"
         coef = post.to(dtype) if weighted_input else weights.to(dtype)[..., None] * post.to(dtype)  # [*rest, k, n]
         if self._multiplier(l) != 1.0:  # as the stream receives it
             coef = coef * self._multiplier(l)
         # a slot routed to an identity expert (index >= the real experts) has zero neurons: any row will do
-        rows = W_rows[indices.clamp(max=W_rows.shape[0] - 1)]
-        return coef[..., None] * rows, _ids(idx, post.shape[-1])
+        writes = coef[..., None] * W_rows[indices.clamp(max=W_rows.shape[0] - 1)]
+        if factor is not None:  # per token: applied to the d_model writes, then the projection
+            writes = writes * factor[..., None, None, :].to(writes.device)
+            if project is not None:
+                writes = writes @ project.to(writes.device, writes.dtype)
+        return writes, _ids(idx, post.shape[-1])
 
     def get_neuron_results(
         self,
@@ -547,7 +594,7 @@ class CacheAnalysis:
             bias_slots = down_bias.to(slots.device, slots.dtype)[indices]  # [*rest, k, d]
             if part.module.spec.weight_at == "output":  # an input weight does not reach the output bias
                 bias_slots = self._get(part.weights.name, pos_slice).to(slots.dtype)[..., None] * bias_slots
-            bias_slots = bias_slots * self._multiplier(l)
+            bias_slots = _times(bias_slots * self._multiplier(l), _per_slot(self._post_norm_factor(l, "ffn", pos_slice)))
             stacks.append(torch.einsum("...kd,...ke->e...d", bias_slots, onehot))
             labels += [f"L{l}.E{e}.bias" for e in range(n_experts)]
         if n_identity:
@@ -609,6 +656,7 @@ class CacheAnalysis:
         expert as added "L{l}.shared" and each routed expert "L{l}.E{e}" (a token's share from e is the sum of
         its slots routed to e; zero where it did not choose e), in the order of its parts."""
         block, what = self.model.blocks[l], "get_full_resid_decomposition"
+        factor = self._post_norm_factor(l, "ffn", pos_slice)
         stacks, labels = [], []
         for part in sub.module.parts():
             if part.kind == "routed":
@@ -616,28 +664,31 @@ class CacheAnalysis:
                 n_experts = part.module.n_experts + part.module.spec.n_identity  # identity experts too
                 onehot = torch.nn.functional.one_hot(self._get(part.indices.name, pos_slice), n_experts)
                 outputs = self._get(part.slot_outputs.name, pos_slice) * self._multiplier(l)  # as the stream gets it
+                outputs = _times(outputs, _per_slot(factor))
                 stacks.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
                 labels += [f"L{l}.E{e}" for e in range(n_experts)]
                 continue
-            if part.out is None:  # a dense MLP's term: all of the block's output hook, the residual multiplier included
+            if part.out is None:  # a dense MLP's term: all of the block's output hook (multiplied, post-normed already)
                 out = getattr(block, sub.out_hook)
                 self._require(what, [out.name])
                 stacks.append(self._get(out.name, pos_slice)[None])
             else:
                 self._require(what, [part.out.name])
-                stacks.append(self._get(part.out.name, pos_slice)[None] * self._multiplier(l))
+                stacks.append(_times(self._get(part.out.name, pos_slice) * self._multiplier(l), factor)[None])
             labels.append(f"{l}_{sub.name}_out" if part.kind == "dense" else f"L{l}.{part.label}")
         return stacks, labels
 
-    def _accumulated_bias(self, attentions: list[tuple[int, str]], like: torch.Tensor) -> torch.Tensor:
+    def _accumulated_bias(self, attentions: list[tuple[int, str]], like: torch.Tensor, pos_slice: PosSlice) -> torch.Tensor:
         """The o_proj biases of these attentions, summed, as one component [1, *batch_and_pos, d] (zeros where
-        none has one; moelens's MLPs, experts and routers have no bias)."""
+        none has one; moelens's MLPs, experts and routers have no bias), as the stream receives each: times the
+        block's residual multiplier, and a post-normed block's times the post-norm's frozen factor (per token)."""
         bias = like.new_zeros(like.shape[-1])
         for l, a in attentions:
             b = getattr(self.model.blocks[l], a).o_proj.bias
-            if b is not None:  # as the stream receives it: times the block's residual multiplier
-                bias = bias + b.detach().to(like.device, like.dtype) * self._multiplier(l)
-        return bias.expand_as(like[:1])
+            if b is not None:
+                b = b.detach().to(like.device, like.dtype) * self._multiplier(l)
+                bias = bias + _times(b, self._post_norm_factor(l, "mixer", pos_slice))
+        return bias.expand(like[:1].shape)
 
     def get_full_resid_decomposition(
         self,
@@ -689,11 +740,11 @@ class CacheAnalysis:
         self._require(what, ["hook_embed"] + self._z_missing(heads)
                       + [f"blocks.{l}.{sub.out_hook}" for l, sub in mixers if not sub.is_attention])
         embed = self._get("hook_embed", pos_slice)[None]
-        bias = self._accumulated_bias(heads, embed)
+        bias = self._accumulated_bias(heads, embed, pos_slice)
         parts, labels = [], []
         for l, sub in mixers:
             if sub.is_attention:
-                per_head = slice_pos(self._head_result(l, sub.name), pos_slice, self._pos_dim).movedim(-2, 0)
+                per_head = self._head_terms(l, sub.name, pos_slice)
                 parts.append(_project(per_head, project))
                 labels += [head_label(l, sub.name, h) for h in range(per_head.shape[0])]
             else:
@@ -858,6 +909,7 @@ class CacheAnalysis:
         out = scale.new_zeros(cfg.n_layers, n_experts, *rest)
         for l, part in routed:
             outputs = self._get(part.slot_outputs.name, pos_slice).float() * self._multiplier(l)  # [*rest, k, d]
+            outputs = _times(outputs, _per_slot(self._post_norm_factor(l, "ffn", pos_slice)))
             indices = self._get(part.indices.name, pos_slice)
             per_slot = (outputs * dirs.to(outputs.device).unsqueeze(-2)).sum(-1) / scale  # [*rest, k]
             per_expert = per_slot.new_zeros(*rest, n_experts).scatter_add_(-1, indices, per_slot)
@@ -888,6 +940,16 @@ def _project(x: torch.Tensor, project: torch.Tensor | None) -> torch.Tensor:
         return x
     dtype = torch.promote_types(x.dtype, project.dtype)
     return x.to(dtype) @ project.to(x.device, dtype)
+
+
+def _times(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    """x times a post-norm's frozen factor (broadcast over x's leading axes), or x where there is none."""
+    return x if factor is None else x * factor.to(x.device)
+
+
+def _per_slot(factor: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-token factor [..., d_model] broadcast over a routing-slot axis: [..., 1, d_model]."""
+    return None if factor is None else factor.unsqueeze(-2)
 
 
 def _ids(index: torch.Tensor | None, n: int) -> list[int]:

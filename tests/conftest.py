@@ -38,7 +38,7 @@ VARIANTS = {
 # A family's own test module tests/tiny_<family>.py adds its variants here (a dict VARIANTS like this one).
 for _path in sorted(Path(__file__).parent.glob("tiny_*.py")):
     VARIANTS.update(importlib.import_module(_path.stem).VARIANTS)
-FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "llama4_text", "qwen3_next", "qwen3_5_moe", "glm4_moe_lite", "deepseek_v2", "nemotron_h", "ernie4_5_moe", "granitemoe", "granitemoeshared", "longcat_flash", "phimoe"]
+FAMILIES = ["qwen2_moe", "hunyuan_v1_moe", "solar_open", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe", "minimax_m2", "deepseek_v32", "glm_moe_dsa", "llama4_text", "qwen3_next", "qwen3_5_moe", "glm4_moe_lite", "deepseek_v2", "nemotron_h", "ernie4_5_moe", "granitemoe", "granitemoeshared", "longcat_flash", "phimoe", "flex_olmo"]
 # FlexOlmo (flex_olmo) runs its own suite (tests/test_family_flex_olmo.py) for now: the generic suites read every
 # block's ln1 / ln2 as the stream its sublayers read, which its post-norm blocks (ln1_post, ln2_post) do not have
 # The Triton kernels see a family only through its routing weights' dtype: model dtype (Qwen2-MoE; also
@@ -185,3 +185,29 @@ def ffn_stream(block) -> str:
 def routable_experts(model) -> int:
     """How many experts a slot may name: the real ones and the identity (zero-computation) ones after them."""
     return model.cfg.n_experts + model.cfg.expert_spec().n_identity
+def sublayer_input(model, cache, layer: int, kind: str) -> torch.Tensor:
+    """What block `layer`'s `kind` sublayer ("mixer" / "ffn") reads: its norm's output, or, where it reads the
+    stream unnormed (a post-norm block), the stream itself (resid_mid for a feed-forward after a token mixer)."""
+    block = model.blocks[layer]
+    sub = next(s for s in block.sublayers() if s.kind == kind)
+    if sub.norm is not None:
+        return cache[sub.norm.hook_normalized.name]
+    after_mixer = kind == "ffn" and block.token_mixer is not None
+    return cache[f"blocks.{layer}.hook_resid_{'mid' if after_mixer else 'pre'}"]
+
+
+def as_added(model, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
+    """A sublayer output x as block `layer` adds it to the stream: through its post-norm where the block has one
+    (the model's own norm module, whose arithmetic the equivalence suites check against transformers), times the
+    block's residual multiplier (Granite's; 1 elsewhere)."""
+    norm, m = model.blocks[layer].post_norm(kind), model.blocks[layer].residual_multiplier
+    x = x if norm is None else norm(x)
+    return x if m == 1.0 else x * m
+
+
+def stream_factor(model, cache, layer: int, kind: str):
+    """What block `layer` multiplies each part of its `kind` sublayer's output by before the add, written out:
+    its residual multiplier (Granite's; 1 elsewhere) times, where the block has a post-norm, the norm's weight over
+    the scale it computed on the whole output (cached, [batch pos d_model]); 1.0 where the output is added as is."""
+    norm, m = model.blocks[layer].post_norm(kind), model.blocks[layer].residual_multiplier
+    return m if norm is None else m * norm_factor(norm) / cache[norm.hook_scale.name]

@@ -5,8 +5,8 @@ Each check is against something computed another way: cached streams, the model'
 
 import pytest
 import torch
-from conftest import (FAMILIES, attentions, families_applying_norms, ffn_stream, has_shared_expert,
-                      mixer_labels, norm_factor, routable_experts)
+from conftest import (FAMILIES, attentions, families_applying_norms, ffn_stream, has_shared_expert, mixer_labels,
+                      norm_factor, routable_experts, stream_factor, sublayer_input)
 
 from moelens import HookedTransformer
 from moelens.cache_analysis import MissingHooksError
@@ -93,17 +93,17 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
     for l in range(model.cfg.n_layers):
         if not model.blocks[l].is_moe:
             continue
-        # components are what the stream receives: the block's residual multiplier (Granite's) applied
-        m = model.blocks[l].residual_multiplier
         experts = torch.stack([comp[f"L{l}.E{e}"] for e in range(routable_experts(model))])
-        close(experts.sum(0), cache["routed_out", l] * m)
+        # each part as the stream receives it: the residual multiplier (Granite's), a post-norm's frozen factor
+        factor = stream_factor(model, cache, l, "ffn")
+        close(experts.sum(0), cache["routed_out", l] * factor)
         if has_shared_expert(model, l):
-            close(comp[f"L{l}.shared"], cache["shared_out", l] * m, 0)
+            close(comp[f"L{l}.shared"], cache["shared_out", l] * factor, 0)
         # an expert (identity experts too) contributes only where the token chose it, and then exactly its slots' sum
-        indices, outputs = cache["expert_indices", l], cache["expert_outputs", l] * m
+        indices, outputs = cache["expert_indices", l], cache["expert_outputs", l]
         for e in range(routable_experts(model)):
             chosen = indices == e  # [batch pos k]
-            expected = (outputs * chosen[..., None]).sum(-2)
+            expected = (outputs * chosen[..., None]).sum(-2) * factor
             close(experts[e], expected)
             assert (experts[e][~chosen.any(-1)] == 0).all()
 
@@ -125,6 +125,7 @@ def test_full_decomposition_expanded_into_neurons(runs, family):
                 indices, weights = cache["expert_indices", l], cache["expert_weights", l]
                 chosen = (indices == e).to(weights.dtype)
                 bias = (weights * chosen).sum(-1)[..., None] * experts.tensors().down_bias[e].detach()
+                bias = bias * stream_factor(model, cache, l, "ffn")
                 close(stack[index[f"L{l}.E{e}.bias"]], bias)
                 rows.append(index[f"L{l}.E{e}.bias"])
             close(stack[rows].sum(0), coarse[f"L{l}.E{e}"])
@@ -163,10 +164,11 @@ def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     assert labels == decomposition_labels(model, L, mlp_input=True) and f"L{L}.E0" not in labels
     # the stream the ffn reads: resid_mid, or resid_pre in a block whose only sublayer is the ffn
     close(stack.sum(0), cache[ffn_stream(model.blocks[L]), L])
-    # an int pos_slice drops the pos axis; apply_ln applies ln2: its cached scale and its weight
+    # an int pos_slice drops the pos axis; apply_ln applies ln2: its cached scale and its weight (nothing where
+    # the feed-forward reads the stream unnormed: a post-norm block)
     stack = cache.get_full_resid_decomposition(layer=1, mlp_input=True, pos_slice=-1, apply_ln=True, return_labels=False)
     assert stack.shape[1:] == (2, model.cfg.d_model)
-    close(stack.sum(0), cache["blocks.1.ln2.hook_normalized"][:, -1])
+    close(stack.sum(0), sublayer_input(model, cache, 1, "ffn")[:, -1])
     stack = cache.get_full_resid_decomposition(pos_slice=slice(3, 7), return_labels=False)
     close(stack.sum(0), cache["resid_post", -1][:, 3:7])
 
@@ -196,7 +198,7 @@ def test_accumulated_resid(runs, family):
     close(stack[1], by_hand)
     # and through the norm reading a block's resid_pre (ln1; ln2 in a block of a feed-forward alone)
     stack = cache.accumulated_resid(layer=2, apply_ln=True)
-    close(stack[-1], cache[f"blocks.2.{model.blocks[2].first_norm_name}.hook_normalized"])
+    close(stack[-1], sublayer_input(model, cache, 2, model.blocks[2].sublayers()[0].kind))
 
 
 @pytest.mark.parametrize("family", families_applying_norms())
@@ -236,9 +238,10 @@ def test_stack_activation(runs, family):
         assert logits.shape == (n, 2, 12, routable_experts(model))
         close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
     assert cache.stack_activation("resid_pre", layer=2).shape[0] == 2
-    if all(block.has_ffn for block in model.blocks):
+    if all(sub.norm is not None for block in model.blocks for sub in block.sublayers() if sub.kind == "ffn") and all(
+            block.has_ffn for block in model.blocks):
         close(cache.stack_activation("normalized", sublayer_type="ln2")[2], cache["blocks.2.ln2.hook_normalized"], 0)
-    else:  # a block without a feed-forward has no ln2
+    else:  # a block without a feed-forward, or whose feed-forward reads the stream unnormed, has no ln2
         with pytest.raises(MissingHooksError, match="have no such tensor"):
             cache.stack_activation("normalized", sublayer_type="ln2")
     if len(set(model.cfg.top_k_per_layer)) > 1 and not model.cfg.dense_layer_indices:  # Hunyuan: top_k differs per layer
@@ -260,11 +263,12 @@ def test_head_results(runs, family):
         W = getattr(model.blocks[l], a).o_proj.weight.detach()
         z = cache[f"blocks.{l}.{a}.hook_z"]
         d = z.shape[-1]  # a head's value width (MLA: v_head_dim)
-        m = model.blocks[l].residual_multiplier  # heads as the stream receives them (Granite's multiplier)
+        # as the stream receives it: the residual multiplier, a post-norm's weight over its cached scale
+        factor = stream_factor(model, cache, l, "mixer")
         for h in (0, cfg.n_heads - 1):  # head h reads o_proj's input columns of that head
-            close(per_attention[l, a][h], z[:, :, h] @ W[:, h * d : (h + 1) * d].T * m)
+            close(per_attention[l, a][h], (z[:, :, h] @ W[:, h * d : (h + 1) * d].T) * factor)
         bias = getattr(model.blocks[l], a).o_proj.bias
-        close(per_attention[l, a].sum(0) + (0 if bias is None else bias.detach() * m), cache[f"blocks.{l}.hook_{a}_out"])
+        close(per_attention[l, a].sum(0) + (0 if bias is None else bias.detach() * factor), cache[f"blocks.{l}.hook_{a}_out"])
     layers = sorted({l for l, _ in heads})
     upto = layers[1] + 1 if len(layers) > 1 else cfg.n_layers  # a bound with heads of two layers before it, where there are
     stack, labels = cache.stack_head_results(layer=upto, incl_remainder=True, return_labels=True)
@@ -272,8 +276,10 @@ def test_head_results(runs, family):
     close(stack.sum(0), cache.accumulated_resid(layer=upto)[-1])
     if upto < cfg.n_layers:  # through the norm reading block upto's resid_pre (ln2 in a block of a feed-forward alone)
         normed = cache.stack_head_results(layer=upto, apply_ln=True, pos_slice=0)
-        ln = model.blocks[upto].first_norm_name
-        close(normed, stack[:-1, :, 0] / cache[f"blocks.{upto}.{ln}.hook_scale"][:, 0] * norm_factor(getattr(model.blocks[upto], ln)))
+        reader = model.blocks[upto].sublayers()[0].norm  # None: the block reads its stream unnormed (post-norm)
+        expected = stack[:-1, :, 0] if reader is None else (
+            stack[:-1, :, 0] / cache[reader.hook_scale.name][:, 0] * norm_factor(reader))
+        close(normed, expected)
     fresh = model.run_with_cache(torch.zeros(1, 3, dtype=torch.long), names_filter=lambda n: n.endswith("hook_z"))[1]
     fresh.compute_head_results()
     assert fresh[f"blocks.{heads[0][0]}.attn.hook_result"].shape == (1, 3, cfg.n_heads, cfg.d_model)
@@ -335,9 +341,10 @@ def test_expert_logit_attribution(runs, toks, family):
     rms = cache["ln_final.hook_scale"][b, p, 0]
     for l in cfg.moe_layer_indices:
         expected = torch.zeros(n_experts)
-        m = model.blocks[l].residual_multiplier  # what the stream receives of a slot's output
+        factor = stream_factor(model, cache, l, "ffn")  # the residual multiplier, a post-norm's factor, or 1
+        factor = factor[b, p] if torch.is_tensor(factor) else factor
         for s, e in enumerate(cache["expert_indices", l][b, p].tolist()):
-            expected[e] += cache["expert_outputs", l][b, p, s] * m @ direction / rms
+            expected[e] += (cache["expert_outputs", l][b, p, s] * factor) @ direction / rms
         close(ela[l, :, b, p], expected)
         unchosen = torch.ones(n_experts, dtype=torch.bool)
         unchosen[cache["expert_indices", l][b, p]] = False

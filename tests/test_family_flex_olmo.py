@@ -94,6 +94,40 @@ def test_post_norms_make_the_outputs_the_stream_adds(models):
     torch.testing.assert_close(edited["blocks.0.hook_attn_out"], cache["blocks.0.hook_attn_out"] / 2, rtol=1e-6, atol=1e-7)
 
 
+def test_decompositions_take_each_part_through_the_frozen_post_norm(models):
+    """The cache's decompositions of post-norm blocks: each part (head, expert, neuron, o_proj bias) times the
+    post-norm's weight over its cached scale, so the parts sum to the stream and, through the final norm, to the
+    logits; the o_proj bias row and a projected stack written out by hand."""
+    model = models["biased_tied"]  # o_proj biases, so the bias row goes through the post-norms too
+    toks = tokens()
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(toks)
+    bias_by_hand = sum(b.attn.o_proj.bias.detach() * b.ln1_post.weight.detach() / cache[f"blocks.{l}.ln1_post.hook_scale"]
+                       for l, b in enumerate(model.blocks))
+    final = cache["resid_post", -1]
+    answer = logits.gather(-1, toks[..., None])[..., 0]
+    for expand in (False, True):
+        stack, labels = cache.get_full_resid_decomposition(expand_neurons=expand, return_labels=True)
+        torch.testing.assert_close(stack.sum(0), final, rtol=0, atol=1e-5)
+        torch.testing.assert_close(stack[labels.index("bias")], bias_by_hand, rtol=0, atol=1e-6)
+        torch.testing.assert_close(cache.logit_attrs(stack, toks).sum(0), answer, rtol=0, atol=1e-5)
+    # a projection applies after the per-token factor: the same as projecting the full stack
+    project = torch.randn(model.cfg.d_model, 3, generator=torch.Generator().manual_seed(0))
+    full = cache.get_full_resid_decomposition(pos_slice=-1)
+    projected = cache.get_full_resid_decomposition(pos_slice=-1, project_output_onto=project)
+    torch.testing.assert_close(projected, full @ project, rtol=0, atol=1e-5)
+    neurons = cache.stack_neuron_results(2, pos_slice=-1)
+    torch.testing.assert_close(cache.stack_neuron_results(2, pos_slice=-1, project_output_onto=project), neurons @ project,
+                               rtol=0, atol=1e-5)
+    # the heads of block 0 with its bias are what block 0's attention adds
+    heads, labels = cache.stack_head_results(layer=1, return_labels=True)
+    b0 = model.blocks[0]
+    bias0 = b0.attn.o_proj.bias.detach() * b0.ln1_post.weight.detach() / cache["blocks.0.ln1_post.hook_scale"]
+    torch.testing.assert_close(heads.sum(0) + bias0, cache["attn_out", 0], rtol=0, atol=1e-5)
+    # a post-norm block's sublayers read the stream itself: apply_ln there leaves the stack as it is
+    assert torch.equal(cache.apply_ln_to_stack(heads, layer=1), heads)
+
+
 @pytest.mark.parametrize("variant,padded", [("base", True), ("biased_tied", True)])
 def test_greedy_generation_matches_transformers(models, references, variant, padded):
     prompt = left_padded(5, (3, 9), (0, 3, 1)) if padded else (tokens(5, (3, 9)), None)

@@ -104,24 +104,29 @@ def test_editing_in_place_equals_returning_the_edit_at_every_site(backend_models
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_norm_divides_by_the_hooked_scale(family_models, family, tokens):
-    """Oracle written out: ln2's output is weight * x / scale, with x the cached resid_mid, for a replaced scale."""
+    """Oracle written out: ln2's output is weight * x / scale, with x the cached resid_mid, for a replaced scale
+    (where the feed-forward reads the stream unnormed, a post-norm block, the final norm's, reading resid_post)."""
     model = family_models[family]
     new_scale = lambda s, hook: s * 2.0 + 0.5  # noqa: E731
-    # the stream ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone (Nemotron-H)
-    stream = f"blocks.1.hook_{ffn_stream(model.blocks[1])}"
-    _, cache = model.run_with_cache(tokens, names_filter=[stream, "blocks.1.ln2.hook_normalized"])
-    with model.hooks(fwd_hooks=[("blocks.1.ln2.hook_scale", new_scale)]):
-        _, hooked = model.run_with_cache(tokens, names_filter=["blocks.1.ln2.hook_normalized", stream])
+    norm = next(sub.norm for sub in model.blocks[1].sublayers() if sub.kind == "ffn")
+    if norm is not None:
+        site = "blocks.1.ln2"
+        # the stream ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone (Nemotron-H)
+        stream = f"blocks.1.hook_{ffn_stream(model.blocks[1])}"
+    else:  # a post-norm block's feed-forward reads the stream unnormed: the final norm then
+        norm, site, stream = model.ln_final, "ln_final", f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    _, cache = model.run_with_cache(tokens, names_filter=[stream, f"{site}.hook_normalized"])
+    with model.hooks(fwd_hooks=[(f"{site}.hook_scale", new_scale)]):
+        _, hooked = model.run_with_cache(tokens, names_filter=[f"{site}.hook_normalized", stream])
     x = hooked[stream].double()
-    ln2 = model.blocks[1].ln2
     if family in LAYER_NORM_FAMILIES:  # a LayerNorm: the centred stream over its standard deviation, then the bias
         x = x - x.mean(-1, keepdim=True)
-    scale = x.pow(2).mean(-1, keepdim=True).add(ln2.eps).sqrt() * 2.0 + 0.5
-    expected = norm_factor(ln2).double() * x / scale
+    scale = x.pow(2).mean(-1, keepdim=True).add(norm.eps).sqrt() * 2.0 + 0.5
+    expected = norm_factor(norm).double() * x / scale
     if family in LAYER_NORM_FAMILIES:
-        expected = expected + ln2.bias.double()
-    torch.testing.assert_close(hooked["blocks.1.ln2.hook_normalized"].double(), expected, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(hooked["blocks.1.ln2.hook_normalized"], cache["blocks.1.ln2.hook_normalized"])
+        expected = expected + norm.bias.double()
+    torch.testing.assert_close(hooked[f"{site}.hook_normalized"].double(), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(hooked[f"{site}.hook_normalized"], cache[f"{site}.hook_normalized"])
 
 
 def test_gradient_flows_through_hook_scale(qwen_model, tokens):

@@ -13,9 +13,8 @@ import re
 
 import pytest
 import torch
-from conftest import (
-    BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, attention_layers, has_shared_expert, routable_experts, shared_expert_gated,
-)
+from conftest import (BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, as_added, attention_layers, has_shared_expert,
+                      routable_experts, shared_expert_gated, sublayer_input)
 
 from moelens import HookedTransformer
 from moelens.models.deepseek_v2 import SoftmaxGroupLimitedTopK
@@ -62,14 +61,12 @@ def test_identities(family_models, family, tokens):
         mlp, block = f"blocks.{layer}.mlp", model.blocks[layer]
         if not block.is_moe:
             continue
-        m = block.residual_multiplier  # the stream receives the mixture's output times it (Granite's; 1 elsewhere)
+        # what the mixture outputs, as the block adds it (through its post-norm, where it has one)
         if not has_shared_expert(model, layer):
-            assert torch.equal(cache[f"{mlp}.hook_routed_out"] * m, cache["mlp_out", layer])
+            assert torch.equal(as_added(model, layer, "ffn", cache[f"{mlp}.hook_routed_out"]), cache["mlp_out", layer])
         else:
-            torch.testing.assert_close(
-                (cache[f"{mlp}.hook_routed_out"] + cache[f"{mlp}.hook_shared_out"]) * m, cache["mlp_out", layer],
-                rtol=0, atol=0,
-            )
+            mixture_out = cache[f"{mlp}.hook_routed_out"] + cache[f"{mlp}.hook_shared_out"]
+            torch.testing.assert_close(as_added(model, layer, "ffn", mixture_out), cache["mlp_out", layer], rtol=0, atol=0)
         if shared_expert_gated(model, layer):
             gated = torch.sigmoid(cache[f"{mlp}.hook_shared_gate"]) * cache[f"{mlp}.shared_expert.hook_out"]
             torch.testing.assert_close(gated, cache[f"{mlp}.hook_shared_out"], rtol=0, atol=0)
@@ -196,7 +193,7 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     by_expert = torch.tensor(forced[:k]).argsort()
     torch.testing.assert_close(w.gather(-1, order), expected[by_expert].expand_as(w), rtol=0, atol=1e-6)
     # only the forced experts ran: slot 0's gate pre-activation is that expert applied to the token
-    x = cache[f"blocks.{layer}.ln2.hook_normalized"]
+    x = sublayer_input(model, cache, layer, "ffn")
     experts = model.blocks[layer].mlp.experts.tensors()
     slot0 = idx[..., 0]
     if model.blocks[layer].mlp.experts.spec.weight_at == "input":  # Llama 4: the slot's weight scales its input
@@ -250,7 +247,7 @@ def test_new_weights_are_not_renormalised(family_models, family, tokens):
         torch.testing.assert_close(cache[routed], clean[routed] * 0.5, rtol=1e-5, atol=1e-6)
         return
     # Llama 4: the halved weight scales each slot's input, so each slot is expert(0.5 * weight * x), by hand
-    x, idx = cache[f"blocks.{layer}.ln2.hook_normalized"], cache["expert_indices", layer]
+    x, idx = sublayer_input(model, cache, layer, "ffn"), cache["expert_indices", layer]
     experts = model.blocks[layer].mlp.experts.tensors()
     scaled = x[:, :, None, :] * cache["expert_weights", layer][..., None]
     gate, up = torch.einsum("bpkih,bpkh->bpki", experts.gate_up[idx], scaled).chunk(2, dim=-1)
@@ -280,17 +277,15 @@ def test_replacing_expert_neurons_and_shared_out(family_models, family, tokens):
         torch.testing.assert_close(routed, left.to(routed.dtype), rtol=1e-6, atol=1e-6)
     else:
         assert torch.count_nonzero(routed) == 0
-    m_last, m_first = model.blocks[last].residual_multiplier, model.blocks[first].residual_multiplier  # Granite's
     if not has_shared_expert(model):
-        assert torch.equal(cache["mlp_out", last], routed * m_last)
+        assert torch.equal(cache["mlp_out", last], as_added(model, last, "ffn", routed))
         return
-    torch.testing.assert_close(
-        cache["mlp_out", last], (routed + cache[f"blocks.{last}.mlp.hook_shared_out"]) * m_last, rtol=0, atol=0
-    )
+    shared_out = cache[f"blocks.{last}.mlp.hook_shared_out"]
+    torch.testing.assert_close(cache["mlp_out", last], as_added(model, last, "ffn", routed + shared_out), rtol=0, atol=0)
     with model.hooks([(f"blocks.{first}.mlp.hook_shared_out", zero)]):
         _, cache = model.run_with_cache(tokens)
-    torch.testing.assert_close(cache["mlp_out", first], cache[f"blocks.{first}.mlp.hook_routed_out"] * m_first,
-                               rtol=0, atol=0)
+    routed_first = cache[f"blocks.{first}.mlp.hook_routed_out"]
+    torch.testing.assert_close(cache["mlp_out", first], as_added(model, first, "ffn", routed_first), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, as_added, sublayer_input
 from torch import nn
 
 from moelens.analysis.routing import routing_table
@@ -54,11 +54,11 @@ def test_each_familys_parts_sum_to_mlp_out(family_models, family, tokens):
         else:
             assert [p.kind for p in parts] == ["dense"] and parts[0].module is block.mlp
         terms = [cache[(p.out or block.hook_mlp_out).name] for p in parts]
-        # two terms add the same in either order, bit for bit; the stream receives their sum times the block's
-        # residual multiplier (Granite's; a dense part's term, hook_mlp_out, has it already)
-        m = block.residual_multiplier if parts[0].out is not None else 1.0
-        torch.testing.assert_close(sum(terms[1:], terms[0]) * m, cache["mlp_out", l], rtol=0, atol=0)
-        x = cache[f"blocks.{l}.ln2.hook_normalized"]
+        if len(parts) > 1:  # two terms add the same in either order, bit for bit (as the block adds the sum)
+            torch.testing.assert_close(as_added(model, l, "ffn", sum(terms[1:], terms[0])), cache["mlp_out", l], rtol=0, atol=0)
+        elif parts[0].out is not None:  # one part: the mixture's output, as the block adds it
+            assert torch.equal(as_added(model, l, "ffn", terms[0]), cache["mlp_out", l])
+        x = sublayer_input(model, cache, l, "ffn")
         for part, term in zip(parts, terms):
             assert all(w.shape[-1] == model.cfg.d_model for w in part.input_weights())
             if part.kind != "routed":

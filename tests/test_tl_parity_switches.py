@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import FAMILIES, attention_layers, attentions
+from conftest import FAMILIES, as_added, attention_layers, attentions
 
 from moelens import HookedTransformer
 
@@ -66,8 +66,9 @@ def test_attn_result_is_each_heads_share_of_the_output(load, family):
         assert result.shape == (*TOKENS.shape, n_heads, model.cfg.d_model)
         torch.testing.assert_close(result, expected, rtol=0, atol=ATOL)
         bias = 0 if attn.o_proj.bias is None else attn.o_proj.bias.detach()
-        m = model.blocks[layer].residual_multiplier  # the block's out hook is what the stream receives (Granite's multiplier)
-        torch.testing.assert_close((result.sum(2) + bias) * m, plain[f"blocks.{layer}.hook_{a}_out"], rtol=0, atol=ATOL)
+        # the heads' sum is attention's output as the block adds it (times the residual multiplier; a post-norm
+        # block norms it first)
+        torch.testing.assert_close(as_added(model, layer, "mixer", result.sum(2) + bias), plain[f"blocks.{layer}.hook_{a}_out"], rtol=0, atol=ATOL)
 
 
 def test_attn_result_edits_reach_the_output(load):

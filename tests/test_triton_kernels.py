@@ -196,17 +196,23 @@ def test_end_to_end_triton_backend_equals_torch(checkpoints, family, tokens):
     # linear-attention layers; 1.05e-5 in Solar's stream with one torch thread)
     exact = HookedTransformer.from_pretrained(path, progress=False, dtype=torch.float64)
     with torch.no_grad():
-        logits_x, streams = exact.run_with_cache(tokens, names_filter=lambda name: name.endswith("hook_resid_post"))
+        logits_x, cache_x = exact.run_with_cache(tokens)
+    streams = [name for name in cache_x.keys() if name.endswith("hook_resid_post")]
     rounding = max([(logits_x.float() - logits_t).abs().max().item()]
-                   + [(streams[name].float() - cache_t[name]).abs().max().item() for name in streams.keys()])
+                   + [(cache_x[name].float() - cache_t[name]).abs().max().item() for name in streams])
     tol = max(1e-5, 2 * rounding)
     assert (logits_t - logits_k).abs().max() <= tol
+    # a site whose own float32 rounding is larger than the streams' (FlexOlmo's experts read the unnormed stream:
+    # their neurons run larger than the stream's rounding allows for) gets twice its own, where the float64 run
+    # chose the same experts (its sites are then the same computation)
+    same_routing = all(torch.equal(cache_x[name], cache_t[name]) for name in cache_t.keys() if name.endswith("hook_expert_indices"))
     for name in cache_t:
         a, b = cache_t[name], cache_k[name]
         assert a.shape == b.shape, name
         if a.dtype.is_floating_point:
+            own = 2 * (cache_x[name].float() - a).abs().max().item() if same_routing and a.numel() else 0.0
             # an expert no token was routed to has an empty per-expert view (blocks.L.mlp.experts.E.hook_*)
-            assert a.numel() == 0 or (a - b).abs().max() <= tol, name
+            assert a.numel() == 0 or (a - b).abs().max() <= max(tol, own), name
         else:
             assert torch.equal(a, b), name
 

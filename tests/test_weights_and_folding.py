@@ -6,8 +6,8 @@ comparing logits (and routing) with the unprocessed model.
 
 import pytest
 import torch
-from conftest import (FAMILIES, LAYER_NORM_FAMILIES, attention_layers, fold_ln_refused, has_shared_expert, norm_factor,
-                      routable_experts, shared_expert_gated)
+from conftest import (FAMILIES, LAYER_NORM_FAMILIES, as_added, attention_layers, fold_ln_refused, has_shared_expert,
+                      norm_factor, routable_experts, shared_expert_gated, sublayer_input)
 
 from moelens import HookedTransformer
 from moelens.factored_matrix import FactoredMatrix
@@ -74,7 +74,7 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
         W_O, b_O = attention_view(model, "W_O", (H, D_v, M)), attention_view(model, "b_O", (M,))
         for l in layers:
             out = torch.einsum("bphd,hdm->bpm", cache["z", l], W_O[l]) + b_O[l]
-            close(out * model.blocks[l].residual_multiplier, cache["attn_out", l])  # as the stream receives it
+            close(as_added(model, l, "mixer", out), cache["attn_out", l])
         if not attn.per_head_projections:  # MLA: keys and values come out of a normed latent
             for view in ("W_Q", "W_K", "W_V", "b_Q"):
                 with pytest.raises(ValueError, match="latent"):
@@ -103,7 +103,7 @@ def check_qkv_views(model, cache, attn):
     attention_view(model, "W_V_grouped", (G, M, D))
     b_Q, b_K, b_V = (attention_view(model, name, (H, D)) for name in ("b_Q", "b_K", "b_V"))
     for l in attention_layers(model):
-        x = cache["blocks.%d.ln1.hook_normalized" % l]
+        x = sublayer_input(model, cache, l, "mixer")
         if "q" in attn.linear_hooks:
             close(torch.einsum("bpm,hmd->bphd", x, W_Q[l]) + b_Q[l], cache["q", l])
         if "k" in attn.linear_hooks:
@@ -168,7 +168,7 @@ def test_expert_views_reproduce_hooks(runs, family):
                 model.b_router
             b_router = model.W_E.new_zeros(L, R)
         for l in layers:
-            x = cache["blocks.%d.ln2.hook_normalized" % l]
+            x = sublayer_input(model, cache, l, "ffn")
             close(x.float() @ model.W_router[l].float().T + b_router[l].float(), cache["router_logits", l])
             idx = cache["expert_indices", l]  # [b p k]: each slot through its expert's matrices
             # a slot routed to an identity expert computes nothing: its hooks hold zeros, its output weight * x
@@ -275,8 +275,14 @@ def test_fold_ln_keeps_logits(checkpoints, toks, key):
     close(logits, ref_logits, tol)
     for name, indices in ref_cache.items():  # the same experts chosen
         assert torch.equal(cache[name], indices), name
-    norms = [folded.ln_final] + [sub.norm for b in folded.blocks for sub in b.sublayers()]
+    # every norm that reads the stream (a sublayer reading it unnormed has none) ...
+    norms = [folded.ln_final] + [sub.norm for b in folded.blocks for sub in b.sublayers() if sub.norm is not None]
     assert all((norm_factor(n) == 1).all() for n in norms)  # (a zero-centred norm's weight is 0 then)
+    # ... but a norm of a sublayer's output (a post-norm block's) folds into nothing: kept as it is
+    for b, r in zip(folded.blocks, ref.blocks):
+        for kind in ("mixer", "ffn"):
+            if r.post_norm(kind) is not None:
+                close(b.post_norm(kind).weight, r.post_norm(kind).weight.detach(), 0)
     close(folded.W_E, ref.W_E, 0)  # a tied embedding is untied, not scaled
     assert folded.unembed.weight is not folded.embed.weight and not folded.cfg.tie_word_embeddings
     close(folded.W_U, ref.W_U * norm_factor(ref.ln_final)[:, None])
@@ -403,7 +409,7 @@ def test_block_attention_views_are_transformer_lens_s(runs, family):
             attn = model.blocks[l].attn
             assert torch.equal(attn.W_O, model.W_O[l]) and torch.equal(attn.b_O, model.b_O[l])
             out = torch.einsum("bphd,hdm->bpm", cache["z", l], attn.W_O) + attn.b_O
-            close(out * model.blocks[l].residual_multiplier, cache["attn_out", l])  # as the stream receives it
+            close(as_added(model, l, "mixer", out), cache["attn_out", l])
             if not attn.per_head_projections:
                 for view in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_K_grouped"):
                     with pytest.raises(ValueError, match=rf"{view}: .*latent"):
@@ -415,6 +421,6 @@ def test_block_attention_views_are_transformer_lens_s(runs, family):
                 assert torch.equal(getattr(attn, view), getattr(model, view)[l]), view
             # W_Q is a view of q_proj: TL code editing it in place edits the model
             assert attn.W_Q.data_ptr() == attn.q_proj.weight.data_ptr()
-            x = cache["blocks.%d.ln1.hook_normalized" % l]
+            x = sublayer_input(model, cache, l, "mixer")
             if "q" in attn.linear_hooks:
                 close(torch.einsum("bpm,hmd->bphd", x, attn.W_Q) + attn.b_Q, cache["q", l])

@@ -39,7 +39,8 @@ def per_head(x: Float[torch.Tensor, "batch pos d_model"], n_heads: int) -> Float
 
 class Sublayer(NamedTuple):
     """One term a block adds to its residual stream: the norm that reads the stream, the module, and the hook
-    holding what it adds (hook_attn_out for the token mixer, hook_mlp_out for the feed-forward)."""
+    holding what it adds (hook_attn_out for the token mixer, hook_mlp_out for the feed-forward); post_norm, the
+    norm applied to the module's output before the add (a post-norm block), or None: the output is added as is."""
 
     kind: str  # "mixer" or "ffn"
     norm: nn.Module | None  # None: the sublayer reads the stream unnormed (a post-norm block)
@@ -47,6 +48,7 @@ class Sublayer(NamedTuple):
     out_hook: str  # the block's attribute name of the output hook
     # the out hook holds the module's output times this (the layer's residual multiplier)
     scale: float = 1.0
+    post_norm: nn.Module | None = None
 
     @property
     def name(self) -> str:
@@ -100,6 +102,11 @@ class Block(nn.Module):
     def has_ffn(self) -> bool:
         """It has a feed-forward sublayer (dense MLP or mixture: blocks.L.mlp, hook_mlp_out)."""
         return hasattr(self, "mlp")
+
+    def post_norm(self, kind: str) -> nn.Module | None:
+        """The norm applied to the output of the block's `kind` sublayer ("mixer" or "ffn") before the add, or
+        None where the output is added as it is (then it is linear in its parts: heads, experts, neurons)."""
+        return next((sub.post_norm for sub in self.sublayers() if sub.kind == kind), None)
 
     @property
     def token_mixer(self) -> nn.Module | None:

@@ -45,6 +45,7 @@ class PostNormBlock(Block):
             raise ValueError("a post-norm block needs a token mixer and a feed-forward (LayerSpec with both)")
         nn.Module.__init__(self)
         self.is_moe = spec.is_moe
+        self.residual_multiplier = 1.0  # its post-normed outputs enter the stream unscaled
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         mixer = spec.mixer(cfg, layer)
         self.mixer_attribute = mixer.block_attribute
@@ -59,8 +60,9 @@ class PostNormBlock(Block):
         self.hook_resid_post = site_hook("blocks.L.hook_resid_post")
 
     def sublayers(self) -> list[Sublayer]:
-        """The sublayers read the stream unnormed: no norm (None) before either."""
-        return [Sublayer("mixer", None, self.token_mixer, "hook_attn_out"), Sublayer("ffn", None, self.mlp, "hook_mlp_out")]
+        """The sublayers read the stream unnormed (no norm before either); ln1_post / ln2_post norm their outputs."""
+        return [Sublayer("mixer", None, self.token_mixer, "hook_attn_out", post_norm=self.ln1_post),
+                Sublayer("ffn", None, self.mlp, "hook_mlp_out", post_norm=self.ln2_post)]
 
     @property
     def first_norm(self) -> nn.Module:
