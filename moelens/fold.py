@@ -127,10 +127,11 @@ def fold_layer_norm(model: HookedTransformer) -> RoutingChanges:
 
 
 def _norms(model: HookedTransformer) -> list[tuple[str, nn.Module]]:
-    """Every norm fold_layer_norm folds, with its module name."""
+    """Every norm fold_layer_norm folds (each sublayer's input norm, where it has one, and ln_final), with its
+    module name."""
     names = {module: name for name, module in model.named_modules()}
-    return [(names[sub.norm], sub.norm) for block in model.blocks for sub in block.sublayers()] + [
-        ("ln_final", model.ln_final)]
+    return [(names[sub.norm], sub.norm) for block in model.blocks for sub in block.sublayers()
+            if sub.norm is not None] + [("ln_final", model.ln_final)]
 
 
 def _readers(sub) -> list[torch.Tensor]:
