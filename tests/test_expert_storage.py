@@ -112,6 +112,10 @@ def test_every_hook_equals_dequantize_at_load(ckpts, name, dtype):
     assert torch.equal(stored(TOKENS), dense(TOKENS))
 
 
+def ffn_sublayer(model, layer: int):
+    return next(sub for sub in model.blocks[layer].sublayers() if sub.kind == "ffn")
+
+
 def test_weight_views_and_decomposition_read_the_dequantized_experts(ckpts):
     dense = load(ckpts["gpt_oss_mxfp4"])
     stored = load(ckpts["gpt_oss_mxfp4"], expert_storage="mxfp4")
@@ -120,8 +124,8 @@ def test_weight_views_and_decomposition_read_the_dequantized_experts(ckpts):
     _, ours = stored.run_with_cache(TOKENS)
     _, theirs = dense.run_with_cache(TOKENS)
     for layer in stored.cfg.moe_layer_indices:
-        a, labels = ours._mlp_neuron_parts(layer, None, None)
-        b, labels_dense = theirs._mlp_neuron_parts(layer, None, None)
+        a, labels = ours._mlp_neuron_parts(layer, ffn_sublayer(stored, layer), None, None)
+        b, labels_dense = theirs._mlp_neuron_parts(layer, ffn_sublayer(dense, layer), None, None)
         assert labels == labels_dense and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 

@@ -152,7 +152,8 @@ def test_biased_expert_decomposition_sums_to_the_routed_output(ckpts):
     ("L{l}.E{e}.bias"), so the components of a layer sum to its routed output."""
     model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
     _, cache = model.run_with_cache(tokens())
-    parts, labels = cache._mlp_neuron_parts(1, None, None)
+    ffn = next(sub for sub in model.blocks[1].sublayers() if sub.kind == "ffn")
+    parts, labels = cache._mlp_neuron_parts(1, ffn, None, None)
     stack = torch.cat(parts)
     assert sum(lab.endswith(".bias") for lab in labels) == 8
     assert (stack.sum(0) - cache["blocks.1.mlp.hook_routed_out"]).abs().max() <= 1e-5
