@@ -84,13 +84,13 @@ def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
     return attention_projections(cfg, src, dst) + [
         Reference(f"{dst}.attn.hook_z", f"{src}.self_attn.o_proj", "in"),
         Weight(f"{dst}.mlp.router.weight", (f"{hub}.gate.weight", f"{ours}.gate.weight")),
-        _experts(cfg, hub, ours, dst),
+        block_sparse_experts(cfg, hub, ours, dst),
         *router_references(dst, f"{ours}.gate"),
         Reference(f"{dst}.mlp.hook_routed_out", f"{ours}.experts"),
     ]
 
 
-def _experts(cfg: MoeConfig, hub: str, ours: str, dst: str) -> ExpertStack:
+def block_sparse_experts(cfg: MoeConfig, hub: str, ours: str, dst: str) -> ExpertStack:
     """Per-expert w1/w3/w2 under either prefix, the Hub's first (what a new checkpoint is written in);
     transformers 5's fused pair under mlp.experts."""
     stack = routed_experts(cfg, (f"{ours}.experts", f"{hub}.experts"), dst, (W1_W3_W2,))

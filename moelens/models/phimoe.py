@@ -28,10 +28,10 @@ from moelens.models.components.layer_norm import HookedLayerNorm
 from moelens.models.components.rotary import Rotary
 from moelens.models.components.router import SparseMixer
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
-from moelens.models.mixtral import W1_W3_W2
+from moelens.models.mixtral import block_sparse_experts
 from moelens.models.recipe import Recipe, decoder_recipe
-from moelens.models.sites import Entry, attention_projections, decoder_site_map, router_references, routed_experts
-from moelens.sitemap import ExpertStack, Reference, SiteMap, Weight
+from moelens.models.sites import Entry, attention_projections, decoder_site_map, router_references
+from moelens.sitemap import Reference, SiteMap, Weight
 
 DEFAULT_ROPE_THETA = 1e6  # transformers' PhimoeConfig default
 SPARSEMIXER_SLOTS = 2  # transformers' sparsemixer makes two slots whatever num_experts_per_tok says
@@ -129,14 +129,8 @@ def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
     return attention_projections(cfg, src, dst) + norms + [
         Reference(f"{dst}.attn.hook_z", f"{src}.self_attn.o_proj", "in"),
         Weight(f"{dst}.mlp.router.weight", (f"{hub}.gate.weight", f"{ours}.router.weight")),
-        _experts(cfg, hub, ours, dst),
+        block_sparse_experts(cfg, hub, ours, dst),
         *router_references(dst, f"{ours}.router"),
         Reference(f"{dst}.mlp.hook_routed_out", f"{ours}.experts"),
     ]
 
-
-def _experts(cfg: MoeConfig, hub: str, ours: str, dst: str) -> ExpertStack:
-    """Per-expert w1/w3/w2 under either prefix, the Hub's first (what a new checkpoint is written in);
-    transformers 5's fused pair under mlp.experts."""
-    stack = routed_experts(cfg, (f"{ours}.experts", f"{hub}.experts"), dst, (W1_W3_W2,))
-    return dataclasses.replace(stack, per_expert=stack.per_expert[::-1])
