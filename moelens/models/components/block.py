@@ -5,7 +5,7 @@ sublayer (and no hook_resid_mid).
 With a residual multiplier m (Granite's muP), each sublayer adds m * its module's output: hook_attn_out and
 hook_mlp_out hold that product, so resid_pre + attn_out = resid_mid and resid_mid + mlp_out = resid_post still
 hold exactly; the sites inside a sublayer (hook_z, hook_result, hook_routed_out, hook_shared_out, ...) hold the
-module's own tensors, before m (Sublayer.scale says m to the decompositions)."""
+module's own tensors, before m (the decompositions read it as block.residual_multiplier)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,6 @@ class Sublayer(NamedTuple):
     norm: nn.Module | None  # None: the sublayer reads the stream unnormed (a post-norm block)
     module: nn.Module
     out_hook: str  # the block's attribute name of the output hook
-    # the out hook holds the module's output times this (the layer's residual multiplier)
-    scale: float = 1.0
     post_norm: nn.Module | None = None
 
     @property
@@ -117,9 +115,9 @@ class Block(nn.Module):
         """What the block adds to its stream, in order: resid_post = resid_pre + the sublayers' outputs."""
         out = []
         if self.mixer_attribute is not None:
-            out.append(Sublayer("mixer", self.ln1, self.token_mixer, "hook_attn_out", self.residual_multiplier))
+            out.append(Sublayer("mixer", self.ln1, self.token_mixer, "hook_attn_out"))
         if hasattr(self, "mlp"):
-            out.append(Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out", self.residual_multiplier))
+            out.append(Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out"))
         return out
 
     def new_state(self, reserve: int = 0):
