@@ -11,8 +11,12 @@ import torch
 from moelens.analysis.paths import RoutingOverlap, RoutingPaths, overlap_from_sums
 from moelens.traces.analysis import Trace, TraceLike, _in, as_trace
 
-# the slot with the largest weight (list_position: the first of equal maxima, as torch.argmax)
-TOP1 = "experts[list_position(weights, list_max(weights))]"
+
+
+def _top1(row: str = "") -> str:
+    """SQL of a row's top-1 expert: the slot with the largest weight (list_position: the first of equal
+    maxima, as torch.argmax); ``row`` qualifies the columns ("x." for a table aliased x)."""
+    return f"{row}experts[list_position({row}weights, list_max({row}weights))]"
 
 
 def trace_routing_paths(trace: TraceLike, layers: Sequence[int] | None = None, top: int = 10) -> RoutingPaths:
@@ -28,7 +32,7 @@ def trace_routing_paths(trace: TraceLike, layers: Sequence[int] | None = None, t
     con = trace.connect()
     try:
         con.execute(
-            f"CREATE TEMP TABLE counted AS SELECT path, count(*) AS n FROM (SELECT list({TOP1} ORDER BY layer) AS path "
+            f"CREATE TEMP TABLE counted AS SELECT path, count(*) AS n FROM (SELECT list({_top1()} ORDER BY layer) AS path "
             f"FROM trace WHERE layer IN {_in(layers)} GROUP BY doc, start, pos) GROUP BY path"
         )
         n, distinct, nlogn = con.execute("SELECT sum(n), count(*), sum(n * log2(n)) FROM counted").fetchone()
@@ -87,9 +91,9 @@ def trace_routing_overlap(trace_a: TraceLike, trace_b: TraceLike, layers: int | 
             f"sb AS (SELECT {keys}, e, sum(w::DOUBLE) AS w FROM (SELECT {keys}, unnest(experts) AS e, unnest(weights) AS w "
             f"FROM b WHERE layer IN {_in(layers)}) GROUP BY ALL), "
             f"common AS (SELECT {keys}, sum(least(sa.w, sb.w)) AS mn FROM sa JOIN sb USING ({keys}, e) GROUP BY ALL), "
-            f"tok AS (SELECT {keys}, list_sum(list_transform(x.weights, w -> w::DOUBLE)) AS wa, "
-            "list_sum(list_transform(y.weights, w -> w::DOUBLE)) AS wb, "
-            f"x.{TOP1} = y.{TOP1} AS same FROM a x JOIN b y USING ({keys}) WHERE layer IN {_in(layers)}) "
+            f"tok AS (SELECT {keys}, list_sum(CAST(x.weights AS DOUBLE[])) AS wa, "
+            "list_sum(CAST(y.weights AS DOUBLE[])) AS wb, "
+            f"{_top1('x.')} = {_top1('y.')} AS same FROM a x JOIN b y USING ({keys}) WHERE layer IN {_in(layers)}) "
             f"SELECT layer, sum(coalesce(mn, 0) / (wa + wb - coalesce(mn, 0))), count(*) FILTER (WHERE same), count(*) "
             f"FROM tok LEFT JOIN common USING ({keys}) GROUP BY layer"
         ).fetchall()

@@ -26,8 +26,6 @@ def trace_specialization(
     mapping token id -> class name, ids it lacks taking ``default``), or, with ``by``, corpus labels of the
     documents (by data file, by folder, or a mapping doc -> label / a sequence of labels indexed by doc, as
     trace_subset_load takes them). Aggregated by DuckDB: the trace is never loaded."""
-    import pyarrow as pa  # the trace extra, needed once a trace is read
-
     trace = as_trace(trace)
     layers = trace.resolve_layers(layers)
     if by is not None and not (isinstance(classes, str) and classes == "token"):
@@ -37,11 +35,11 @@ def trace_specialization(
     try:
         if by is not None:
             names = _labelled(con, trace, by)
-            con.register("label_ids", pa.table({"label": pa.array(names, pa.string()), "cls": pa.array(range(len(names)), pa.int64())}))
-            rows = con.execute(
-                f"SELECT layer, e, cls, count(*) FROM (SELECT t.layer, unnest(t.experts) AS e, i.cls FROM trace t "
-                f"JOIN labels l USING (doc) JOIN label_ids i USING (label) WHERE t.layer IN {_in(layers)}) GROUP BY ALL"
-            ).fetchall()
+            column = {label: i for i, label in enumerate(names)}
+            rows = [(layer, e, column[label], n) for layer, e, label, n in con.execute(
+                f"SELECT layer, e, label, count(*) FROM (SELECT t.layer, unnest(t.experts) AS e, l.label FROM trace t "
+                f"JOIN labels l USING (doc) WHERE t.layer IN {_in(layers)}) GROUP BY ALL"
+            ).fetchall()]
         else:
             rows = con.execute(
                 f"SELECT layer, e, token, count(*) FROM (SELECT layer, unnest(experts) AS e, token FROM trace "
