@@ -14,7 +14,15 @@ from moelens.analysis.interventions import (
     steer_router_hooks,
 )
 from moelens.analysis.paths import RoutingOverlap, RoutingPaths, routing_overlap, routing_paths
-from moelens.analysis.plots import plot_expert_usage, plot_routing, plot_selectivity, plot_subset_load
+from moelens.analysis.plots import (
+    plot_expert_lens,
+    plot_expert_usage,
+    plot_routing,
+    plot_routing_paths,
+    plot_selectivity,
+    plot_specialization,
+    plot_subset_load,
+)
 from moelens.analysis.routing import RoutingTable, routing_table
 from moelens.analysis.specialization import Specialization, expert_specialization, jensen_shannon
 from moelens.analysis.top_tokens import TopToken, TopTokens, top_tokens
@@ -47,8 +55,11 @@ __all__ = [
     "jensen_shannon",
     "patch_routing",
     "patch_routing_hooks",
+    "plot_expert_lens",
     "plot_expert_usage",
+    "plot_routing_paths",
     "plot_selectivity",
+    "plot_specialization",
     "plot_subset_load",
     "plot_routing",
     "routing_overlap",

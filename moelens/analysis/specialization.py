@@ -49,18 +49,29 @@ class Specialization:
         return self.counts.sum(-1)
 
     def __str__(self) -> str:
+        """Per layer, the three most specialized experts with the class each takes most above its share (its
+        lift p(class | e) / p(class)), and the three most salient."""
         lines = [f"expert specialization over {len(self.classes)} classes: JSD(p(class | expert), p(class)) in bits"
                  + ("; REAP saliency" if self.saliency is not None else "")]
         for i, layer in enumerate(self.layers):
-            jsd = self.jsd[i].nan_to_num(-1.0)
-            order = jsd.argsort(descending=True)[:3].tolist()
-            top = ", ".join(f"E{e} {float(self.jsd[i, e]):.3f}" for e in order)
-            row = f"  layer {layer}: most specialized {top}"
+            c = self.counts[i].double()
+            lift = (c / c.sum(-1, keepdim=True)) / (c.sum(0) / c.sum())
+            shown = []
+            for e in self.jsd[i].nan_to_num(-1.0).argsort(descending=True)[:3].tolist():
+                best = int(lift[e].nan_to_num(-1.0).argmax())
+                shown.append(f"E{e} {float(self.jsd[i, e]):.3f} ({_clip(self.classes[best])} x{float(lift[e, best]):.1f})")
+            row = f"  layer {layer}: most specialized {', '.join(shown)}"
             if self.saliency is not None:
                 s = self.saliency[i].nan_to_num(-1.0)
-                row += "; most salient " + ", ".join(f"E{e} {float(self.saliency[i, e]):.3f}" for e in s.argsort(descending=True)[:3].tolist())
+                row += "; most salient " + ", ".join(f"E{e} {float(self.saliency[i, e]):.2f}" for e in s.argsort(descending=True)[:3].tolist())
             lines.append(row)
         return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _clip(name: str, width: int = 16) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def class_index(classes: str | Mapping[int, str], default: str | None = None):
