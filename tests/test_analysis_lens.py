@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import FAMILIES
 
 from moelens import HookedTransformer
 from moelens.analysis import (
@@ -177,3 +178,46 @@ def test_expert_logit_lens_by_hand(model):
         expert_logit_lens(model, prompt, 0)
     with pytest.raises(ValueError, match="mixture must be"):
         expert_logit_lens(model, prompt, layer, mixture="shared")
+
+
+# ---- every family: the numbers from the hook tensors, written out ------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lens_and_saliency_on_every_family(family_models, family, tokens):
+    model = family_models[family]
+    layer = model.cfg.moe_layer_indices[-1]
+    lens = expert_logit_lens(model, tokens, layer, top=4)
+    spec = expert_specialization(model, tokens, layers=layer)
+    _, cache = model.run_with_cache(tokens)
+    idx, w = cache["expert_indices", layer], cache["expert_weights", layer]
+    outs, routed = cache[f"blocks.{layer}.mlp.hook_expert_outputs"], cache[f"blocks.{layer}.mlp.hook_routed_out"]
+    out_before = cache[f"blocks.{layer}.mlp.experts.hook_out"]
+    weight_at_input = any(p.kind == "routed" and p.module.spec.weight_at == "input" for p in model.blocks[layer].mlp.parts())
+    E = model.cfg.n_routable_experts
+    sums, counts = [0.0] * E, [0] * E
+    for b in range(tokens.shape[0]):
+        for p in range(tokens.shape[1]):
+            first = max(range(idx.shape[-1]), key=lambda k: (float(w[b, p, k]), -k))  # the largest weight, first slot on a tie
+            assert int(lens.experts[b, p, 0]) == int(idx[b, p, first])
+            o, r = outs[b, p, first].double(), routed[b, p].double()
+            assert math.isclose(float(lens.cosine[b, p]), float(o @ r / (o.norm() * r.norm())), abs_tol=1e-5)
+            for k in range(idx.shape[-1]):
+                e = int(idx[b, p, k])
+                sums[e] += float(w[b, p, k]) * float(out_before[b, p, k].double().norm())
+                counts[e] += 1
+    assert spec.counts[0].sum(-1).tolist() == counts
+    if weight_at_input:  # Llama 4: no output before the weight, no saliency
+        assert torch.isnan(spec.saliency).all()
+    else:
+        want = torch.tensor([s / c if c else math.nan for s, c in zip(sums, counts)])
+        torch.testing.assert_close(spec.saliency[0], want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_plots_write_pngs(model, tmp_path):
+    pytest.importorskip("matplotlib")
+    from moelens.analysis import plot_expert_lens, plot_routing_paths, plot_specialization
+
+    tokens = torch.tensor([[5, 6, 5, 9, 11]])
+    plot_expert_lens(expert_logit_lens(model, tokens, 3), tmp_path / "lens.png", labels=["a", "$b$", "c", "d", "e"])
+    plot_specialization(expert_specialization(model, tokens), tmp_path / "spec.png")
+    plot_routing_paths(routing_paths(model, tokens), tmp_path / "paths.png")
+    assert all((tmp_path / f).stat().st_size > 1000 for f in ("lens.png", "spec.png", "paths.png"))
