@@ -221,3 +221,14 @@ def test_plots_write_pngs(model, tmp_path):
     plot_specialization(expert_specialization(model, tokens), tmp_path / "spec.png")
     plot_routing_paths(routing_paths(model, tokens), tmp_path / "paths.png")
     assert all((tmp_path / f).stat().st_size > 1000 for f in ("lens.png", "spec.png", "paths.png"))
+
+
+def test_lens_of_a_padded_batch_is_each_prompt_alone(model):
+    prompts = ["import numpy as np", "def add(a, b):\n    return a + b"]
+    both = expert_logit_lens(model, prompts, 3, top=3)
+    for row, prompt in enumerate(prompts):
+        alone = expert_logit_lens(model, prompt, 3, top=3)
+        valid = both.valid[row]
+        assert int(valid.sum()) == alone.tokens.shape[1]
+        assert torch.equal(both.experts[row][valid], alone.experts[0]) and torch.equal(both.top_ids[row][valid], alone.top_ids[0])
+        torch.testing.assert_close(both.cosine[row][valid], alone.cosine[0], rtol=0, atol=1e-5)
