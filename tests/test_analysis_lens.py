@@ -178,6 +178,9 @@ def test_expert_logit_lens_by_hand(model):
         expert_logit_lens(model, prompt, 0)
     with pytest.raises(ValueError, match="mixture must be"):
         expert_logit_lens(model, prompt, layer, mixture="shared")
+    with model.hooks(fwd_hooks=[("ln_final.hook_normalized", lambda x, hook: x * 0)]):
+        with pytest.raises(ValueError, match=r"remove the hooks on \['ln_final.hook_normalized'\]"):
+            expert_logit_lens(model, prompt, layer)
 
 
 # ---- every family: the numbers from the hook tensors, written out ------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from moelens.analysis.data import Mask, _one_batch, resolve_layers
+from moelens.hooks.points import HookPoint
 
 Mixture = Literal["routed", "mlp"]
 MIXTURE_SITE = {"routed": "blocks.{layer}.mlp.hook_routed_out", "mlp": "blocks.{layer}.hook_mlp_out"}
@@ -54,8 +55,12 @@ class ExpertLens:
 
 def lens_logits(model, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... d_vocab"]:
     """The logit lens of vectors: the model's own ln_final (each vector normed on its own, as if it were the
-    residual stream) and unembedding, with the dtype and arithmetic of the forward."""
+    residual stream) and unembedding, in the forward's arithmetic. A hook left on ln_final's sites would edit
+    these vectors as if they were the stream: refused, naming it."""
     norm = model.ln_final
+    hooked = [p.name for p in norm.modules() if isinstance(p, HookPoint) and p.has_hooks]
+    if hooked:
+        raise ValueError(f"the logit lens runs ln_final on expert outputs: remove the hooks on {hooked} first (or run it outside model.hooks())")
     return model.unembed(norm(x.to(norm.weight.device)).to(model.unembed.weight.device))
 
 
