@@ -26,17 +26,20 @@ def jsd_by_hand(p, q):
     return h2([(a + b) / 2 for a, b in zip(p, q)]) - (h2(p) + h2(q)) / 2
 
 
+# The hand trace with row 1's layer-0 slots swapped: the top-1 expert (0, weight .7) is now in slot 1.
+SWAPPED = [*ROWS[:1], (*ROWS[1][:4], {**ROWS[1][4], 0: ([2, 0], [0.3, 0.7])}), *ROWS[2:]]
 FILES = [{"path": "/corpus/a/x.txt", "size": 1, "sha256": "0", "first_doc": 0, "n_docs": 1},
          {"path": "/corpus/b/y.jsonl", "size": 1, "sha256": "1", "first_doc": 1, "n_docs": 1}]
 
 
 @pytest.fixture
 def hand(tmp_path):
-    return write_trace(tmp_path / "hand", ROWS, files=FILES)
+    return write_trace(tmp_path / "hand", SWAPPED, files=FILES)
 
 
 def test_paths_and_entropy_by_hand(hand):
-    # top-1 per token (layer 0, layer 1): (0,1) (0,1) (1,2) (1,2) (3,0) (3,3); rows 0, 2 and 4 break a tie by slot
+    # top-1 per token (layer 0, layer 1): (0,1) (0,1) (1,2) (1,2) (3,0) (3,3); rows 0, 2 and 4 break a tie by
+    # slot, row 1's layer-0 top-1 is its second slot
     paths = trace_routing_paths(hand)
     assert paths.paths == [((0, 1), 2), ((1, 2), 2), ((3, 0), 1), ((3, 3), 1)]
     assert (paths.n_tokens, paths.n_distinct, paths.layers) == (6, 4, [0, 1])
@@ -47,7 +50,7 @@ def test_paths_and_entropy_by_hand(hand):
 
 
 def test_overlap_by_hand(hand, tmp_path):
-    rows_b = [list(r) for r in ROWS]
+    rows_b = [list(r) for r in SWAPPED]
     rows_b[0][4] = {**ROWS[0][4], 0: ([0, 2], [0.5, 0.5])}  # {0: .6, 1: .4} against {0: .5, 2: .5}: .5 / 1.5
     rows_b[5][4] = {**ROWS[5][4], 0: ([1, 2], [0.5, 0.5])}  # disjoint: 0; the top-1 moves from 3 to 1
     other = write_trace(tmp_path / "b", [tuple(r) for r in rows_b], files=FILES)
@@ -62,12 +65,12 @@ def test_overlap_by_hand(hand, tmp_path):
 
 
 def test_overlap_refuses_traces_of_other_tokens(hand, tmp_path):
-    rows = [list(r) for r in ROWS]
+    rows = [list(r) for r in SWAPPED]
     rows[3][3] = 12  # another token at doc 0, position 3
     with pytest.raises(ValueError, match="do not hold the same tokens: 1 positions differ.*doc 0"):
         trace_routing_overlap(hand, write_trace(tmp_path / "b", [tuple(r) for r in rows], files=FILES))
     with pytest.raises(ValueError, match="do not hold the same tokens: 2 positions"):
-        trace_routing_overlap(hand, write_trace(tmp_path / "c", ROWS[:4], files=FILES))
+        trace_routing_overlap(hand, write_trace(tmp_path / "c", SWAPPED[:4], files=FILES))
 
 
 def test_specialization_by_token_and_by_file_by_hand(hand):
