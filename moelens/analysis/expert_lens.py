@@ -73,10 +73,11 @@ def expert_logit_lens(
     mixture: Mixture = "routed",
     attention_mask: Mask | None = None,
 ) -> ExpertLens:
-    """MoE Lens (Chaudhari et al. 2025, "MoE Lens - An Expert Is All You Need"): the logit lens (nostalgebraist
+    """MoE Lens (Chaudhari et al., "MoE Lens - An Expert Is All You Need"): the logit lens (nostalgebraist
     2020) applied to each routed expert's output at ``layer``: per (token, slot), the top tokens of
     unembed(ln_final(weighted expert output)), and the cosine similarity between the top-1 expert's output and
-    the whole mixture's, which the paper finds close to 1 (one expert carries the layer's contribution).
+    the whole mixture's, which the paper finds high (up to 0.95 in DeepSeekMoE's layers: the top-weighted expert
+    carries most of the layer's contribution).
 
     The expert output is hook_expert_outputs (each slot's output times its routing weight: they sum to
     hook_routed_out; the weight does not change the cosine, and changes the logits only through the norm's

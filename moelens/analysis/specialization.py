@@ -109,8 +109,8 @@ def expert_specialization(
 ) -> Specialization:
     """Per expert, the Jensen-Shannon divergence (Lin 1991, in bits) between the distribution of the token
     classes routed to it and the layer's (0: the expert sees the layer's mix; towards 1: its own classes),
-    and REAP's saliency (Lasby et al. 2025, "REAP:
-    Router-weighted Expert Activation Pruning"): S_e = mean over the tokens routed to e of g_e(x) ||f_e(x)||_2,
+    and REAP's saliency (Router-weighted Expert Activation Pruning: Lasby et al. 2025, "REAP the Experts: Why
+    Pruning Prevails for One-Shot MoE Compression"): S_e = mean over the tokens routed to e of g_e(x) ||f_e(x)||_2,
     the routing weight (hook_expert_weights) times the L2 norm of the expert's output before the weight
     (blocks.L.mlp.experts.hook_out). NaN for an expert no token reached; for a layer whose experts take the
     weight on their input (Llama 4) the unweighted output does not exist and its row is NaN.
