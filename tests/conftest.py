@@ -60,6 +60,24 @@ def families_applying_norms():
     return [pytest.param(f, marks=refused) if f in LAYER_NORM_FAMILIES else f for f in FAMILIES]
 
 
+def lineage(family: str) -> list[str]:
+    """The family and the registered families it derives from, nearest first (Sarvam's MLA family is
+    DeepSeek-V3's blocks: a fact the suites know of deepseek_v3 holds for sarvam_mla unless it says otherwise)."""
+    from moelens.families import FAMILIES as REGISTERED
+
+    names = {cls: cls.__module__.rsplit(".", 1)[1] for cls in REGISTERED.values()}
+    return [names[cls] for cls in REGISTERED[family].__mro__ if cls in names]
+
+
+def family_fact(table: dict, family: str):
+    """A per-family table's entry for the family, or for the nearest family it derives from; a KeyError naming the
+    table's missing entry where neither has one."""
+    for name in lineage(family):
+        if name in table:
+            return table[name]
+    raise KeyError(f"no entry for {family} (nor for the families it derives from, {lineage(family)[1:]})")
+
+
 def fold_ln_refused(cases):
     """Parameters (a family, or a (family, variant) key) with a LayerNorm family's marked to raise: fold_ln refuses
     its biased norms (a ValueError naming the norm; strict: passing fails)."""

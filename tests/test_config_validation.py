@@ -7,62 +7,29 @@ import shutil
 import pytest
 
 import tiny
-import tiny_deepseek_v2
-import tiny_ernie4_5_moe
-import tiny_flex_olmo
-import tiny_deepseek_v3
-import tiny_deepseek_v32
-import tiny_qwen3_5_moe
-import tiny_qwen3_next
-import tiny_glm_moe_dsa
-import tiny_glm4_moe
-import tiny_glm4_moe_lite
-import tiny_granitemoe
-import tiny_granitemoeshared
-import tiny_gpt_oss
 import tiny_llama4_text
-import tiny_minimax_m2
-import tiny_mixtral
-import tiny_olmoe
-import tiny_qwen3_moe
-import tiny_longcat_flash
-import tiny_nemotron_h
-import tiny_phimoe
+import tiny_qwen3_5_moe
+from conftest import FAMILIES
 from moelens import HookedTransformer
 from moelens.config import HFConfig
 from moelens.loaders.errors import CheckpointError
-from moelens.models import FAMILIES
+from moelens.models import FAMILIES as REGISTERED
 
-BUILDERS = {
-    "qwen2_moe": tiny.build_qwen2_moe, "hunyuan_v1_moe": tiny.build_hunyuan, "solar_open": tiny.build_solar,
-    "qwen3_moe": tiny_qwen3_moe.build_qwen3_moe, "mixtral": tiny_mixtral.build_mixtral, "olmoe": tiny_olmoe.build_olmoe,
-    "deepseek_v3": tiny_deepseek_v3.build_deepseek_v3, "gpt_oss": tiny_gpt_oss.build_gpt_oss,
-    "glm4_moe": tiny_glm4_moe.build_glm4_moe,
-    "minimax_m2": tiny_minimax_m2.build_minimax_m2,
-    "deepseek_v32": tiny_deepseek_v32.build_deepseek_v32,
-    "glm_moe_dsa": tiny_glm_moe_dsa.build_glm_moe_dsa,
-    "llama4_text": tiny_llama4_text.build_llama4,
-    "qwen3_next": tiny_qwen3_next.build_qwen3_next,
-    "longcat_flash": tiny_longcat_flash.build_longcat_flash,
-    "nemotron_h": tiny_nemotron_h.build_nemotron_h,
-    "deepseek_v2": tiny_deepseek_v2.build_deepseek_v2,
-    "ernie4_5_moe": tiny_ernie4_5_moe.build_ernie4_5_moe,
-    "flex_olmo": tiny_flex_olmo.build_flex_olmo,
-    "glm4_moe_lite": tiny_glm4_moe_lite.build_glm4_moe_lite,
-    "granitemoe": tiny_granitemoe.build_granitemoe,
-    "granitemoeshared": tiny_granitemoeshared.build_granitemoeshared,
-    "phimoe": tiny_phimoe.build_phimoe,
-    # the Hub's multimodal spelling of the same family (text_config nested, keys under language_model.)
-    "llama4": lambda folder, seed: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=seed)),
-    "qwen3_5_moe_text": tiny_qwen3_5_moe.build_text,
-    "qwen3_5_moe": tiny_qwen3_5_moe.build_multimodal,  # the Hub's multimodal spelling (text_config nested)
+# beside each family's base checkpoint (conftest's), the Hub's other spellings of a family
+OTHER_SPELLINGS = {
+    # text_config nested, keys under language_model.
+    "llama4": lambda folder: tiny_llama4_text.hub_nested(tiny_llama4_text.build_llama4(folder, seed=0)),
+    "qwen3_5_moe_text": lambda folder: tiny_qwen3_5_moe.build_text(folder, seed=0),
+    "qwen3_5_moe": lambda folder: tiny_qwen3_5_moe.build_multimodal(folder, seed=0),  # text_config nested
 }
+CHECKPOINTS = sorted({*FAMILIES, *OTHER_SPELLINGS})
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
+def pristine(checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("config-validation")
-    return {family: build(root / family, seed=0) for family, build in BUILDERS.items()}
+    base = {family: checkpoints[family, "base"] for family in FAMILIES}
+    return base | {name: build(root / name) for name, build in OTHER_SPELLINGS.items()}
 
 
 @pytest.fixture
@@ -86,7 +53,7 @@ def refused(folder, *parts):
     return message
 
 
-@pytest.mark.parametrize("family", BUILDERS)
+@pytest.mark.parametrize("family", CHECKPOINTS)
 def test_pristine_configs_load(pristine, family):
     HookedTransformer.from_pretrained(pristine[family], progress=False)
 
@@ -239,7 +206,7 @@ def test_deeply_nested_rope_type_is_named(edited):
     assert len(message) < 1000  # the bad value is abbreviated, not printed 500 levels deep
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", CHECKPOINTS)
 @pytest.mark.parametrize("section", ["rope_parameters", "rope_scaling", "text_config"])
 def test_self_referential_config_neither_hangs_nor_recurses(pristine, family, section, monkeypatch):
     """A dict holding itself (impossible in JSON, possible from Python) is read like any other: each section is
@@ -258,7 +225,7 @@ def test_self_referential_config_neither_hangs_nor_recurses(pristine, family, se
 
     monkeypatch.setattr(HFConfig, "__init__", counting_init)
     try:
-        FAMILIES[family].config_from_hf(raw)
+        REGISTERED[family].config_from_hf(raw)
     except (KeyError, ValueError) as err:
         assert len(str(err)) < 1000
     assert 1 <= len(opened) <= 20

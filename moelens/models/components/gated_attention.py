@@ -53,7 +53,9 @@ class OutputGatedAttention(Attention):
         b, p = xq.shape[:2]
         q_and_gate = linear_per_head(self.q_proj, xq).view(b, p, self.n_heads, 2 * self.d_head)
         q, gate = torch.chunk(q_and_gate, 2, dim=-1)
-        q, gate = self.hook_q(q), self.hook_attn_gate(gate)
+        # the gate contiguous, as transformers reshapes it: the sigmoid's rounding then never depends on whether a
+        # hook edited the chunk in place (a strided view) or returned an edited copy (contiguous)
+        q, gate = self.hook_q(q), self.hook_attn_gate(gate.contiguous())
         k = self.hook_k(linear_per_head(self.k_proj, xk).view(b, p, self.n_kv_heads, self.d_head))
         v = self.hook_v(linear_per_head(self.v_proj, xv).view(b, p, self.n_kv_heads, self.d_head))
         return q, gate, k, v
