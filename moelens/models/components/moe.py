@@ -216,6 +216,20 @@ class Experts(nn.Module):
             return self.host.dequantize(self.dtype)
         return ExpertTensors(*(None if t is None else cast_through(t, self.rounding, self.dtype) for t in self.host))
 
+    def __getattr__(self, name: str):
+        # W_gate_up, W_down (and the biases) of experts that are not parameters here (kept as stored, or
+        # offloaded to host memory): the dequantized stacks, as tensors() gives them. Each read is a fresh
+        # tensor: writing to it does not change the model.
+        spec = self.__dict__.get("spec")
+        held_elsewhere = spec is not None and (spec.storage is not None or self.placement != "resident")
+        if held_elsewhere and name in spec.param_names:
+            try:
+                stacks = self.tensors()
+            except ValueError as e:  # disk-offloaded or sharded: AttributeError, so hasattr() stays False
+                raise AttributeError(f"experts.{name}: {e}") from None
+            return stacks[spec.param_names.index(name)]
+        return super().__getattr__(name)
+
     def stacks_held_elsewhere(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The full stacks, as meta tensors of the spec's (dequantized) shapes, where they are not this module's
         parameters (offloaded, sharded or kept stored): what loading checks and fills and what a plan counts."""
