@@ -64,7 +64,9 @@ class Experts(nn.Module):
     Where the spec has a storage (cfg.expert_storage: "fp8", "mxfp4"), the experts are kept as the checkpoint
     stores them (moelens.experts.stored.StoredExperts: resident in `stored`, or in the store or shard) and a
     forward dequantizes the routed ones only, into its input's dtype; tensors() then returns dequantized
-    copies. Resident stored experts are not parameters or buffers either (state_dict() does not see them);
+    copies, and so does reading W_gate_up / W_down / the biases as attributes (a fresh tensor per read: writing
+    to one does not change the model). Resident stored experts are not parameters or buffers either
+    (state_dict() does not see them);
     model.to(device) moves them, model.to(dtype) changes the dtype they are dequantized to, never them.
     Experts made after a dtype move (dequantized, or read from an offload store's slots) are made through the
     roundings the dense model's weights went through (`rounding`, moelens.experts.rounding), so a model with
