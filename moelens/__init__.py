@@ -2,9 +2,9 @@
 
 TransformerLens code runs with `moelens` in place of `transformer_lens`: HookedTransformer, ActivationCache,
 FactoredMatrix, HookedTransformerConfig (moelens's MoeConfig under TransformerLens's name), and the modules
-hook_points, utils and patching are here under the same names."""
+hook_points, utils, patching and evals are here under the same names."""
 
-from moelens import hook_points, patching, utils
+from moelens import evals, hook_points, patching, utils
 from moelens.cache import ActivationCache
 from moelens.config import MoeConfig
 from moelens.factored_matrix import FactoredMatrix
@@ -63,6 +63,7 @@ __all__ = [
     "HookedTransformerConfig",
     "KVCache",
     "MoeConfig",
+    "evals",
     "hook_points",
     "patching",
     "utils",
