@@ -1,7 +1,7 @@
 """moelens: TransformerLens-style hooks, caches and analysis for Mixture-of-Experts language models.
 
 TransformerLens code runs with `moelens` in place of `transformer_lens`: HookedTransformer, ActivationCache,
-FactoredMatrix, HookedTransformerConfig (moelens's MoeConfig under TransformerLens's name), and the modules
+FactoredMatrix, HookedTransformerConfig (TransformerLens's constructor of a config, giving a MoeConfig), and the modules
 hook_points, utils, patching and evals are here under the same names."""
 
 from moelens import evals, hook_points, patching, utils
@@ -31,9 +31,8 @@ from moelens.models import (
     HookedSolarOpen,
     HookedTransformer,
 )
+from moelens.tl_config import HookedTransformerConfig
 
-# TransformerLens's name for the config class; see README ("Differences from TransformerLens") for what differs
-HookedTransformerConfig = MoeConfig
 
 __all__ = [
     "ActivationCache",
