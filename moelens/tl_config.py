@@ -138,6 +138,18 @@ def hf_config_from_tl(args: dict) -> dict:
         max_position_embeddings=n_ctx, intermediate_size=d_mlp, tie_word_embeddings=False,
         num_key_value_heads=n_heads if args.get("n_key_value_heads") is None else _integer(args, "n_key_value_heads"),
     )
+    # latent attention (DeepSeek-V2's and its kin's): a head is qk_nope_head_dim + qk_rope_head_dim wide and its
+    # value v_head_dim; d_head sets the first and the last, the rotated part staying the tiny default's
+    # (LongCat-Flash's head_dim is its rotated part: not this)
+    base = _base_config(family)
+    if "qk_nope_head_dim" in base and base.get("head_dim") != base.get("qk_rope_head_dim"):
+        rope = base["qk_rope_head_dim"]
+        if d_head <= rope:
+            raise ValueError(
+                f"HookedTransformerConfig: d_head = {d_head}; the {family} family's heads are qk_nope_head_dim + "
+                f"qk_rope_head_dim ({rope}) wide, so d_head must be above {rope}"
+            )
+        hf.update(qk_nope_head_dim=d_head - rope, v_head_dim=d_head)
     hf.pop("rope_scaling", None)
     hf["rope_parameters"] = {"rope_type": "default", "rope_theta": _number(args, "rotary_base") if "rotary_base" in args else 10000.0}
     if args.get("rotary_dim") is not None:

@@ -133,3 +133,43 @@ def test_hooked_transformer_of_any_models_cfg_is_a_random_model_of_its_family():
         HookedTransformer({"n_layers": 2})
     with pytest.raises(ValueError, match="expert_storage 'fp8'"):
         HookedTransformer(dataclasses.replace(loaded.cfg, expert_storage="fp8"))
+
+
+# the families that need their own fields at these sizes (four experts; d_head 16), and those fields
+OWN_FIELDS = {
+    "deepseek_v3": {"n_group": 1, "topk_group": 1},
+    "deepseek_v32": {"n_group": 1, "topk_group": 1},
+    "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "head_dim": 8},
+}
+
+
+@pytest.mark.parametrize("family", sorted({f.model_type for f in moelens.FAMILIES.values()}))
+def test_every_family_builds_and_trains(family):
+    """Each registered family: the config asked for (or, with its own fields, an error naming hf_config first),
+    a random model whose loss starts near log(d_vocab) and whose routers all get a gradient somewhere."""
+    args = {**TL, "n_layers": 3, "family": family, "seed": 0}
+    if family in OWN_FIELDS:
+        with pytest.raises(ValueError, match=r"hf_config=\{\.\.\.\}"):
+            HookedTransformerConfig(**args)
+        args["hf_config"] = OWN_FIELDS[family]
+    model = HookedTransformer(HookedTransformerConfig(**args))
+    assert type(model).model_type == family and model.cfg.d_model == 64 and model.cfg.n_experts == 4
+    assert all(p.requires_grad for p in model.parameters())
+    std = model.cfg.initializer_range
+    for name, p in model.named_parameters():  # nothing left as torch.empty left it
+        leaf = name.rsplit(".", 1)[-1]
+        assert torch.isfinite(p).all(), name
+        if leaf == "bias" or leaf.startswith("b_"):
+            assert not p.any(), name
+        elif p.ndim >= 2 and p.numel() >= 256:
+            assert abs(p.std().item() / std - 1) < 0.2, (name, p.std().item(), std)
+    loss = model(torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0)), return_type="loss")
+    assert abs(loss.item() - math.log(50)) < 1.0, loss.item()
+    loss.backward()
+    moe = [block.mlp for block in model.blocks if block.is_moe]
+    # PhiMoE's sparsemixer weighs a slot by a softmax over the experts within its jitter of the best: alone there
+    # (as at random init), the weight is 1 and the router gets no gradient (transformers' training-mode
+    # straight-through estimator is not moelens's forward)
+    if family != "phimoe":
+        assert moe and any(mlp.router.weight.grad.abs().sum() > 0 for mlp in moe)
+    assert all(mlp.experts.W_down.grad.abs().sum() > 0 for mlp in moe)
