@@ -124,8 +124,10 @@ def hf_config_from_tl(args: dict) -> dict:
     if args.get("d_vocab_out", -1) not in (-1, d_vocab):
         raise ValueError(f"HookedTransformerConfig: d_vocab_out = {args['d_vocab_out']!r}; the unembedding's width is d_vocab ({d_vocab})")
     d_mlp = 4 * d_model if args.get("d_mlp") is None else _integer(args, "d_mlp")  # TransformerLens's default
-    n_experts = args.get("n_experts", args.get("num_experts"))
-    hf = _base_config(family)
+    expert_field = "n_experts" if args.get("n_experts") is not None else "num_experts"
+    n_experts = args.get(expert_field)
+    base = _base_config(family)
+    hf = dict(base)
     base_layers = next((hf[name] for name in _LAYER_COUNT if name in hf), None)
     for name in _LAYER_PATTERNS:  # the tiny default's per-layer pattern, repeated to n_layers
         if name in hf and base_layers:
@@ -141,7 +143,6 @@ def hf_config_from_tl(args: dict) -> dict:
     # latent attention (DeepSeek-V2's and its kin's): a head is qk_nope_head_dim + qk_rope_head_dim wide and its
     # value v_head_dim; d_head sets the first and the last, the rotated part staying the tiny default's
     # (LongCat-Flash's head_dim is its rotated part: not this)
-    base = _base_config(family)
     if "qk_nope_head_dim" in base and base.get("head_dim") != base.get("qk_rope_head_dim"):
         rope = base["qk_rope_head_dim"]
         if d_head <= rope:
@@ -162,7 +163,7 @@ def hf_config_from_tl(args: dict) -> dict:
     if "norm_topk_prob" in args:
         hf["norm_topk_prob"] = args["norm_topk_prob"]
     if n_experts is not None:
-        n_experts = _integer({"n_experts": n_experts}, "n_experts", at_least=0)
+        n_experts = _integer(args, expert_field, at_least=0)
         for name in _EXPERT_COUNT:
             if name in hf:
                 hf[name] = n_experts
