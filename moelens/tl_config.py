@@ -53,7 +53,8 @@ _ARGS = {"family", "hf_config"} | _TL_FIELDS
 # the config.json names families give the same thing (each is written where the family's tiny default has it)
 _EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
-_EXPERT_WIDTH = ("moe_intermediate_size", "shared_expert_intermediate_size")
+_EXPERT_WIDTH = ("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size")
+_DENSE_WIDTH = ("intermediate_size", "ffn_hidden_size")  # the dense MLPs' (and Mixtral-style experts') width
 _LAYER_PATTERNS = ("layer_types", "hybrid_override_pattern")  # one entry per layer: repeated to n_layers
 _LAYER_COUNT = ("num_hidden_layers", "num_layers")
 
@@ -127,19 +128,21 @@ def hf_config_from_tl(args: dict) -> dict:
     expert_field = "n_experts" if args.get("n_experts") is not None else "num_experts"
     n_experts = args.get(expert_field)
     base = _base_config(family)
-    hf = dict(base)
+    # the tiny default's special token ids are its byte-level tokenizer's; a model made here has no tokenizer
+    hf = {**base, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     base_layers = next((hf[name] for name in _LAYER_COUNT if name in hf), None)
     for name in _LAYER_PATTERNS:  # the tiny default's per-layer pattern, repeated to n_layers
         if name in hf and base_layers:
             hf[name] = (hf[name] * n_layers)[:n_layers]
-    for name in _LAYER_COUNT:
-        if name in hf or name == "num_hidden_layers":
-            hf[name] = n_layers
+    # the layer count where the family keeps it (LongCat-Flash's num_layers: its num_hidden_layers is twice that)
+    hf[next((name for name in _LAYER_COUNT if name in hf), "num_hidden_layers")] = n_layers
     hf.update(
         hidden_size=d_model, num_attention_heads=n_heads, head_dim=d_head, vocab_size=d_vocab,
-        max_position_embeddings=n_ctx, intermediate_size=d_mlp, tie_word_embeddings=False,
+        max_position_embeddings=n_ctx, tie_word_embeddings=False,
         num_key_value_heads=n_heads if args.get("n_key_value_heads") is None else _integer(args, "n_key_value_heads"),
     )
+    for name in [name for name in _DENSE_WIDTH if name in base] or ["intermediate_size"]:
+        hf[name] = d_mlp
     # latent attention (DeepSeek-V2's and its kin's): a head is qk_nope_head_dim + qk_rope_head_dim wide and its
     # value v_head_dim; d_head sets the first and the last, the rotated part staying the tiny default's
     # (LongCat-Flash's head_dim is its rotated part: not this)
@@ -151,6 +154,7 @@ def hf_config_from_tl(args: dict) -> dict:
                 f"qk_rope_head_dim ({rope}) wide, so d_head must be above {rope}"
             )
         hf.update(qk_nope_head_dim=d_head - rope, v_head_dim=d_head)
+        del hf["head_dim"]  # transformers reads it as qk_rope_head_dim in some of these families (GLM-4.7-Flash's)
     hf.pop("rope_scaling", None)
     hf["rope_parameters"] = {"rope_type": "default", "rope_theta": _number(args, "rotary_base") if "rotary_base" in args else 10000.0}
     if args.get("rotary_dim") is not None:
@@ -202,7 +206,7 @@ def _check_taken(cfg: MoeConfig, args: dict, hf: dict) -> None:
         ks = {cfg.top_k_per_layer[layer] for layer in cfg.moe_layer_indices}
         asked["experts_per_token"] = (args["experts_per_token"], ks.pop() if len(ks) == 1 else sorted(ks))
     if n_experts:
-        asked["d_mlp (each expert's width)"] = (hf["intermediate_size"] if args.get("d_mlp") is None else args["d_mlp"], cfg.d_expert)
+        asked["d_mlp (each expert's width)"] = (4 * args["d_model"] if args.get("d_mlp") is None else args["d_mlp"], cfg.d_expert)
     wrong = {name: pair for name, pair in asked.items() if pair[0] != pair[1]}
     if wrong:
         described = "; ".join(f"{name} = {want!r} gives {got!r}" for name, (want, got) in wrong.items())

@@ -175,3 +175,26 @@ def test_every_family_builds_and_trains(family):
     if family != "phimoe":
         assert moe and any(mlp.router.weight.grad.abs().sum() > 0 for mlp in moe)
     assert all(mlp.experts.W_down.grad.abs().sum() > 0 for mlp in moe)
+
+
+@pytest.mark.parametrize("family", sorted({f.model_type for f in moelens.FAMILIES.values()}))
+def test_the_architecture_is_transformers_for_the_config_json_it_writes(family, tmp_path):
+    """transformers builds a model from the config.json HookedTransformerConfig writes; loaded into moelens, its
+    config is the one asked for, its weights fit HookedTransformer(cfg) key for key, and give transformers'
+    logits (float32, 1e-5). Four layers: transformers' hybrids need a softmax-attention layer among them."""
+    transformers = pytest.importorskip("transformers")
+    import tiny
+
+    args = {**TL, "n_layers": 4, "family": family, "seed": 0, "hf_config": OWN_FIELDS.get(family)}
+    config = transformers.AutoConfig.for_model(**moelens.tl_config.hf_config_from_tl(args))
+    reference = tiny.new_model(transformers.AutoModelForCausalLM.from_config, config, seed=3).eval()
+    loaded = HookedTransformer.from_pretrained(tiny.save_hf(reference, tmp_path / family), progress=False)
+    model = HookedTransformer(HookedTransformerConfig(**args))
+    # transformers writes DeepSeek-V3's default of one multi-token-prediction layer, which no forward runs
+    mtp = {"mtp_layers": model.cfg.mtp_layers} if hasattr(model.cfg, "mtp_layers") else {}
+    assert model.cfg == dataclasses.replace(loaded.cfg, **mtp)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(tokens).logits
+    assert (model(tokens) - want).abs().max().item() <= 1e-5
