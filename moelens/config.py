@@ -192,6 +192,10 @@ class MoeConfig:
     use_split_qkv_input: bool = field(default=False, compare=False)
     use_hook_mlp_in: bool = field(default=False, compare=False)
     use_attn_in: bool = field(default=False, compare=False)
+    # TransformerLens's random initialisation (HookedTransformer(cfg), model.init_weights()): every weight matrix
+    # normal(0, initializer_range), drawn from a generator seeded with seed (None: torch's global one)
+    initializer_range: float | None = field(default=None, compare=False)
+    seed: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _explain_frozen(type(self))  # this class's and each family subclass's dataclass-made __setattr__

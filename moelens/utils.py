@@ -6,6 +6,7 @@ remove_batch_dim, lm_cross_entropy_loss, lm_accuracy, get_device, tokenize_and_c
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 import re
 from typing import Any
 
@@ -402,30 +403,37 @@ def tokenize_and_concatenate(
     if column_name not in columns:
         raise KeyError(f"tokenize_and_concatenate: the dataset has no column {column_name!r} (columns: {columns})")
     dataset = dataset.remove_columns([c for c in columns if c != column_name])
-    seq_len = max_length - 1 if add_bos_token else max_length
-    if seq_len < 1:
+    if (max_length - 1 if add_bos_token else max_length) < 1:
         raise ValueError(f"tokenize_and_concatenate: max_length {max_length} leaves no room for tokens")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def tokenize(examples: dict[str, list[str]]) -> dict[str, np.ndarray]:
-        texts = examples[column_name]
-        if not texts:
-            return {"tokens": np.zeros((0, max_length), dtype=np.int64)}
-        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        pieces: list[np.ndarray] = []
-        for i, row in enumerate(encoded):
-            pieces.append(np.asarray(row, dtype=np.int64))
-            if i < len(encoded) - 1:
-                pieces.append(np.array([tokenizer.eos_token_id], dtype=np.int64))
-        tokens = np.concatenate(pieces)
-        if len(tokens) < seq_len:  # one short row, padded
-            tokens = np.concatenate([tokens, np.full(seq_len - len(tokens), pad_id, dtype=np.int64)])
-        n_rows = len(tokens) // seq_len
-        rows = tokens[: n_rows * seq_len].reshape(n_rows, seq_len)
-        if add_bos_token:
-            rows = np.concatenate([np.full((n_rows, 1), tokenizer.bos_token_id, dtype=np.int64), rows], axis=1)
-        return {"tokens": rows}
+        return {"tokens": token_rows(examples[column_name], tokenizer, max_length, add_bos_token)}
 
     kwargs = {} if streaming else {"num_proc": num_proc}
     tokenized = dataset.map(tokenize, batched=True, remove_columns=[column_name], **kwargs)
     return tokenized.with_format(type="torch")
+
+
+def token_rows(texts: Sequence[str], tokenizer: Any, max_length: int, add_bos_token: bool) -> Int[np.ndarray, "rows max_length"]:
+    """One batch of tokenize_and_concatenate: the texts tokenized without special tokens, joined with the EOS
+    token, cut into rows of max_length (max_length - 1 and a BOS first with add_bos_token); the tail that does
+    not fill a row is dropped, except that a batch shorter than one row gives one row padded with the pad token
+    (the EOS token where the tokenizer has none)."""
+    seq_len = max_length - 1 if add_bos_token else max_length
+    if not texts:
+        return np.zeros((0, max_length), dtype=np.int64)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    pieces: list[np.ndarray] = []
+    for i, row in enumerate(encoded):
+        pieces.append(np.asarray(row, dtype=np.int64))
+        if i < len(encoded) - 1:
+            pieces.append(np.array([tokenizer.eos_token_id], dtype=np.int64))
+    tokens = np.concatenate(pieces)
+    if len(tokens) < seq_len:  # one short row, padded
+        tokens = np.concatenate([tokens, np.full(seq_len - len(tokens), pad_id, dtype=np.int64)])
+    n_rows = len(tokens) // seq_len
+    rows = tokens[: n_rows * seq_len].reshape(n_rows, seq_len)
+    if add_bos_token:
+        rows = np.concatenate([np.full((n_rows, 1), tokenizer.bos_token_id, dtype=np.int64), rows], axis=1)
+    return rows

@@ -14,7 +14,7 @@ from moelens.families import FAMILIES
 ROOT = Path(__file__).resolve().parent.parent
 # the modules docs/api/ renders, and the classes whose methods it lists
 MODULES = ["moelens", "moelens.analysis", "moelens.patching", "moelens.traces", "moelens.utils", "moelens.plan",
-           "moelens.hook_points"]
+           "moelens.hook_points", "moelens.evals"]
 CLASSES = [moelens.HookedTransformer, moelens.ActivationCache, moelens.MoeConfig, moelens.HookPoint,
            moelens.HookedRootModule, moelens.KVCache, moelens.FactoredMatrix]
 

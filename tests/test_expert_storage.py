@@ -129,6 +129,39 @@ def test_weight_views_and_decomposition_read_the_dequantized_experts(ckpts):
         assert labels == labels_dense and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("name", ["qwen3_fp8_partial", "deepseek_v3_fp8"])
+def test_experts_weight_attributes_are_the_dequantized_stacks(ckpts, name):
+    """blocks[L].mlp.experts.W_gate_up / W_down on stored (and host-offloaded stored) experts: the stacks a dense
+    load holds, bit for bit; each read a fresh tensor, so writing to one leaves the model as it was."""
+    dense = load(ckpts[name])
+    for kwargs in ({"expert_storage": "fp8"}, {"expert_storage": "fp8", "expert_offload": "cpu"}):
+        stored = load(ckpts[name], **kwargs)
+        for layer in dense.cfg.moe_layer_indices:
+            ours, theirs = stored.blocks[layer].mlp.experts, dense.blocks[layer].mlp.experts
+            assert dict(ours.named_parameters(recurse=False)) == {}
+            for attr in ("W_gate_up", "W_down"):
+                got = getattr(ours, attr)
+                assert not isinstance(got, torch.nn.Parameter) and got.dtype == getattr(theirs, attr).dtype
+                assert torch.equal(got, getattr(theirs, attr)), (kwargs, layer, attr)
+                assert got.data_ptr() != getattr(ours, attr).data_ptr()  # a fresh tensor per read
+            ours.W_gate_up.zero_()
+            ours.W_down.mul_(2)
+        for view in ("W_gate", "W_in", "W_out"):
+            a, b = getattr(stored, view), getattr(dense, view)
+            layers = dense.cfg.moe_layer_indices
+            assert all(torch.equal(a[l], b[l]) for l in layers), (kwargs, view)
+        assert torch.equal(stored(TOKENS), dense(TOKENS))  # the writes above changed nothing
+        assert not hasattr(stored.blocks[layers[0]].mlp.experts, "b_gate_up")  # no biases in this spec
+
+
+def test_experts_weight_attributes_of_disk_offloaded_experts_say_why(ckpts):
+    stored = load(ckpts["qwen3_fp8_partial"], expert_storage="fp8", expert_offload="disk")
+    experts = stored.blocks[0].mlp.experts
+    assert not hasattr(experts, "W_down")
+    with pytest.raises(AttributeError, match="experts.W_down: .*offloaded to disk"):
+        experts.W_down
+
+
 def stored_bytes_in_files(folder, layer: int) -> int:
     """The bytes the checkpoint stores for one layer's routed experts (every tensor of mlp.experts)."""
     return sum(t.nbytes for k, t in load_file(folder / "model.safetensors").items() if f"layers.{layer}.mlp.experts." in k)

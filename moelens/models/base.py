@@ -63,7 +63,22 @@ def _switch_value(value: bool, name: str) -> bool:
     return value
 
 
-class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
+class _BuildsFromConfig(type):
+    """HookedTransformer(cfg), as in TransformerLens: the cfg's family with random weights
+    (HookedTransformer.from_config); a family's class called directly builds it unfilled, for a load to fill."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls.recipe.__func__ is HookedTransformer.recipe.__func__:  # not a family's class
+            return cls.from_config(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+# leaves that take the constructor's value however the model is initialised are the other 1-D ones: norm weights
+# (1) and the state-space mixers' decay and step parameters (transformers' values); these are drawn as weights
+_DRAWN_1D = ("sinks",)
+
+
+class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass=_BuildsFromConfig):
     """A decoder-only MoE language model with a HookPoint at every site (see model.support()).
 
     Layout conventions: tensors crossing the API are [batch pos ...]; per-expert data is dense per routing
@@ -79,13 +94,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             families.register(cls)
 
     def __init__(self, cfg: MoeConfig, tokenizer: MoeTokenizer | None = None) -> None:
-        if type(self).recipe.__func__ is HookedTransformer.recipe.__func__:  # only a family's class builds a model
-            family = families.FAMILIES.get(getattr(cfg, "family", None))
-            raise TypeError(
-                f"{type(self).__name__}(cfg) builds no model: load one with HookedTransformer.from_pretrained(...), "
-                f"or build the family's class, {family.__name__ if family else 'HookedQwen2Moe'}(cfg) (its weights "
-                "are then to be loaded)"
-            )
+        """A family's model for cfg, its weights unfilled (a load fills them; init_weights() draws them).
+        HookedTransformer(cfg) itself is TransformerLens's: see from_config."""
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -138,6 +148,67 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule):
             if getattr(module, "float32_weight", False):
                 module.float()
         return model
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: MoeConfig,
+        tokenizer=None,
+        move_to_device: bool = True,
+        default_padding_side: Literal["left", "right"] = "right",
+    ) -> HookedTransformer:
+        """TransformerLens's HookedTransformer(cfg, tokenizer, move_to_device, default_padding_side): a model of
+        cfg's family (cfg from moelens.HookedTransformerConfig(..., family=...), or any model's cfg) with random
+        weights, as init_weights() draws them, in cfg.dtype (the modules the family keeps float32 in float32),
+        on cfg.device (move_to_device), with the tokenizer given, if any (the model needs none to run tokens)."""
+        if not isinstance(cfg, MoeConfig):
+            raise TypeError(
+                f"HookedTransformer(cfg): cfg must be a config (moelens.HookedTransformerConfig(...)), got {type(cfg).__name__}"
+            )
+        family = families.FAMILIES.get(cfg.family)
+        if family is None:
+            raise ValueError(f"HookedTransformer(cfg): cfg.family = {cfg.family!r} is not one of {sorted(families.FAMILIES)}")
+        if cfg.expert_placement != "resident" or cfg.expert_storage is not None:
+            raise ValueError(
+                f"HookedTransformer(cfg): a random model's experts are parameters of the model; cfg has expert_placement "
+                f"{cfg.expert_placement!r} and expert_storage {cfg.expert_storage!r} (use dataclasses.replace(cfg, "
+                "expert_placement='resident', expert_storage=None))"
+            )
+        dtype = cfg.dtype
+        model = family(cfg)
+        model.init_weights()
+        model.to(dtype)
+        for module in model.modules():
+            if getattr(module, "float32_weight", False):
+                module.float()
+        if move_to_device:
+            model.to(cfg.device)
+        if tokenizer is not None:
+            model.set_tokenizer(tokenizer, default_padding_side=default_padding_side)
+        return model
+
+    def init_weights(self) -> None:
+        """TransformerLens's init_weights (its default init_mode, "gpt2"): every weight matrix (embedding,
+        projections, routers, expert stacks, convolutions; and gpt-oss's attention sinks) drawn from
+        normal(0, cfg.initializer_range), default 0.8 / sqrt(d_model) as TransformerLens's; biases 0; norm weights
+        1 and the state-space mixers' own parameters as their constructor sets them (transformers' values). The
+        draws come from a generator seeded with cfg.seed, in the order of named_parameters(), else from torch's
+        global one. Refused for experts that are not parameters (stored or offloaded)."""
+        held = [layer for layer, block in enumerate(self.blocks) if block.is_moe and block.mlp.experts.stacks_held_elsewhere(torch.float32)]
+        if held:
+            raise ValueError(f"init_weights: the routed experts of layers {held} are not parameters of the model (stored or offloaded)")
+        std = self.cfg.initializer_range
+        std = 0.8 / float(np.sqrt(self.cfg.d_model)) if std is None else std
+        generator = None
+        if self.cfg.seed is not None:
+            generator = torch.Generator(device=self.embed.weight.device).manual_seed(self.cfg.seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf == "bias" or leaf.startswith("b_"):
+                    param.zero_()
+                elif param.ndim >= 2 or leaf in _DRAWN_1D:
+                    param.normal_(0.0, std, generator=generator)
 
     @classmethod
     def from_pretrained(

@@ -64,7 +64,9 @@ class Experts(nn.Module):
     Where the spec has a storage (cfg.expert_storage: "fp8", "mxfp4"), the experts are kept as the checkpoint
     stores them (moelens.experts.stored.StoredExperts: resident in `stored`, or in the store or shard) and a
     forward dequantizes the routed ones only, into its input's dtype; tensors() then returns dequantized
-    copies. Resident stored experts are not parameters or buffers either (state_dict() does not see them);
+    copies, and so does reading W_gate_up / W_down / the biases as attributes (a fresh tensor per read: writing
+    to one does not change the model). Resident stored experts are not parameters or buffers either
+    (state_dict() does not see them);
     model.to(device) moves them, model.to(dtype) changes the dtype they are dequantized to, never them.
     Experts made after a dtype move (dequantized, or read from an offload store's slots) are made through the
     roundings the dense model's weights went through (`rounding`, moelens.experts.rounding), so a model with
@@ -215,6 +217,20 @@ class Experts(nn.Module):
         if isinstance(self.host, StoredExperts):
             return self.host.dequantize(self.dtype)
         return ExpertTensors(*(None if t is None else cast_through(t, self.rounding, self.dtype) for t in self.host))
+
+    def __getattr__(self, name: str):
+        # W_gate_up, W_down (and the biases) of experts that are not parameters here (kept as stored, or
+        # offloaded to host memory): the dequantized stacks, as tensors() gives them. Each read is a fresh
+        # tensor: writing to it does not change the model.
+        spec = self.__dict__.get("spec")
+        held_elsewhere = spec is not None and (spec.storage is not None or self.placement != "resident")
+        if held_elsewhere and name in spec.param_names:
+            try:
+                stacks = self.tensors()
+            except ValueError as e:  # disk-offloaded or sharded: AttributeError, so hasattr() stays False
+                raise AttributeError(f"experts.{name}: {e}") from None
+            return stacks[spec.param_names.index(name)]
+        return super().__getattr__(name)
 
     def stacks_held_elsewhere(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The full stacks, as meta tensors of the spec's (dequantized) shapes, where they are not this module's
