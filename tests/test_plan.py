@@ -1,5 +1,6 @@
-"""moelens.plan and `moelens plan`: counts against transformers' own models (built on the meta device, full
-size), the placement options against their memory budgets, and the command."""
+"""moelens.plan and `moelens plan`: counts against transformers' own models (tiny checkpoints here; every
+published config at full size in tests/test_flagships.py), the placement options against their memory budgets,
+and the command."""
 
 import json
 import math
