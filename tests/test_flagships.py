@@ -42,7 +42,7 @@ def file_params():
 @pytest.mark.parametrize("name", file_params())
 def test_every_registered_family_has_a_flagship_file(name):
     assert flagships.path(name).exists(), (
-        f"add {flagships.path(name).relative_to(flagships.ROOT)}: a JSON list of its published "
+        f"the registered family {name!r} has no flagship file: add {flagships.path(name).relative_to(flagships.ROOT)}, a JSON list of its published "
         f"checkpoints at full size, the flagship first, each {{\"checkpoint\": Hub id, \"published_billions\": total "
         f"as published, \"published_within_billions\": how far the count may be from it, \"config\": the Hub's "
         f"config.json values}} (see docs/contributing.md)"
