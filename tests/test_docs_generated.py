@@ -43,3 +43,17 @@ def test_a_family_page_lists_the_sites_only_it_has(pages):
 def test_a_family_missing_from_the_readme_table_is_named():
     with pytest.raises(KeyError, match="mixtral"):
         gen_family_docs.family_rows_checked("| `HookedQwen2Moe` | `qwen2_moe` | a | b |", ["qwen2_moe", "mixtral"])
+
+
+def test_a_family_page_shows_its_flagship_plan_at_full_size(pages):
+    """Mixtral's page prints the plan of Mixtral-8x7B, the first checkpoint of docs/families/flagships/mixtral.json:
+    46,702,792,704 parameters, transformers' count of that config (tests/test_flagships.py); GLM-4.5's lists Air too."""
+    mixtral = pages[gen_family_docs.OUT / "mixtral.md"]
+    section = mixtral.split("## `plan` of mistralai/Mixtral-8x7B-v0.1 at full size", 1)[1].split("\n## ", 1)[0]
+    assert "46,702,792,704 parameters in all" in section and "placement on cuda:0 (80.00 GB)" in section
+    glm = pages[gen_family_docs.OUT / "glm4_moe.md"]
+    assert "- zai-org/GLM-4.5-Air: 106,852,251,264 parameters (106.85B)" in glm
+
+
+def test_a_family_without_a_flagship_file_says_so():
+    assert gen_family_docs.flagship_section("toy_moe")[2] == "No published config.json in `docs/families/flagships/toy_moe.json` yet."

@@ -10,6 +10,7 @@ import moelens.models.deepseek_v3  # noqa: F401  (registers the family)
 import tiny
 import family_harness as harness
 import tiny_deepseek_v3 as tiny_ds
+from flagships import flagship
 from family_harness import (
     References, build_checkpoints, check_bit_exact, check_greedy_generation, copy_checkpoint, left_padded,
     rewrite_tensors, stored_keys, tokens,
@@ -21,7 +22,6 @@ from moelens.models.deepseek_v3 import HookedDeepseekV3
 from moelens.plan import plan
 from moelens.utils import get_act_name
 from moelens.verify import compare
-from test_plan import hf_component, hf_weights
 
 VARIANTS = [v for (_, v) in tiny_ds.VARIANTS]
 
@@ -291,39 +291,13 @@ def test_config_refusals():
 
 # ---- plan, support, embedded default -------------------------------------------------------------------
 
-# deepseek-ai/DeepSeek-V3's config.json (the rotary in transformers 5's spelling). The Hub checkpoint also holds
-# a multi-token-prediction layer (model.layers.61, num_nextn_predict_layers 1) that transformers' model, and so
-# moelens, does not build: its 11.5B parameters are in neither count (671B published = 684.5B stored - MTP).
-DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
-    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
-    "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
-    "rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
-    },
-}
+DEEPSEEK_V3 = flagship("deepseek_v3", "deepseek-ai/DeepSeek-V3")
 
 
-def test_plan_counts_match_transformers_at_full_size():
-    hf = hf_weights(DEEPSEEK_V3, torch.bfloat16)
+def test_plan_at_full_size_dense_first_blocks_and_cache():
+    """(Its counts against transformers' and the published total: tests/test_flagships.py.)"""
     p = plan(dict(DEEPSEEK_V3), dtype="bfloat16", cpu_memory="2TB")
-    assert p.parameters == sum(t.numel() for t in hf.values())
-    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values())
-    assert p.parameters / 1e9 == pytest.approx(671.0, abs=0.1)
-    for component, count in p.components.items():
-        mine = [t for n, t in hf.items() if hf_component(n) == component]
-        assert count.parameters == sum(t.numel() for t in mine), component
-        assert count.bytes == sum(t.numel() * t.element_size() for t in mine), component
-    for layer in p.per_layer:
-        mine = [t for n, t in hf.items() if n.startswith(f"model.layers.{layer.layer}.")]
-        assert layer.parameters == sum(t.numel() for t in mine)
-        assert layer.kind == ("dense" if layer.layer < 3 else "moe")
+    assert [layer.kind for layer in p.per_layer] == ["dense"] * 3 + ["moe"] * 58
     # the cache holds every head's decompressed key (128 nope + 64 rope) and value (128), bf16, seq 2048
     assert p.kv_cache["bytes"] == 61 * 1 * 2048 * 128 * (128 + 64 + 128) * 2
 

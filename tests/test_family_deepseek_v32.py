@@ -12,6 +12,7 @@ import tiny
 import family_harness as harness
 import tiny_deepseek_v32 as tiny_dsa
 from dsa_checks import captured, index_scores_by_hand, window_selection
+from flagships import flagship
 from family_harness import (
     References, build_checkpoints, check_bit_exact, check_greedy_generation, copy_checkpoint, left_padded,
     rewrite_tensors, stored_keys, tokens,
@@ -23,7 +24,6 @@ from moelens.models.deepseek_v32 import HookedDeepseekV32
 from moelens.plan import plan
 from moelens.state import IndexedKVState
 from moelens.verify import compare
-from test_plan import hf_weights
 
 VARIANTS = [v for (_, v) in tiny_dsa.VARIANTS]
 PER_BLOCK = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post", "ln1.hook_normalized",
@@ -259,29 +259,14 @@ def test_fp8_checkpoint_equals_transformers_dequantized(tmp_path):
         check_logits(model, hf, dtype)  # float32 within 1e-5 (transformers' fp8 linear rounds its own way), bf16 bitwise
 
 
-# deepseek-ai/DeepSeek-V3.2's config.json (the rotary in transformers 5's spelling): DeepSeek-V3's plus the indexer.
-DEEPSEEK_V32 = {
-    "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
-    "rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
-    },
-}
+DEEPSEEK_V32 = flagship("deepseek_v32", "deepseek-ai/DeepSeek-V3.2")
 
 
-def full_size_plan(config: dict, published: float):
-    """Counts against transformers' model built from the same config, the cache's values per token, and the
-    published fp8 checkpoint's placements: one 141 GB GPU (experts offloaded), one node of eight (a device map)."""
-    hf = hf_weights(config, torch.bfloat16)
+def full_size_plan(config: dict):
+    """The cache's values per token, and the published fp8 checkpoint's placements: one 141 GB GPU (experts
+    offloaded), one node of eight (a device map). (The counts against transformers' and the published total:
+    tests/test_flagships.py.)"""
     p = plan(dict(config), dtype="bfloat16", cpu_memory="2TB")
-    assert p.parameters == sum(t.numel() for t in hf.values())
-    assert p.parameters / 1e9 == pytest.approx(published, abs=0.1)
     per_token = config["num_attention_heads"] * (
         config["qk_nope_head_dim"] + config["qk_rope_head_dim"] + config["v_head_dim"]) + config["index_head_dim"]
     assert p.kv_cache["bytes"] == config["num_hidden_layers"] * 2048 * per_token * 2
@@ -293,8 +278,8 @@ def full_size_plan(config: dict, published: float):
 
 
 def test_plan_at_full_size():
-    """671.9B without the multi-token-prediction layer (published 685B with it); 674.0 GB as fp8."""
-    assert full_size_plan(DEEPSEEK_V32, 671.9) / 1e9 == pytest.approx(674.0, abs=0.1)
+    """674.0 GB as fp8."""
+    assert full_size_plan(DEEPSEEK_V32) / 1e9 == pytest.approx(674.0, abs=0.1)
 
 
 def test_support_lists_the_index_sites(models):

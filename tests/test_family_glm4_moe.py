@@ -13,6 +13,7 @@ import moelens.models.glm4_moe  # noqa: F401  (registers model_type "glm4_moe")
 import tiny
 import family_harness as harness
 import tiny_glm4_moe as tiny_glm
+from flagships import flagship
 from family_harness import (
     ATTENTION_SITES, BLOCK_SITES, MODEL_SITES, ROUTER_SITES, References, build_checkpoints, check_bit_exact,
     check_greedy_generation, copy_checkpoint, left_padded, rewrite_tensors, stored_keys, tokens,
@@ -25,7 +26,7 @@ from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttent
 from moelens.models.glm4_moe import HookedGlm4Moe
 from moelens.plan import plan
 from moelens.verify import compare
-from test_plan import hf_component, hf_weights
+from test_plan import hf_weights
 
 VARIANTS = [v for (_, v) in tiny_glm.VARIANTS]
 
@@ -286,43 +287,16 @@ def test_multi_token_prediction_layers_are_skipped_only_when_the_config_has_them
 
 # ---- plan, support, verify, embedded default -----------------------------------------------------------
 
-# zai-org/GLM-4.5's config.json, as published. The Hub checkpoint also holds a multi-token-prediction layer
-# (model.layers.92, num_nextn_predict_layers 1) that transformers' model, and so moelens, does not build.
-GLM_45 = {
-    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
-    "attention_dropout": 0.0, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
-    "intermediate_size": 12288, "max_position_embeddings": 131072, "moe_intermediate_size": 1536,
-    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
-    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-    "num_hidden_layers": 92, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
-    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
-}
-# zai-org/GLM-4.5-Air's config.json: the same fields, these values (no q/k norm; MTP layer model.layers.46)
-GLM_45_AIR = {
-    **GLM_45, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
-    "n_routed_experts": 128, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "num_hidden_layers": 46,
-    "use_qk_norm": False,
-}
+GLM_45 = flagship("glm4_moe", "zai-org/GLM-4.5")
+GLM_45_AIR = flagship("glm4_moe", "zai-org/GLM-4.5-Air")
 
 
-@pytest.mark.parametrize("config,published,dense", [(GLM_45, 355, 3), (GLM_45_AIR, 106, 1)], ids=["GLM-4.5", "GLM-4.5-Air"])
-def test_plan_counts_match_transformers_at_full_size(config, published, dense):
+@pytest.mark.parametrize("config,dense", [(GLM_45, 3), (GLM_45_AIR, 1)], ids=["GLM-4.5", "GLM-4.5-Air"])
+def test_plan_at_full_size_dense_first_blocks_qk_norms_and_cache(config, dense):
+    """(The counts against transformers' and the published totals: tests/test_flagships.py.)"""
     hf = hf_weights(dict(config), torch.bfloat16)
     p = plan(dict(config), dtype="bfloat16", cpu_memory="2TB")
-    assert p.parameters == sum(t.numel() for t in hf.values())
-    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values())  # router and bias float32
-    # the published totals are rounded (352.8B and 106.9B here, without the MTP layer)
-    assert p.parameters / 1e9 == pytest.approx(published, rel=0.01)
-    for component, count in p.components.items():
-        mine = [t for n, t in hf.items() if hf_component(n) == component]
-        assert count.parameters == sum(t.numel() for t in mine), component
-        assert count.bytes == sum(t.numel() * t.element_size() for t in mine), component
-    for layer in p.per_layer:
-        mine = [t for n, t in hf.items() if n.startswith(f"model.layers.{layer.layer}.")]
-        assert layer.parameters == sum(t.numel() for t in mine)
-        assert layer.kind == ("dense" if layer.layer < dense else "moe")
+    assert [layer.kind for layer in p.per_layer] == ["dense"] * dense + ["moe"] * (config["num_hidden_layers"] - dense)
     norms = sum(t.numel() for n, t in hf.items() if "q_norm" in n or "k_norm" in n)
     assert norms == (config["num_hidden_layers"] * 2 * 128 if config["use_qk_norm"] else 0)
     # the cache holds 8 kv heads' keys and values of 128 each, bf16, seq 2048

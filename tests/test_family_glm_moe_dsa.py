@@ -9,6 +9,7 @@ import torch
 import family_harness as harness
 import tiny_glm_moe_dsa as tiny_glm
 from dsa_checks import captured, index_scores_by_hand, selection_sites, window_selection
+from flagships import flagship
 from family_harness import References, build_checkpoints, check_bit_exact, check_greedy_generation, left_padded, tokens
 from moelens import HookedTransformer
 from moelens.models.components.sparse_latent_attention import IndexedLatentAttention, SharedSelectionLatentAttention
@@ -154,22 +155,12 @@ def test_fp8_checkpoint_equals_transformers_dequantized(tmp_path):
         check_logits(model, hf, dtype)  # float32 within 1e-5 (transformers' fp8 linear rounds its own way), bf16 bitwise
 
 
-# zai-org/GLM-5's sizes (transformers' GlmMoeDsaConfig defaults are GLM-5's): every layer runs its indexer
-GLM_5 = {
-    "model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_nextn_predict_layers": 1,
-    "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64,
-    "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 202752,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-}
+GLM_5 = flagship("glm_moe_dsa", "zai-org/GLM-5")
 
 
 def test_plan_at_full_size():
-    """743.9B (published 744B, the multi-token-prediction layer not counted); 746.1 GB as fp8."""
-    assert full_size_plan(GLM_5, 743.9) / 1e9 == pytest.approx(746.1, abs=0.1)
+    """746.1 GB as fp8."""
+    assert full_size_plan(GLM_5) / 1e9 == pytest.approx(746.1, abs=0.1)
 
 
 def test_support_names_the_layers_that_score(models):

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import tiny_granitemoe
+from flagships import flagship
 from family_harness import References, build_checkpoints, check_report, rewrite_tensors, stored_keys, tokens
 
 from moelens import HookedTransformer
 from moelens.loaders.errors import CheckpointError
 from moelens.models.granitemoe import HookedGraniteMoe
-from moelens.plan import plan
 from moelens.verify import compare
 
 MULTIPLIERS = tiny_granitemoe.MULTIPLIERS
@@ -172,27 +172,7 @@ def test_partial_rotary_is_refused():
 
 # ---- plan, default ----------------------------------------------------------------------------------------------
 
-# ibm-granite/granite-3.0-1b-a400m-base's config.json (the fields that shape the model)
-GRANITE_1B = {
-    "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe", "hidden_size": 1024,
-    "intermediate_size": 512, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "num_local_experts": 32, "num_experts_per_tok": 8, "vocab_size": 49155, "max_position_embeddings": 4096,
-    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False,
-    "hidden_act": "silu", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-    "attention_multiplier": 0.015625, "logits_scaling": 6.0,
-}
-
-
-def test_plan_counts_match_transformers_at_full_size():
-    import transformers
-
-    hf_config = transformers.GraniteMoeConfig(**{k: v for k, v in GRANITE_1B.items() if k != "model_type"})
-    with torch.device("meta"):
-        hf = transformers.GraniteMoeForCausalLM(hf_config)
-    expected = sum(p.numel() for p in hf.parameters())
-    p = plan(dict(GRANITE_1B), dtype="bfloat16", cpu_memory="1TB")
-    assert p.parameters == expected
-    assert 1.3e9 < p.parameters < 1.4e9  # "1b-a400m": 1.3B parameters in all
+GRANITE_1B = flagship("granitemoe", "ibm-granite/granite-3.0-1b-a400m-base")
 
 
 def test_embedded_default_loads_and_runs(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import family_harness as harness
 import tiny_minimax_m2 as tiny_mm
+from flagships import flagship
 from family_harness import (
     MODEL_SITES, References, build_checkpoints, check_bit_exact, check_greedy_generation, config_json, copy_checkpoint,
     left_padded, rewrite_tensors, stored_keys, tokens,
@@ -25,7 +26,6 @@ from moelens.models.components.projection_norm_attention import ProjectionQKNorm
 from moelens.models.minimax_m2 import HookedMiniMaxM2, SigmoidTopKFloat32Weights
 from moelens.plan import plan
 from moelens.verify import compare, load_reference
-from test_plan import hf_component, hf_weights
 
 VARIANTS = [v for (_, v) in tiny_mm.VARIANTS]
 D_ROT = 16  # the tiny models' rotary_dim: half of head_dim 32
@@ -391,39 +391,20 @@ def test_config_refusals(change, message):
 
 # ---- plan, support, verify, embedded default ------------------------------------------------------------------
 
-# MiniMaxAI/MiniMax-M2's config.json, as published (its quantization_config: the block-scaled fp8 weights)
-MINIMAX_M2 = {
-    "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "attn_type_list": [1] * 62,
-    "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 1536,
-    "max_position_embeddings": 196608, "mlp_intermediate_size": 8192, "mtp_transformer_layers": 1,
-    "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
-    "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer",
-    "quantization_config": {
-        "activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8", "weight_block_size": [128, 128],
-        "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"],
-    },
-    "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid",
-    "shared_intermediate_size": 0, "sliding_window": None, "tie_word_embeddings": False, "use_mtp": True,
-    "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064,
-}
+MINIMAX_M2 = flagship("minimax_m2", "MiniMaxAI/MiniMax-M2")
 # transformers' count, by hand: 62 x (attention 44,040,192 + q/k/ln norms 13,312 + gate 786,432 + bias 256 +
 # experts 256 x 3 x 3072 x 1536) + 2 x 200064 x 3072 + 3072. The Hub reports 228,703,644,928 stored values: these
 # plus the fp8 weights' 13,880,064 weight_scale_inv entries (one per 128 x 128 block); no MTP tensors.
 MINIMAX_M2_PARAMETERS = 228_689_764_864
 
 
-def test_plan_counts_match_transformers_at_full_size():
-    hf = hf_weights(MINIMAX_M2, torch.bfloat16)
+def test_plan_counts_by_hand_at_full_size():
+    """(The counts against transformers' and the published total: tests/test_flagships.py.)"""
     p = plan(dict(MINIMAX_M2), dtype="bfloat16", cpu_memory="1TB")
-    assert p.parameters == sum(t.numel() for t in hf.values()) == MINIMAX_M2_PARAMETERS
-    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values()) == 2 * MINIMAX_M2_PARAMETERS
-    for component, count in p.components.items():
-        mine = [t for n, t in hf.items() if hf_component(n) == component]
-        assert count.parameters == sum(t.numel() for t in mine), component
+    assert p.parameters == MINIMAX_M2_PARAMETERS
+    assert p.bytes == 2 * MINIMAX_M2_PARAMETERS
     assert p.components["routed_experts"].parameters == 62 * 256 * 3 * 3072 * 1536
     assert p.components["routers"].parameters == 62 * (256 * 3072 + 256)  # the correction bias included
-    for layer in p.per_layer:
-        assert layer.parameters == sum(t.numel() for n, t in hf.items() if n.startswith(f"model.layers.{layer.layer}."))
     # rotary over 64 of 128 dims; the cache holds every kv head's whole key and value, bf16, seq 2048
     cfg = HookedMiniMaxM2.config_from_hf(MINIMAX_M2)
     assert (cfg.d_rot, cfg.rope.theta, cfg.mtp_layers) == (64, 5e6, 3)

@@ -16,8 +16,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 import family_harness as harness
 import tiny_nemotron_h as tiny_nh
+from flagships import flagship
 from family_harness import MODEL_SITES, References, build_checkpoints, check_greedy_generation, left_padded, tokens
-from test_plan import hf_weights
 
 from moelens import HookedTransformer
 from moelens.cli import main
@@ -441,39 +441,8 @@ def test_expert_parallel_ranks_equal_one_process(ckpts, tmp_path):
 
 # ---- plan at full size, support, verify, the embedded default --------------------------------------------------
 
-_NEMOTRON3 = dict(
-    model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=131072, head_dim=128,
-    num_attention_heads=32, num_key_value_heads=2, attention_bias=False, mamba_head_dim=64, n_groups=8,
-    ssm_state_size=128, conv_kernel=4, chunk_size=128, expand=2, use_conv_bias=True, use_bias=False,
-    mamba_hidden_act="silu", mamba_proj_bias=False, mlp_bias=False, mlp_hidden_act="relu2", layer_norm_epsilon=1e-5,
-    n_group=1, topk_group=1, norm_topk_prob=True, n_shared_experts=1, tie_word_embeddings=False, time_step_min=0.001,
-    time_step_max=0.1, time_step_floor=1e-4, max_position_embeddings=262144, residual_in_fp32=False,
-    rescale_prenorm_residual=True,
-)
-# nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json (the fields that size the model)
-NANO = dict(
-    _NEMOTRON3, hidden_size=2688, num_hidden_layers=52, intermediate_size=1856, mamba_num_heads=64,
-    hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", n_routed_experts=128,
-    num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
-    routed_scaling_factor=2.5,
-)
-# nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16's: latent experts; its multi-token-prediction layer (mtp.*) is
-# not run by transformers nor counted here
-SUPER = dict(
-    _NEMOTRON3, hidden_size=4096, num_hidden_layers=88, intermediate_size=21504, mamba_num_heads=128,
-    hybrid_override_pattern="MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME",
-    n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688, moe_latent_size=1024,
-    moe_shared_expert_intermediate_size=5376, routed_scaling_factor=5.0, num_nextn_predict_layers=1,
-    mtp_hybrid_override_pattern="*E",
-)
-
-
-@pytest.mark.parametrize("config,billions", [(NANO, 31.6), (SUPER, 120.7)])
-def test_plan_counts_match_transformers_at_full_size(config, billions):
-    hf = hf_weights(config, torch.bfloat16)
-    p = plan(dict(config), dtype="bfloat16", cpu_memory="2TB")
-    assert p.parameters == sum(t.numel() for t in hf.values())
-    assert p.parameters / 1e9 == pytest.approx(billions, abs=0.1)
+NANO = flagship("nemotron_h", "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16")
+SUPER = flagship("nemotron_h", "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16")  # latent experts
 
 
 def test_plan_places_nano_on_one_gpu_and_super_not():

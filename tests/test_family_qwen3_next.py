@@ -9,6 +9,7 @@ import transformers
 import family_harness as harness
 import tiny
 import tiny_qwen3_next as tiny_q3n
+from flagships import flagship
 from family_harness import MODEL_SITES, References, build_checkpoints, check_greedy_generation, left_padded, tokens
 
 from moelens import HookedTransformer
@@ -19,7 +20,6 @@ from moelens.models.qwen3_next import HookedQwen3Next
 from moelens.plan import plan
 from moelens.state import RecurrentState
 from moelens.verify import compare
-from test_plan import hf_weights
 
 VARIANTS = [v for (_, v) in tiny_q3n.FAMILY_VARIANTS]
 # five layers, two of them full attention before Gated DeltaNet layers, which amplify the attention's float32
@@ -178,21 +178,7 @@ def test_inconsistent_layer_kinds_are_refused_naming_the_field(edit, match):
         HookedQwen3Next.config_from_hf(raw)
 
 
-QWEN3_NEXT_80B = dict(  # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (the fields that size the model)
-    model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
-    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
-    shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
-    decoder_sparse_step=1, full_attention_interval=4, max_position_embeddings=262144, partial_rotary_factor=0.25,
-    rope_theta=10000000, tie_word_embeddings=False,
-)
-
-
-def test_plan_at_full_size_counts_transformers_parameters():
-    p = plan(QWEN3_NEXT_80B, dtype="bfloat16", gpus=1, gpu_memory="141GB")
-    expected = hf_weights(QWEN3_NEXT_80B, torch.bfloat16)
-    assert p.parameters == sum(t.numel() for t in expected.values())
-    assert 79e9 < p.parameters < 82e9  # "80B"
+QWEN3_NEXT_80B = flagship("qwen3_next", "Qwen/Qwen3-Next-80B-A3B-Instruct")
 
 
 def test_plan_counts_the_attention_layers_keys_and_the_linear_layers_recurrent_state():

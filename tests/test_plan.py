@@ -1,5 +1,6 @@
-"""moelens.plan and `moelens plan`: counts against transformers' own models (built on the meta device, full
-size), the placement options against their memory budgets, and the command."""
+"""moelens.plan and `moelens plan`: counts against transformers' own models (tiny checkpoints here; every
+published config at full size in tests/test_flagships.py), the placement options against their memory budgets,
+and the command."""
 
 import json
 import math
@@ -9,47 +10,15 @@ from pathlib import Path
 import huggingface_hub.constants as hub_constants
 import pytest
 import torch
+from flagships import entries, flagship
 
 from moelens.cli import main
 from moelens.plan import parse_size, plan
 
-# The public config.json values of the seed checkpoints (the rotary spelled as transformers 5 reads it; the
-# rotary changes no parameter count).
-FULL_CONFIGS = {
-    "Qwen1.5-MoE-A2.7B": {
-        "model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
-        "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936, "max_position_embeddings": 8192,
-        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
-        "num_experts_per_tok": 4, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": False, "decoder_sparse_step": 1, "hidden_act": "silu", "use_sliding_window": False,
-    },
-    "Qwen2-57B-A14B": {
-        "model_type": "qwen2_moe", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 151936, "max_position_embeddings": 131072,
-        "moe_intermediate_size": 2560, "shared_expert_intermediate_size": 20480, "num_experts": 64,
-        "num_experts_per_tok": 8, "norm_topk_prob": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": False, "decoder_sparse_step": 1, "hidden_act": "silu", "use_sliding_window": False,
-    },
-    "Hunyuan-A13B": {
-        "model_type": "hunyuan_v1_moe", "hidden_size": 4096, "intermediate_size": 3072, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128167,
-        "max_position_embeddings": 32768, "num_experts": 64, "moe_topk": [8] * 32,
-        "moe_intermediate_size": [3072] * 32, "num_shared_expert": [1] * 32, "attention_bias": False,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "use_qk_norm": True, "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
-    },
-    "Solar-Open-100B": {
-        "model_type": "solar_open", "hidden_size": 4096, "intermediate_size": 10240, "num_hidden_layers": 48,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 196608,
-        "max_position_embeddings": 131072, "moe_intermediate_size": 1280, "n_routed_experts": 128,
-        "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
-        "n_group": 1, "topk_group": 1, "tie_word_embeddings": False, "first_k_dense_replace": 0,
-        "rms_norm_eps": 1e-5, "attention_bias": False, "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    },
-}
-# published totals, to catch a config typed wrong in both places
-EXPECTED_BILLIONS = {"Qwen1.5-MoE-A2.7B": 14.3, "Qwen2-57B-A14B": 57.4, "Hunyuan-A13B": 80.4, "Solar-Open-100B": 102.65}
+# The seed checkpoints at full size (their config.json values: docs/families/flagships/)
+SOLAR = flagship("solar_open")
+QWEN15_MOE = flagship("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B")
+QWEN2_57B = flagship("qwen2_moe", "Qwen/Qwen2-57B-A14B")
 
 
 def hf_component(name: str) -> str:
@@ -93,23 +62,11 @@ def hf_weights(config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {n: t.float() if any(k in n for k in keep) else t for n, t in tensors.items()}
 
 
-@pytest.mark.parametrize("name", list(FULL_CONFIGS))
-def test_counts_match_transformers_at_full_size(name):
-    config = FULL_CONFIGS[name]
-    hf = hf_weights(config, torch.bfloat16)
-    p = plan(dict(config), dtype="bfloat16", cpu_memory="1TB")
-    assert p.parameters == sum(t.numel() for t in hf.values())
-    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values())
-    assert p.parameters / 1e9 == pytest.approx(EXPECTED_BILLIONS[name], abs=0.1)
-    for component, count in p.components.items():
-        mine = {n: t for n, t in hf.items() if hf_component(n) == component}
-        assert count.parameters == sum(t.numel() for t in mine.values()), component
-        assert count.bytes == sum(t.numel() * t.element_size() for t in mine.values()), component
-    assert {hf_component(n) for n in hf} <= set(p.components)
-    for layer in p.per_layer:
-        mine = [t for n, t in hf.items() if n.startswith(f"model.layers.{layer.layer}.")]
-        assert layer.parameters == sum(t.numel() for t in mine)
-        assert layer.kind == "moe"
+@pytest.mark.parametrize("name", ["solar_open", "hunyuan_v1_moe", "qwen2_moe"])
+def test_the_seed_checkpoints_have_a_mixture_in_every_block(name):
+    """(Their counts against transformers' and the published totals: tests/test_flagships.py.)"""
+    for entry in entries(name):
+        assert {layer.kind for layer in plan(entry["config"], cpu_memory="2TB").per_layer} == {"moe"}, entry["checkpoint"]
 
 
 def test_dense_blocks_and_tied_head(checkpoints):
@@ -130,7 +87,6 @@ def test_dense_blocks_and_tied_head(checkpoints):
     assert [layer.kind for layer in plan(checkpoints["qwen2_moe", "dense_block"]).per_layer] == ["moe", "dense", "moe"]
 
 
-SOLAR = FULL_CONFIGS["Solar-Open-100B"]
 SOLAR_EXPERT_BYTES = 3 * 4096 * 1280 * 2  # gate, up, down of one expert, bfloat16 (by hand)
 
 
@@ -168,10 +124,10 @@ def check_device_map(p, option, tied=False):
     assert weights - logits_extra == p.bytes + copy
 
 
-@pytest.mark.parametrize("name", ["Solar-Open-100B", "Hunyuan-A13B"])
+@pytest.mark.parametrize("name", ["solar_open", "hunyuan_v1_moe"])
 @pytest.mark.parametrize("gpus, memory", [(2, "141GB"), (4, "80GB"), (8, "40GiB"), (3, "100GB")])
 def test_device_map_respects_budgets(name, gpus, memory):
-    config = FULL_CONFIGS[name]
+    config = flagship(name)
     p = plan(dict(config), gpus=gpus, gpu_memory=memory, cpu_memory="1TB", batch=2, seq=1024)
     option = next(o for o in p.placement["options"] if o["kind"] == "device_map")
     check_device_map(p, option, tied=config["tie_word_embeddings"])
@@ -181,7 +137,7 @@ def test_device_map_respects_budgets(name, gpus, memory):
 
 def test_device_map_for_a_model_of_two_sizes_of_blocks():
     """Blocks of different sizes (dense and mixture): the map still respects each budget."""
-    config = dict(FULL_CONFIGS["Qwen2-57B-A14B"], mlp_only_layers=[0, 1, 2, 3])
+    config = dict(QWEN2_57B, mlp_only_layers=[0, 1, 2, 3])
     p = plan(config, gpus=5, gpu_memory="30GB", cpu_memory="1TB", seq=512)
     assert {layer.kind for layer in p.per_layer} == {"moe", "dense"}
     check_device_map(p, next(o for o in p.placement["options"] if o["kind"] == "device_map"))
@@ -231,12 +187,12 @@ def test_expert_parallel_per_rank_bytes_by_hand():
 
 
 def test_one_device_first_and_cpu_only():
-    p = plan(dict(FULL_CONFIGS["Qwen1.5-MoE-A2.7B"]), gpus=2, gpu_memory="80GB", cpu_memory="1TB")
+    p = plan(dict(QWEN15_MOE), gpus=2, gpu_memory="80GB", cpu_memory="1TB")
     assert p.placement["recommended"] == p.placement["options"][0]
     assert p.placement["recommended"]["kind"] == "one_device" and p.placement["recommended"]["device"] == "cuda:0"
-    cpu = plan(dict(FULL_CONFIGS["Qwen1.5-MoE-A2.7B"]), cpu_memory="64GB")
+    cpu = plan(dict(QWEN15_MOE), cpu_memory="64GB")
     assert cpu.placement["recommended"] == {**cpu.placement["recommended"], "kind": "one_device", "device": "cpu"}
-    disk = plan(dict(FULL_CONFIGS["Qwen1.5-MoE-A2.7B"]), cpu_memory="16GB")
+    disk = plan(dict(QWEN15_MOE), cpu_memory="16GB")
     assert disk.placement["recommended"]["kind"] == "expert_offload"
     assert disk.placement["recommended"]["experts_on"] == "disk"
 

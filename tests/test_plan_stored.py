@@ -14,9 +14,8 @@ import tiny_deepseek_v3
 import tiny_gpt_oss
 import tiny_qwen3_moe
 import torch
+from flagships import flagship
 from safetensors.torch import load_file, save_file
-from test_family_llama4_text import MAVERICK as LLAMA4_MAVERICK
-from test_family_llama4_text import SCOUT as LLAMA4_SCOUT
 from test_quantized_checkpoints import quantize_fp8, quantized_key
 
 from moelens import HookedTransformer
@@ -284,34 +283,13 @@ def test_minimax_fp8_spelling_is_read():
 
 # ---- the published models at full size ---------------------------------------------------------------------------
 
-# Each published config.json, with every field that shapes the model (ids, token ids and training settings left out
-# where no count depends on them).
-GPT_OSS_120B = {  # openai/gpt-oss-120b: MXFP4 routed experts, the rest bfloat16
-    "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
-    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 18,
-    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
-    "num_key_value_heads": 8, "num_local_experts": 128, "rms_norm_eps": 1e-05,
-    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
-    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-                     "rope_type": "yarn", "truncate": False},
-    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "vocab_size": 201088,
-}
-DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3: block fp8 (its multi-token-prediction layer 61 is not built or counted)
-    "model_type": "deepseek_v3", "attention_bias": False, "first_k_dense_replace": 3, "hidden_act": "silu",
-    "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
-    "moe_intermediate_size": 2048, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
-    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
-    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "weight_block_size": [128, 128]},
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
-    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
-}
+# The published config.json values (docs/families/flagships/)
+GPT_OSS_120B = flagship("gpt_oss", "openai/gpt-oss-120b")  # MXFP4 routed experts, the rest bfloat16
+DEEPSEEK_V3 = flagship("deepseek_v3", "deepseek-ai/DeepSeek-V3")  # block fp8
+GLM_45 = flagship("glm4_moe", "zai-org/GLM-4.5")  # bfloat16, stored as it runs
+MINIMAX_M2 = flagship("minimax_m2", "MiniMaxAI/MiniMax-M2")  # block fp8, routers listed as not converted
+LLAMA4_SCOUT = flagship("llama4_text", "meta-llama/Llama-4-Scout-17B-16E")
+LLAMA4_MAVERICK = flagship("llama4_text", "meta-llama/Llama-4-Maverick-17B-128E")
 # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture ("architectures": ["DeepseekV3ForCausalLM"], its code
 # DeepSeek's) under model_type "kimi_k2", which moelens, like transformers, does not register; planned (and loaded)
 # as deepseek_v3, the workaround Kimi-K2's deployment guide gives: set model_type to "deepseek_v3".
@@ -329,29 +307,6 @@ KIMI_K2 = {
     "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "tie_word_embeddings": False,
     "topk_group": 1, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 163840,
 }
-GLM_45 = {  # zai-org/GLM-4.5: bfloat16 (stored as it runs); its MTP layer 92 is not built or counted
-    "model_type": "glm4_moe", "attention_bias": True, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
-    "partial_rotary_factor": 0.5, "intermediate_size": 12288, "max_position_embeddings": 131072,
-    "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1,
-    "n_routed_experts": 160, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-    "rope_scaling": None, "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "use_qk_norm": True, "vocab_size": 151552,
-}
-MINIMAX_M2 = {  # MiniMaxAI/MiniMax-M2: block fp8, routers listed as not converted; its MTP modules not built
-    "model_type": "minimax_m2", "attn_type_list": [1] * 62, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608, "mlp_intermediate_size": 8192,
-    "mtp_transformer_layers": 1, "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62,
-    "num_key_value_heads": 8, "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer",
-    "quantization_config": {
-        "activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8", "weight_block_size": [128, 128],
-        "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"],
-    },
-    "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid",
-    "shared_intermediate_size": 0, "sliding_window": None, "tie_word_embeddings": False, "use_mtp": True,
-    "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064, "torch_dtype": "bfloat16",
-}
-
 # name: (config, family module, published total in billions (without MTP layers), Hub-known stored sizes,
 #        {(gpus, mode): (recommended placement, every placement that fits)})
 FULL_SIZE = {
@@ -389,7 +344,7 @@ FULL_SIZE = {
                     (1, "stored"): ("expert_offload", ["expert_offload"]),
                     (8, "dequantized"): ("device_map", ["device_map", "expert_parallel", "expert_offload"]),
                     (8, "stored"): ("device_map", ["device_map", "expert_parallel", "expert_offload"])}),
-    # the text models of the Hub's bfloat16 checkpoints (their configs as test_family_llama4_text has them)
+    # the text models of the Hub's bfloat16 checkpoints
     "Llama-4-Scout-17B-16E": (LLAMA4_SCOUT, "llama4_text", 107.77, {},
                               {(1, "dequantized"): ("expert_offload", ["expert_offload"]),
                                (8, "dequantized"): ("device_map", ["device_map", "expert_parallel", "expert_offload"])}),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from flagships import flagship
 from test_mixer_mamba2 import BATCH, Root, copy_of, hf_config, mixer_config, random_reference, stream
 from test_plan import hf_weights
 
@@ -121,14 +122,12 @@ def test_a_part_that_says_nothing_is_named():
 
 def test_a_671b_plan_builds_nothing(monkeypatch):
     """DeepSeek-V3.2 at full size (671.9B) planned from its config alone, with building a model forbidden."""
-    from test_family_deepseek_v32 import DEEPSEEK_V32
-
     def refuse(*args, **kwargs):
         raise AssertionError("plan built a model")
 
     monkeypatch.setattr(HookedTransformer, "build", classmethod(refuse))
     model_terms.cache_clear()
-    p = plan(dict(DEEPSEEK_V32), dtype="bfloat16", cpu_memory="2TB")
+    p = plan(flagship("deepseek_v32"), dtype="bfloat16", cpu_memory="2TB")
     assert p.parameters / 1e9 == pytest.approx(671.9, abs=0.1)
 
 
@@ -153,17 +152,13 @@ def test_forward_flops_by_hand_and_the_published_activated_sizes():
     """Solar-Open-100B by hand: per layer q, k, v, o, the router, 8 of 128 experts and the shared expert, then
     the unembedding, 2 FLOPs per multiply-add. DeepSeek-V3.2 and Qwen3-Next against their published activated
     sizes (37B; "A3B"), which count the same matrices."""
-    from test_family_deepseek_v32 import DEEPSEEK_V32
-    from test_family_qwen3_next import QWEN3_NEXT_80B
-    from test_plan import FULL_CONFIGS
-
-    solar = plan(dict(FULL_CONFIGS["Solar-Open-100B"]), dtype="bfloat16", cpu_memory="1TB", batch=2, seq=100)
+    solar = plan(flagship("solar_open"), dtype="bfloat16", cpu_memory="1TB", batch=2, seq=100)
     layer = 4096 * (8192 + 1024 + 1024) + 8192 * 4096 + 128 * 4096 + 8 * 3 * 4096 * 1280 + 3 * 4096 * 1280
     assert solar.flops["per_token"] == 2 * (48 * layer + 196608 * 4096) == 22_498_246_656
     assert solar.flops["forward"] == 200 * solar.flops["per_token"]
-    activated = plan(dict(DEEPSEEK_V32), dtype="bfloat16", cpu_memory="2TB").flops["per_token"] / 2
+    activated = plan(flagship("deepseek_v32"), dtype="bfloat16", cpu_memory="2TB").flops["per_token"] / 2
     assert activated / 1e9 == pytest.approx(37, abs=0.5)
-    assert 3e9 < plan(QWEN3_NEXT_80B, dtype="bfloat16", cpu_memory="2TB").flops["per_token"] / 2 < 4e9
+    assert 3e9 < plan(flagship("qwen3_next"), dtype="bfloat16", cpu_memory="2TB").flops["per_token"] / 2 < 4e9
 
 
 def test_tying_the_embedding_changes_the_parameters_not_the_flops():
