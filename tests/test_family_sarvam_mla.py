@@ -1,7 +1,8 @@
 """Sarvam MLA (HookedSarvamMla): DeepSeek-V3's blocks under Sarvam's config, against transformers'
 DeepseekV3ForCausalLM run from SarvamMLAConfig. The generic suites compare every site of the base checkpoint;
 here: Sarvam's original config spelling (every site against transformers, which translates it too), its
-defaults, the refusals, greedy generation, the plan at full size, verify and the embedded default."""
+defaults, the refusals, greedy generation, verify and the embedded default (the plan at full size: the flagship
+file, tests/test_flagships.py)."""
 
 import json
 
@@ -15,10 +16,8 @@ from family_harness import (
 from moelens import HookedTransformer
 from moelens.cli import main
 from moelens.models.sarvam_mla import HookedSarvamMla
-from moelens.plan import plan
 from moelens.verify import compare
 from test_family_deepseek_v3 import check_report
-from test_plan import hf_component, hf_weights
 
 
 @pytest.fixture(scope="module")
@@ -78,27 +77,6 @@ def test_config_refusals_name_the_files_fields(ckpts, tmp_path, edit, message):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         HookedTransformer.from_pretrained(folder, progress=False)
-
-
-# sarvamai/sarvam-105b's config.json, in its original spelling (the fields that change a count)
-SARVAM_105B = {
-    "model_type": "sarvam_mla", "vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 32, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "head_dim": 576, "q_head_dim": 192, "num_experts": 128, "num_shared_experts": 1, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
-    "tie_word_embeddings": False, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-}
-
-
-def test_plan_counts_match_transformers_at_full_size():
-    hf = hf_weights(dict(SARVAM_105B), torch.bfloat16)
-    p = plan(dict(SARVAM_105B), dtype="bfloat16", cpu_memory="1TB")
-    assert p.parameters == sum(t.numel() for t in hf.values())
-    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values())  # router and bias float32
-    assert p.parameters / 1e9 == pytest.approx(105, rel=0.05)  # "Sarvam-105B"
-    for component, count in p.components.items():
-        assert count.parameters == sum(t.numel() for n, t in hf.items() if hf_component(n) == component), component
 
 
 def test_verify_command_and_embedded_default(tmp_path, monkeypatch, capsys):
