@@ -14,7 +14,7 @@ from moelens.analysis.interventions import (
     steer_router_hooks,
 )
 from moelens.analysis.misrouting import Misrouting, misrouting
-from moelens.analysis.plots import plot_expert_usage, plot_routing, plot_selectivity, plot_subset_load
+from moelens.analysis.plots import plot_expert_loss_effects, plot_expert_usage, plot_routing, plot_selectivity, plot_subset_load
 from moelens.analysis.routing import RoutingTable, routing_table
 from moelens.analysis.super_experts import SuperExpert, SuperExperts, super_experts
 from moelens.analysis.top_tokens import TopToken, TopTokens, top_tokens
@@ -45,6 +45,7 @@ __all__ = [
     "misrouting",
     "patch_routing",
     "patch_routing_hooks",
+    "plot_expert_loss_effects",
     "plot_expert_usage",
     "plot_selectivity",
     "plot_subset_load",

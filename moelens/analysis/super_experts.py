@@ -21,6 +21,9 @@ from moelens.analysis.data import Data, Mask, hook_name, iter_batches, resolve_l
 
 @dataclass(frozen=True)
 class SuperExpert:
+    """One expert's profile: the largest magnitude of its down-projection output over the corpus, and that
+    over the median of its layer's experts' maxima."""
+
     layer: int
     expert: int
     max_abs: float  # max |down-projection output| over the corpus
