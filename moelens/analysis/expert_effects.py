@@ -16,8 +16,9 @@ change of the next-token loss. Two removals:
   removal is not defined and an error says so.
 
 Cost: one full forward caches each layer's residual stream entering the block (hook_resid_pre); each
-expert's run then starts at its layer (``start_at_layer``), several experts side by side in one batch, so a
-layer's experts cost (n_layers - layer) / n_layers of a forward each, not a whole one.
+expert's run then starts at its layer (``start_at_layer``; at the layer before where a layer reuses what an
+earlier one carried, GLM-5's shared DSA selection), several experts side by side in one batch, so a layer's
+experts cost about (n_layers - layer) / n_layers of a forward each, not a whole one.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ from moelens.analysis.data import Data, Mask, hook_name, iter_batches, resolve_l
 
 RemovalMode = Literal["zero", "reroute"]
 Hooks = list[tuple[str, object]]
+
+
+def start_layer(model, layer: int) -> int:
+    """The latest block at or before ``layer`` that a forward can start at (start_at_layer): not one whose
+    token mixer reads what an earlier layer of the same forward carried (GLM-5's shared DSA selection)."""
+    while layer > 0 and getattr(model.blocks[layer].token_mixer, "reads_carried", False):
+        layer -= 1
+    return layer
 
 
 def _removal_hooks(
@@ -121,7 +130,8 @@ def expert_loss_effects(
     per_token_parts: list[torch.Tensor] = []
     n_predictions = 0
     bar = tqdm(desc="expert_loss_effects", unit="pass", disable=None if progress is None else not progress)
-    names = [f"blocks.{layer}.hook_resid_pre" for layer in layers] + [hook_name(layer, "expert_indices") for layer in layers]
+    starts = {layer: start_layer(model, layer) for layer in layers}
+    names = [f"blocks.{s}.hook_resid_pre" for s in set(starts.values())] + [hook_name(layer, "expert_indices") for layer in layers]
     for batch, valid in iter_batches(model, tokens, attention_mask, batch_size):
         b, p = batch.shape
         if p < 2:
@@ -134,7 +144,7 @@ def expert_loss_effects(
         deltas = torch.zeros(len(layers), E, int(keep.sum()), dtype=torch.float64) if per_token else None
         group = experts_per_pass or max(1, batch_size // b)
         for li, layer in enumerate(layers):
-            resid = cache[f"blocks.{layer}.hook_resid_pre"]
+            resid = cache[f"blocks.{starts[layer]}.hook_resid_pre"]
             clean = cache[hook_name(layer, "expert_indices")]
             chosen = torch.unique(clean[valid]).tolist()  # an expert no real token chose changes nothing
             for start in range(0, len(chosen), group):
@@ -144,7 +154,7 @@ def expert_loss_effects(
                 hooks = _removal_hooks(model, layer, experts, clean.repeat(g, 1, 1), mode)
                 rows_mask = None if mask is None else mask.repeat(g, 1)
                 out = model.run_with_hooks(
-                    resid.repeat(g, 1, 1), fwd_hooks=hooks, start_at_layer=layer, attention_mask=rows_mask
+                    resid.repeat(g, 1, 1), fwd_hooks=hooks, start_at_layer=starts[layer], attention_mask=rows_mask
                 )
                 loss = model.loss(out, batch.repeat(g, 1), rows_mask, per_token=True).view(g, b, p - 1)
                 delta = (loss - base).double()

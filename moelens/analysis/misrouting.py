@@ -15,6 +15,7 @@ from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
 
 from moelens.analysis.data import Data, Mask, hook_name, iter_batches, resolve_layers
+from moelens.analysis.expert_effects import start_layer
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def misrouting(
     if p < 2:
         raise ValueError(f"misrouting needs at least two positions (a next token), got tokens of shape {tuple(batch.shape)}")
     mask = None if bool(valid.all()) else valid.long()
-    resid_name, indices_name = f"blocks.{layer}.hook_resid_pre", hook_name(layer, "expert_indices")
+    start = start_layer(model, layer)
+    resid_name, indices_name = f"blocks.{start}.hook_resid_pre", hook_name(layer, "expert_indices")
     _, cache = model.run_with_cache(batch, names_filter=[resid_name, indices_name], attention_mask=mask, stop_at_layer=layer + 1)
     resid, clean = cache[resid_name], cache[indices_name]
     routes = alternative_routes(clean[:, :-1], model.cfg.n_routable_experts)  # [b p-1 n_routes k]
@@ -111,8 +113,8 @@ def misrouting(
         rows = keep[:, t].nonzero()[:, 0]
         jobs_row = rows.repeat_interleave(n_routes)
         jobs_route = torch.arange(n_routes, device=rows.device).repeat(len(rows))
-        for start in range(0, len(jobs_row), batch_size):
-            row, route = jobs_row[start:start + batch_size], jobs_route[start:start + batch_size]
+        for first in range(0, len(jobs_row), batch_size):
+            row, route = jobs_row[first:first + batch_size], jobs_route[first:first + batch_size]
             new = routes[row, t, route]  # [n k]
 
             def set_route(indices, hook, new=new, t=t):
@@ -123,7 +125,7 @@ def misrouting(
             logits = model.run_with_hooks(
                 resid[row, : t + 1],
                 fwd_hooks=[(indices_name, set_route)],
-                start_at_layer=layer,
+                start_at_layer=start,
                 attention_mask=None if mask is None else mask[row, : t + 1],
             )
             p_next = logits[:, t].float().softmax(-1).gather(-1, batch[row, t + 1, None])[:, 0]
