@@ -18,6 +18,12 @@ def moe_layers(model):
     return [i for i, m in enumerate(model.cfg.moe_layers) if m]
 
 
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():  # the naive loops' forwards need no graph
+        yield
+
+
 @pytest.fixture(scope="module")
 def code_model():
     return HookedTransformer.from_pretrained("tiny-code-moe")
