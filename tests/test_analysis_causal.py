@@ -181,7 +181,7 @@ def test_misrouting_matches_one_forward_per_route(code_model, code_tokens):
     assert got.probs.shape == (2, 5, 1 + k * (E - k))
     for b in range(2):
         for t in range(5):
-            for r in range(got.routes.shape[2]):
+            for r in (0, 1, 6, 7, 12):  # the router's route, each slot's first and last swap
                 route = got.routes[b, t, r]
 
                 def set_route(indices, hook, route=route, t=t):
