@@ -12,25 +12,10 @@ from moelens.hook_points import HookedRootModule, HookPoint
 from moelens.kernels.expert_parallel import ExpertParallelError
 from moelens.kv_cache import KVCache
 from moelens.loaders import CheckpointError, CheckpointWarning
-from moelens.models import (
-    FAMILIES,
-    HookedDeepseekV3,
-    HookedDeepseekV32,
-    HookedGlm4Moe,
-    HookedGlmMoeDsa,
-    HookedGptOss,
-    HookedHunyuanMoe,
-    HookedLlama4,
-    HookedMiniMaxM2,
-    HookedMixtral,
-    HookedOlmoe,
-    HookedQwen2Moe,
-    HookedQwen3Moe,
-    HookedQwen3Next,
-    HookedQwen3_5Moe,
-    HookedSolarOpen,
-    HookedTransformer,
-)
+from moelens.models import FAMILIES, FAMILY_CLASSES, HookedTransformer
+
+# every family's class, under its name (HookedQwen2Moe, ...): found from the family files, no list to edit
+globals().update(FAMILY_CLASSES)
 
 # TransformerLens's name for the config class; see README ("Differences from TransformerLens") for what differs
 HookedTransformerConfig = MoeConfig
@@ -43,22 +28,7 @@ __all__ = [
     "FAMILIES",
     "FactoredMatrix",
     "HookPoint",
-    "HookedDeepseekV3",
-    "HookedDeepseekV32",
-    "HookedGlm4Moe",
-    "HookedGlmMoeDsa",
-    "HookedGptOss",
-    "HookedHunyuanMoe",
-    "HookedLlama4",
-    "HookedMiniMaxM2",
-    "HookedMixtral",
-    "HookedOlmoe",
-    "HookedQwen2Moe",
-    "HookedQwen3Moe",
-    "HookedQwen3Next",
-    "HookedQwen3_5Moe",
     "HookedRootModule",
-    "HookedSolarOpen",
     "HookedTransformer",
     "HookedTransformerConfig",
     "KVCache",
@@ -66,5 +36,6 @@ __all__ = [
     "hook_points",
     "patching",
     "utils",
+    *sorted(FAMILY_CLASSES),
 ]
 __version__ = "0.1.0"

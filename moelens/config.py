@@ -360,6 +360,24 @@ SIZE_BOUNDS = {
 }
 
 
+def canonical_spellings(raw: dict, spellings: dict[str, str]) -> tuple[dict, dict[str, str]]:
+    """raw with each other spelling ({other name: field}, as transformers' attribute_map) renamed to its field, and
+    {field: the other name} for those renamed. A config.json giving both names different values is refused,
+    naming both: which one the checkpoint was saved for cannot be told."""
+    canonical, spelled = dict(raw), {}
+    for other, name in spellings.items():
+        if raw.get(other) is None:
+            continue
+        if raw.get(name) is not None and raw[name] != raw[other]:
+            raise ValueError(
+                f"config.json gives both {other} = {raw[other]!r} and {name} = {raw[name]!r}: they are two names "
+                "of one field; keep one"
+            )
+        canonical[name] = canonical.pop(other)
+        spelled[name] = other
+    return canonical, spelled
+
+
 class HFConfig:
     """config.json, read field by field: records what was read, and names a missing or bad field clearly.
 
@@ -369,16 +387,25 @@ class HFConfig:
     A field that is null counts as absent, as in transformers.
     """
 
-    def __init__(self, raw: dict, parents: dict[str, str] | None = None) -> None:
+    def __init__(self, raw: dict, parents: dict[str, str] | None = None, spelled: dict[str, str] | None = None) -> None:
         self.raw = raw
         self.parents = parents or {}  # field -> the section it sits in, for the messages of nested fields
+        self.spelled = spelled or {}  # field -> the other spelling config.json used for it (canonical_spellings)
         self.read: list[str] = []
+
+    @classmethod
+    def with_spellings(cls, raw: dict, spellings: dict[str, str]) -> HFConfig:
+        """config.json where a family's config class accepts other names for some fields (transformers'
+        attribute_map: {other name: field}); messages name the field as config.json spells it."""
+        canonical, spelled = canonical_spellings(raw, spellings)
+        return cls(canonical, spelled=spelled)
 
     def __contains__(self, name: str) -> bool:
         return name in self.raw
 
     def label(self, name: str) -> str:
-        return f"{self.parents[name]}.{name}" if name in self.parents else name
+        name_in_file = self.spelled.get(name, name)
+        return f"{self.parents[name]}.{name_in_file}" if name in self.parents else name_in_file
 
     def req(self, name: str):
         if name not in self.raw:

@@ -22,12 +22,12 @@ from moelens.plan import count_model, plan
 from moelens.plan.fit import needs_of
 from moelens.plan.terms import count_terms, model_terms
 
-# the embedded defaults' configs, one per family
-CONFIGS = {p.stem: json.loads(p.read_text()) for p in sorted(Path(defaults.__file__).parent.glob("tiny_*.json"))}
+# the embedded defaults' configs, one per family, by model_type
+CONFIGS = {c["model_type"]: c for c in (json.loads((Path(defaults.__file__).parent / f).read_text()) for f in defaults.CONFIGS.values())}
 # the same families with what changes a count: a dense layer among mixture ones, tied embeddings
 VARIANTS = {
-    "qwen3_next_dense_layer": {**CONFIGS["tiny_qwen3_next"], "mlp_only_layers": [1]},
-    "qwen2_moe_tied": {**CONFIGS["tiny_qwen2_moe"], "tie_word_embeddings": True},
+    "qwen3_next_dense_layer": {**CONFIGS["qwen3_next"], "mlp_only_layers": [1]},
+    "qwen2_moe_tied": {**CONFIGS["qwen2_moe"], "tie_word_embeddings": True},
 }
 
 
@@ -98,7 +98,7 @@ def test_mamba2_state_tensors_are_the_states_a_forward_leaves_in_bfloat16():
 
 def test_a_tensor_the_terms_leave_out_is_named():
     """A part that holds a tensor its param_terms do not declare: counting the built model names it."""
-    family, cfg = cfg_of(CONFIGS["tiny_qwen3_moe"], torch.float32)
+    family, cfg = cfg_of(CONFIGS["qwen3_moe"], torch.float32)
     model = family.build(cfg)
     model.blocks[1].mlp.register_buffer("extra", torch.zeros(3, device="meta"))
     with pytest.raises(RuntimeError, match=r"do not name 'blocks\.1\.mlp\.extra'"):
@@ -112,7 +112,7 @@ def test_a_part_that_says_nothing_is_named():
     class Silent(torch.nn.Module):
         block_attribute = "mixer"
 
-    family, cfg = cfg_of(CONFIGS["tiny_qwen3_moe"], torch.float32)
+    family, cfg = cfg_of(CONFIGS["qwen3_moe"], torch.float32)
     recipe = family.recipe(cfg)
     layers = (dataclasses.replace(recipe.layers[0], mixer=Silent), *recipe.layers[1:])
     with pytest.raises(TypeError, match="the token mixer Silent has no param_terms"):
@@ -135,7 +135,7 @@ def test_a_671b_plan_builds_nothing(monkeypatch):
 def test_each_layer_places_its_own_cache():
     """A hybrid's layers cache differently (keys per token, a fixed state per sequence): the placement weighs
     each block's own, summing to the plan's cache."""
-    raw = CONFIGS["tiny_qwen3_next"]
+    raw = CONFIGS["qwen3_next"]
     family, cfg = cfg_of(raw, torch.bfloat16)
     components, layers = count_terms(cfg, model_terms(family, cfg))
     needs = needs_of(cfg, family, components, layers, batch=2, seq=100)
@@ -167,6 +167,6 @@ def test_forward_flops_by_hand_and_the_published_activated_sizes():
 
 
 def test_tying_the_embedding_changes_the_parameters_not_the_flops():
-    untied = plan(dict(CONFIGS["tiny_qwen2_moe"], tie_word_embeddings=False), cpu_memory="1GB")
+    untied = plan(dict(CONFIGS["qwen2_moe"], tie_word_embeddings=False), cpu_memory="1GB")
     tied = plan(dict(VARIANTS["qwen2_moe_tied"]), cpu_memory="1GB")
     assert tied.parameters < untied.parameters and tied.flops == untied.flops

@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moelens.analysis.expert_lens import ExpertLens
+from moelens.analysis.paths import RoutingPaths
 from moelens.analysis.routing import RoutingTable
+from moelens.analysis.specialization import Specialization
 from moelens.analysis.usage import ExpertUsage
 
 if TYPE_CHECKING:  # annotations only: moelens.traces builds on moelens.analysis, never the reverse
@@ -161,6 +164,80 @@ def plot_selectivity(selectivity: Selectivity, path: str | Path | None = None, m
     axes[0].set_yticks(range(n_experts), [f"E{e}" for e in range(n_experts)])
     axes[0].set_ylabel("expert")
     fig.colorbar(image, ax=list(axes), label="log2 p(class | expert) / p(class)")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def _heatmap(fig, ax, data, layers: list[int], title: str, label: str, fmt: str) -> None:
+    """A [layer x expert] heatmap with its cells' values written in (NaN cells, experts no token reached, blank)."""
+    image = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label=label)
+    n_layers, n_experts = data.shape
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(n_layers), [str(layer) for layer in layers])
+    if n_experts <= 64:
+        ax.set_xticks(range(n_experts))
+    ax.set_title(title)
+    if data.size <= MAX_ANNOTATED_CELLS:
+        for i in range(n_layers):
+            for e in range(n_experts):
+                if data[i, e] == data[i, e]:  # not NaN
+                    color = _text_color(image.cmap(image.norm(data[i, e])))
+                    ax.text(e, i, format(data[i, e], fmt), ha="center", va="center", fontsize=7, color=color)
+
+
+def plot_specialization(spec: Specialization, path: str | Path | None = None):
+    """Heatmaps [layer x expert] of expert_specialization / trace_specialization: the JSD of each expert's
+    classes against its layer's, and REAP's saliency beside it where it was computed."""
+    data = spec.jsd.float().numpy()
+    n_layers, n_experts = data.shape
+    panels = 1 if spec.saliency is None else 2
+    fig = _figure((min(2.5 + 0.45 * n_experts, 24) * panels, min(1.5 + 0.45 * n_layers, 24)))
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    _heatmap(fig, axes[0], data, spec.layers, f"specialization over {len(spec.classes)} classes", "JSD (bits)", ".2f")
+    if spec.saliency is not None:
+        _heatmap(fig, axes[1], spec.saliency.float().numpy(), spec.layers, "REAP saliency", "mean weight x ||output||", ".2f")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_expert_lens(lens: ExpertLens, path: str | Path | None = None, row: int = 0, labels: list[str] | None = None):
+    """Per token of one row of expert_logit_lens: the cosine of the top-1 expert's output with the mixture's,
+    each bar labelled with the top-1 expert (x-axis: ``labels``, the row's token strings, where given)."""
+    valid = lens.valid[row].cpu()
+    cos = lens.cosine[row].cpu()[valid].float().numpy()
+    experts = lens.experts[row, :, 0].cpu()[valid].tolist()
+    fig = _figure((min(2.0 + 0.35 * len(cos), 24), 3.0))
+    ax = fig.add_subplot()
+    ax.bar(range(len(cos)), cos, color="tab:blue")
+    for x, (c, e) in enumerate(zip(cos, experts)):
+        ax.text(x, c, f"E{e}", ha="center", va="bottom", fontsize=6)
+    if labels is not None:
+        shown = [labels[i] for i in range(len(labels)) if bool(valid[i])]
+        ax.set_xticks(range(len(cos)), [repr(t)[1:-1] for t in shown], rotation=90, fontsize=7, **AS_TEXT)
+    ax.set_ylim(min(0.0, float(cos.min()) - 0.05), 1.08)
+    ax.set_ylabel("cosine")
+    ax.set_title(f"layer {lens.layer}: top-1 expert output vs the {lens.mixture} output")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_routing_paths(paths: RoutingPaths, path: str | Path | None = None):
+    """The most frequent routing paths of routing_paths / trace_routing_paths, as horizontal bars of their
+    share of the tokens."""
+    names = [" > ".join(f"E{e}" for e in p) for p, _ in paths.paths]
+    shares = [n / paths.n_tokens for _, n in paths.paths]
+    fig = _figure((6.0, 1.0 + 0.3 * len(names)))
+    ax = fig.add_subplot()
+    ax.barh(range(len(names)), shares, color="tab:green")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of tokens")
+    ax.set_title(f"routing paths, layers {paths.layers}: H = {paths.entropy:.2f} bits")
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig

@@ -55,29 +55,43 @@ class HookedGlm4Moe(HookedTransformer):
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_layers))
         return decoder_site_map(cfg, _layer_sites, mtp)
 
+    # transformers' Glm4MoeConfig defaults (GLM-4.5-Air's sizes), for the fields config.json leaves out
+    defaults = dict(
+        rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8, partial_rotary_factor=0.5,
+        rope_theta=10000.0, head_dim=None, n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
+        intermediate_size=10944, n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1,
+        use_qk_norm=False,
+    )
+    # other names config.json may use for a field ({other: field}, transformers' attribute_map)
+    spellings: dict[str, str] = {"num_local_experts": "n_routed_experts"}
+
     @classmethod
     def config_from_hf(cls, raw: dict) -> Glm4MoeConfig:
-        hf = HFConfig(raw)
-        # absent fields take transformers' Glm4MoeConfig defaults (GLM-4.5-Air's sizes)
+        hf = HFConfig.with_spellings(raw, cls.spellings)
+        d = cls.defaults
+        head_dim = hf.integer("head_dim", d["head_dim"], at_least=1)  # None: hidden_size / num_attention_heads
         fields = common_fields(
-            hf, rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8, partial_rotary_factor=0.5
+            hf, rms_norm_eps=d["rms_norm_eps"], max_position_embeddings=d["max_position_embeddings"],
+            num_key_value_heads=d["num_key_value_heads"], partial_rotary_factor=d["partial_rotary_factor"],
+            rope_theta=d["rope_theta"], d_head=head_dim,
         )
-        first_dense = hf.integer("first_k_dense_replace", 1, at_least=0)
+        first_dense = hf.integer("first_k_dense_replace", d["first_k_dense_replace"], at_least=0)
         # transformers 5 saves num_nextn_predict_layers (num_mtp_layers is its attribute name); absent: none stored
         mtp_layers = hf.integer("num_nextn_predict_layers", None, at_least=0)
         if mtp_layers is None:
             mtp_layers = hf.integer("num_mtp_layers", 0, at_least=0)
+        mixture = {k: d[k] for k in (
+            "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "n_group",
+            "topk_group", "routed_scaling_factor",
+        )}
         return Glm4MoeConfig(
             **fields,
-            **deepseek_mixture_fields(
-                hf, fields["n_layers"], first_dense, n_routed_experts=128, num_experts_per_tok=8,
-                moe_intermediate_size=1408, intermediate_size=10944, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-            ),
+            **deepseek_mixture_fields(hf, fields["n_layers"], first_dense, **mixture),
             family=cls.model_type,
             qkv_bias=hf.flag("attention_bias", False),  # q, k, v only: transformers' o_proj has no bias
-            qk_norm=hf.flag("use_qk_norm", False),
+            qk_norm=hf.flag("use_qk_norm", d["use_qk_norm"]),
             mtp_layers=mtp_layers,
-            fields_read=tuple(hf.read),
+            fields_read=tuple(hf.label(f) for f in hf.read),
         )
 
 

@@ -9,7 +9,8 @@ Modules: run (the trace itself), sources (files, folders, iterables -> documents
 lines of any length), hashed (data files hashed as they are read), tokenize (long documents in exact
 pieces), parts (Parquet parts, and the checks that a part is the manifest's), manifest (what a trace was
 made from, and the folder's lock), replicas (data parallelism: parts dealt to model replicas), analysis
-(DuckDB analyses), report (``moelens trace-report``).
+(DuckDB analyses), specialization and paths (expert specialization, routing paths and overlap, DuckDB),
+report (``moelens trace-report``).
 
 The writer needs pyarrow (the ``trace`` extra) at import: ``trace``, ``TraceSummary`` and ``pad_windows``
 are loaded from moelens.traces.run on first use, so that importing this package (the CLI does) needs no
@@ -42,7 +43,9 @@ from moelens.traces.analysis import (
     trace_top_tokens,
 )
 from moelens.traces.manifest import TraceMismatch
+from moelens.traces.paths import trace_routing_overlap, trace_routing_paths
 from moelens.traces.report import trace_report
+from moelens.traces.specialization import trace_specialization
 
 _WRITER = ("trace", "TraceSummary", "pad_windows")
 
@@ -82,7 +85,10 @@ __all__ = [
     "trace_consecutive",
     "trace_expert_load",
     "trace_report",
+    "trace_routing_overlap",
+    "trace_routing_paths",
     "trace_selectivity",
+    "trace_specialization",
     "trace_subset_load",
     "trace_top_tokens",
 ]
