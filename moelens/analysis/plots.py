@@ -241,3 +241,36 @@ def plot_routing_paths(paths: RoutingPaths, path: str | Path | None = None):
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def plot_expert_loss_effects(
+    effects: dict[str, torch.Tensor] | torch.Tensor, layers: list[int], path: str | Path | None = None
+):
+    """Heat maps [layer x expert] of expert_loss_effects' mean loss changes (nats), one per removal mode
+    (``effects``: one tensor, or {"zero": ..., "reroute": ...}); red where removing the expert raises the loss,
+    blue where it lowers it, one color scale for all."""
+    effects = effects if isinstance(effects, dict) else {"loss change": effects}
+    data = {name: t.float().cpu().numpy() for name, t in effects.items()}
+    n_layers, n_experts = next(iter(data.values())).shape
+    if n_layers != len(layers):
+        raise ValueError(f"the effects have {n_layers} rows, got {len(layers)} layers to label them")
+    vmax = max(float(abs(d).max()) for d in data.values()) or 1.0
+    fig = _figure((min(1.5 + len(data) * (1.0 + 0.45 * n_experts), 30), min(1.6 + 0.45 * n_layers, 24)))
+    axes = fig.subplots(1, len(data), sharey=True, squeeze=False)[0]
+    for ax, (name, values) in zip(axes, data.items()):
+        image = ax.imshow(values, aspect="auto", cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest")
+        ax.set_title(f"{name}: loss change (nats)", **AS_TEXT)
+        ax.set_xlabel("expert removed")
+        if n_experts <= 64:
+            ax.set_xticks(range(n_experts))
+        if values.size <= MAX_ANNOTATED_CELLS:
+            for i in range(n_layers):
+                for e in range(n_experts):
+                    color = _text_color(image.cmap(image.norm(values[i, e])))
+                    ax.text(e, i, f"{values[i, e]:+.3f}", ha="center", va="center", fontsize=6, color=color)
+    axes[0].set_ylabel("layer")
+    axes[0].set_yticks(range(n_layers), [str(layer) for layer in layers])
+    fig.colorbar(image, ax=list(axes), label="mean loss change (nats)")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig

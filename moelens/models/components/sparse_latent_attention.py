@@ -10,6 +10,8 @@ hands what that hook holds on to the next layer, as transformers passes each lay
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from jaxtyping import Bool, Float
 from torch import nn
@@ -64,6 +66,9 @@ class IndexedLatentAttention(MultiHeadLatentAttention):
 
 
 class SharedSelectionLatentAttention(MultiHeadLatentAttention):
+    # reads what an earlier layer of the same forward carried (its selection): no forward can start here
+    reads_carried: ClassVar[bool] = True
+
     def __init__(self, cfg, layer: int) -> None:
         super().__init__(cfg, layer)
         self.hook_index_topk = site_hook("blocks.L.attn.hook_index_topk", "shared")
