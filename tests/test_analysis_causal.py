@@ -7,6 +7,7 @@ from conftest import FAMILIES
 
 from moelens import HookedTransformer
 from moelens.analysis import expert_loss_effects, misrouting, super_experts
+from moelens.analysis import expert_effects
 from moelens.analysis.misrouting import alternative_routes
 
 
@@ -265,3 +266,64 @@ def test_misrouting_other_routers_and_shared_selection(family_models, family, to
             logits = model.run_with_hooks(tokens, fwd_hooks=[(site(layer, "expert_indices"), set_route)])
             p = logits[0, t].float().softmax(-1)[tokens[0, t + 1]]
             assert abs(float(p) - float(got.probs[0, t, r])) < 1e-5, (family, t, r)
+
+
+def test_super_experts_generation_with_and_without_them(code_model, code_tokens):
+    """The continuation with the experts found removed is the greedy loop written out here: each step one full
+    forward with their routing weights zeroed, the argmax appended (no cache; eos ignored)."""
+    prompt = "def read_config(path):\n"
+    got = super_experts(code_model, code_tokens[:2], threshold=1.0, max_found=6, prompt=prompt, max_new_tokens=6)
+    assert len(got.found) == 6
+    removed = {}
+    for s in got.found:
+        removed.setdefault(s.layer, []).append(s.expert)
+
+    def greedy(hooks):
+        ids = code_model.to_tokens(prompt)
+        for _ in range(6):
+            logits = code_model.run_with_hooks(ids, fwd_hooks=hooks)
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
+        return code_model.tokenizer.batch_decode(ids, skip_special_tokens=True)[0]  # as generate decodes
+
+    hooks = []
+    for layer, experts in removed.items():
+        seen = {}
+        hooks += [(site(layer, "expert_indices"), lambda x, hook, seen=seen: seen.__setitem__("i", x)),
+                  (site(layer, "expert_weights"),
+                   lambda w, hook, seen=seen, ex=torch.tensor(experts): w.masked_fill(torch.isin(seen["i"], ex), 0))]
+    assert got.generated == greedy([])
+    assert got.generated_removed == greedy(hooks)
+    assert f"without them: {got.generated_removed!r}" in str(got)
+
+
+def test_expert_loss_effects_resumes_after_a_kill_bit_for_bit(code_model, code_tokens, tmp_path, monkeypatch):
+    """A run killed after its second batch, started again with the same file, finishes with the uninterrupted
+    run's numbers, bit for bit, running only the batches left; other arguments or data are refused, by name."""
+    rows = torch.cat([code_tokens, code_tokens.flip(0)])
+    tokens = [rows[i:i + 1] for i in range(4)]  # a dataset of four batches
+    whole, whole_tokens = expert_loss_effects(code_model, tokens, batch_size=1, per_token=True, progress=False)
+    file = tmp_path / "effects.pt"
+    real_batches = expert_effects.iter_batches
+
+    def killed_after_two(*args, **kwargs):
+        for i, item in enumerate(real_batches(*args, **kwargs)):
+            if i == 2:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(expert_effects, "iter_batches", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        expert_loss_effects(code_model, tokens, batch_size=1, per_token=True, progress=False, resume=file)
+    monkeypatch.setattr(expert_effects, "iter_batches", real_batches)
+    assert torch.load(file, weights_only=True)["batches"] == 2
+    forwards = []
+    monkeypatch.setattr(code_model, "run_with_cache", lambda *a, _run=code_model.run_with_cache, **k: forwards.append(1) or _run(*a, **k))
+    resumed, resumed_tokens = expert_loss_effects(code_model, tokens, batch_size=1, per_token=True, progress=False, resume=file)
+    assert len(forwards) == 2  # the two batches left, one caching forward each
+    assert torch.equal(resumed, whole) and torch.equal(resumed_tokens, whole_tokens)
+    with pytest.raises(ValueError, match=r"effects.pt: written by a run with mode = 'zero', this one has mode = 'reroute'"):
+        expert_loss_effects(code_model, tokens, batch_size=1, per_token=True, mode="reroute", resume=file)
+    with pytest.raises(ValueError, match=r"effects.pt: the first 4 batches differ from the data"):
+        expert_loss_effects(code_model, tokens[1:] + tokens[:1], batch_size=1, per_token=True, resume=file)
+    with pytest.raises(ValueError, match=r"effects.pt: the run that wrote it did 4 batches, this data has 2"):
+        expert_loss_effects(code_model, tokens[:2], batch_size=1, per_token=True, resume=file)

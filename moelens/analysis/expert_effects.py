@@ -23,6 +23,7 @@ experts cost about (n_layers - layer) / n_layers of a forward each, not a whole 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -31,6 +32,7 @@ from jaxtyping import Float
 from tqdm.auto import tqdm
 
 from moelens.analysis.data import Data, Mask, hook_name, iter_batches, resolve_layers
+from moelens.analysis.resume import Progress
 
 RemovalMode = Literal["zero", "reroute"]
 Hooks = list[tuple[str, object]]
@@ -101,6 +103,7 @@ def expert_loss_effects(
     per_token: bool = False,
     experts_per_pass: int | None = None,
     progress: bool | None = None,
+    resume: str | os.PathLike | None = None,
 ) -> Float[torch.Tensor, "n_layers n_experts"] | tuple[
     Float[torch.Tensor, "n_layers n_experts"], Float[torch.Tensor, "n_layers n_experts n_predictions"]
 ]:
@@ -119,6 +122,11 @@ def expert_loss_effects(
     Each layer's runs start at that layer from the cached residual stream, ``experts_per_pass`` experts at a
     time stacked along the batch (default: batch_size // the batch's rows, at least 1); an expert no token of
     a batch chose changes nothing there and is not run.
+
+    ``resume``: a file that holds the run's progress, written after each batch: a run killed part way through,
+    started again with the same file, arguments and data, goes on from the last batch done and gives the
+    numbers an uninterrupted run gives, bit for bit (other arguments or data are refused, naming them). The
+    file is left in place, complete, when the run ends.
     """
     if mode not in ("zero", "reroute"):
         raise ValueError(f"mode must be 'zero' or 'reroute', got {mode!r}")
@@ -132,7 +140,21 @@ def expert_loss_effects(
     bar = tqdm(desc="expert_loss_effects", unit="pass", disable=None if progress is None else not progress)
     starts = {layer: start_layer(model, layer) for layer in layers}
     names = [f"blocks.{s}.hook_resid_pre" for s in set(starts.values())] + [hook_name(layer, "expert_indices") for layer in layers]
-    for batch, valid in iter_batches(model, tokens, attention_mask, batch_size):
+    saved = None
+    if resume is not None:
+        router = next(b.mlp.router.weight for b in model.blocks if b.is_moe)
+        key = dict(model=type(model).__name__, n_layers=model.cfg.n_layers, d_model=model.cfg.d_model, n_experts=E,
+                   router_digest=float(router.double().sum()), layers=list(layers), mode=mode, batch_size=batch_size,
+                   per_token=per_token, experts_per_pass=experts_per_pass)
+        saved = Progress(resume, key)
+        if saved.batches:
+            sums, n_predictions = saved.state["sums"], saved.state["n_predictions"]
+            per_token_parts = list(saved.state["per_token"])
+    seen = 0
+    for index, (batch, valid) in enumerate(iter_batches(model, tokens, attention_mask, batch_size)):
+        seen += 1
+        if saved is not None and saved.skip(index, batch, valid):
+            continue
         b, p = batch.shape
         if p < 2:
             raise ValueError(f"a loss needs at least two positions, got a batch of shape {tuple(batch.shape)}")
@@ -165,7 +187,11 @@ def expert_loss_effects(
                 bar.update(1)
         if deltas is not None:
             per_token_parts.append(deltas)
+        if saved is not None:
+            saved.done(batch, valid, {"sums": sums.clone(), "n_predictions": n_predictions, "per_token": per_token_parts})
     bar.close()
+    if saved is not None:
+        saved.finish(seen)
     if n_predictions == 0:
         raise ValueError("the data holds no prediction: no two consecutive unpadded tokens")
     mean = (sums / n_predictions).float()

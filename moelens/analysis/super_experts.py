@@ -44,9 +44,17 @@ class SuperExperts:
     found: list[SuperExpert]
     loss: float  # mean next-token loss over the corpus
     loss_removed: float | None
+    # greedy continuations of the prompt given, intact and with the found experts removed (None: no prompt, or
+    # for generated_removed none found): the paper's check that removing a handful of experts breaks generation
+    generated: str | None = None
+    generated_removed: str | None = None
 
     def __str__(self) -> str:
         lines = [f"loss {self.loss:.4f}" + ("" if self.loss_removed is None else f", {self.loss_removed:.4f} without the super experts")]
+        if self.generated is not None:
+            lines.append(f"generated: {self.generated!r}")
+        if self.generated_removed is not None:
+            lines.append(f"without them: {self.generated_removed!r}")
         lines += [
             f"{'*' if s in self.found else ' '} layer {s.layer} expert {s.expert}: max |x| {s.max_abs:.4g}, {s.ratio:.2f}x the layer median"
             for s in self.ranked[: max(10, len(self.found))]
@@ -70,6 +78,8 @@ def super_experts(
     max_found: int | None = None,
     attention_mask: Mask | None = None,
     batch_size: int = 8,
+    prompt: str | None = None,
+    max_new_tokens: int = 20,
 ) -> SuperExperts:
     """Profile each expert's largest output magnitude over ``tokens`` (a batch or a dataset, see
     moelens.analysis.data; padding left out) and rank the experts by it over their layer's median
@@ -80,7 +90,8 @@ def super_experts(
     layer's experts that got a token. The experts at or above ``threshold`` (at most ``max_found``, the
     largest ratios) are the super experts found, and the corpus loss is measured with and without them
     (removed as ablate_experts(mode="zero") removes: their slots' weights set to 0). Only the model's own
-    experts are profiled (not identity experts, whose output is their input).
+    experts are profiled (not identity experts, whose output is their input). With a ``prompt``, also its
+    greedy continuation (``max_new_tokens``, eos ignored), intact and with the experts found removed.
     """
     if threshold <= 0:
         raise ValueError(f"threshold must be positive, got {threshold}")
@@ -122,7 +133,10 @@ def super_experts(
         key=lambda s: -s.ratio,
     )
     found = [s for s in ranked if s.ratio >= threshold][:max_found]
-    loss_removed = None
+    loss_removed = generated = generated_removed = None
+    continuation = dict(max_new_tokens=max_new_tokens, do_sample=False, stop_at_eos=False, return_type="str")
+    if prompt is not None:
+        generated = model.generate(prompt, **continuation)
     if found:
         removed: dict[int, list[int]] = {}
         for s in found:
@@ -130,7 +144,11 @@ def super_experts(
         hooks = ablate_experts_hooks(model, removed, "zero")
         sums = [_loss_sum(model, batch, valid, hooks) for batch, valid in batches]
         loss_removed = sum(s for s, _ in sums) / n_predictions
+        if prompt is not None:
+            with model.hooks(fwd_hooks=hooks):
+                generated_removed = model.generate(prompt, **continuation)
     return SuperExperts(
         layers=layers, max_abs=maxima, ratio=ratio, counts=counts, ranked=ranked, found=found,
-        loss=loss_sum / n_predictions, loss_removed=loss_removed,
+        loss=loss_sum / n_predictions, loss_removed=loss_removed, generated=generated,
+        generated_removed=generated_removed,
     )
