@@ -69,4 +69,5 @@ VARIANTS = {
     ("sarvam_mla", "base"): lambda d: build(d, seed=0),
     ("sarvam_mla", "fused"): lambda d: tiny.fused(build(d, seed=1)),
     ("sarvam_mla", "original_spelling"): lambda d: original_spelling(build(d, seed=2)),
+    ("sarvam_mla", "sharded"): lambda d: build(d, seed=3, max_shard_size="100KB"),
 }

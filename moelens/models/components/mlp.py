@@ -109,7 +109,9 @@ class FusedGateUpMLP(GatedMLP):
         return RowBlock(self.gate_up_proj.weight[self.d_mlp :])
 
     def forward(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        # each half contiguous: the activation's rounding then never depends on whether a hook edited the half in
+        # place (a strided view of the fused output) or returned an edited copy (contiguous)
+        gate, up = (half.contiguous() for half in self.gate_up_proj(x).chunk(2, dim=-1))
         out = self.down_proj(self.hook_post(self.act(self.hook_pre(gate)) * self.hook_pre_linear(up)))
         return self.hook_out(out) if self.has_hook_out else out
 
