@@ -170,6 +170,32 @@ CASES = {
             "vocab_size"],
         ignored=("head_dim",),
     ),
+    "sarvam_mla": Case(
+        # as transformers writes it: DeepSeek-V3's names; the legacy head_dim (the latent cache's width) unused
+        raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size":
+            64, "intermediate_size": 80, "kv_lora_rank": 16, "max_position_embeddings": 256, "moe_intermediate_size":
+            24, "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True,
+            "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 4,
+            "num_nextn_predict_layers": 0, "q_lora_rank": None, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8,
+            "rms_norm_eps": 1e-06, "rope_interleave": True, "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0,
+            "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16, "rope_theta":
+            10000.0, "rope_type": "yarn"}, "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "topk_group": 1,
+            "v_head_dim": 10, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=20, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, kind="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+            mscale_all_dim=1.0, interleaved=True), max_position_embeddings=256, d_mlp=80, moe_layers=(False, True,
+            True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=24, norm_topk_prob=True,
+            routed_scaling_factor=2.5, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+            first_k_dense_replace=1),
+        read=["attention_bias", "first_k_dense_replace", "hidden_act", "hidden_size", "intermediate_size",
+            "kv_lora_rank", "max_position_embeddings", "moe_intermediate_size", "n_group", "n_routed_experts",
+            "n_shared_experts", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_nextn_predict_layers", "partial_rotary_factor", "q_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps", "rope_interleave", "rope_parameters",
+            "rope_scaling", "rope_theta", "routed_scaling_factor", "tie_word_embeddings", "topk_group", "v_head_dim",
+            "vocab_size"],
+        ignored=("head_dim",),
+    ),
     "glm4_moe_lite": Case(
         # transformers 5's spelling (mlp_layer_types) beside the Hub's first_k_dense_replace, which agrees
         raw={"attention_bias": False, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 64,
@@ -589,6 +615,15 @@ MINIMAL = {
             norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512,
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=3),
     ),
+    "sarvam_mla": (
+        # Sarvam-105B's defaults (transformers' SarvamMLAConfig): one dense block first, 128 experts, top 8
+        {"num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=4096, n_layers=3, n_heads=4, n_kv_heads=4, d_head=128 + 64, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, interleaved=True), max_position_embeddings=4096, d_mlp=16384,
+            moe_layers=(False, True, True), n_experts=128, top_k_per_layer=(0, 8, 8), d_expert=2048, d_shared=2048,
+            norm_topk_prob=True, routed_scaling_factor=2.5, kv_lora_rank=512, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1),
+    ),
     "glm4_moe_lite": (
         # transformers' default layer types: the first block dense
         {"num_attention_heads": 20, "num_hidden_layers": 2, "vocab_size": 96},
@@ -737,6 +772,7 @@ CONFIG_CLASSES = {
     "phimoe": "MoeConfig",
     "deepseek_v3": "DeepseekV3Config",
     "deepseek_v2": "DeepseekV3Config",
+    "sarvam_mla": "DeepseekV3Config",
     "ernie4_5_moe": "Ernie4_5MoeConfig",
     "flex_olmo": "ClipQKVConfig",
     "glm4_moe_lite": "DeepseekV3Config",

@@ -42,7 +42,7 @@ def test_not_a_hub_id_is_not_found_without_asking_the_hub(hub_calls, name, tmp_p
 
 @pytest.mark.parametrize(
     "name, suggested",
-    [("tiny-code-mo", ["tiny-code-moe"]), ("tiny-mixtrl", ["tiny-mixtral"]), ("./tiny-deepseek", ["tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-deepseek-v32"]),
+    [("tiny-code-mo", ["tiny-code-moe"]), ("tiny-mixtrl", ["tiny-mixtral"]), ("./tiny-deepseek", ["tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-deepseek-v32"]),
      ("tiny-qwen-moe", ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-qwen3.5-moe"])],
 )
 def test_the_nearest_embedded_names_are_suggested(hub_calls, name, suggested):

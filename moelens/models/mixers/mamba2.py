@@ -291,7 +291,14 @@ class Mamba2Mixer(nn.Module):
 
         step = cached and t == 1  # transformers' choice of form
         low, high = self.decode_time_step_limit if step else self.time_step_limit
-        dt = self.hook_dt(F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(low, high))
+        if step:
+            # transformers' decode step takes the softplus over [batch, head, d_head] (dt repeated along d_head):
+            # on CPU its rounding depends on the tensor's size (vectorised or not), so the same shape is fed here
+            wide = dt[:, 0, :, None].expand(-1, -1, p) + self.dt_bias.to(dt.dtype)[:, None].expand(-1, p)
+            dt = F.softplus(wide)[:, None, :, 0].contiguous()
+        else:
+            dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
+        dt = self.hook_dt(dt.clamp(low, high))
 
         if cached:  # a hook editing in place must not edit the cache's tensor (snapshots hold it)
             start = state.recurrent.clone() if self.hook_state_in.has_hooks else state.recurrent
