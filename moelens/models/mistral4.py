@@ -239,7 +239,9 @@ def _layer_sites(cfg: Mistral4Config, layer: int, src: str, dst: str) -> list[En
         return _attention_sites(cfg, src, dst) + dense_mlp(src, dst)
     return _attention_sites(cfg, src, dst) + [
         Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
-        routed_experts(cfg, (f"{src}.mlp.experts",), dst),
+        # transformers reads Mistral 4's experts stacked only (no per-expert conversion): a checkpoint moelens
+        # writes (the embedded default) is stacked too; per-expert keys are read as well
+        dataclasses.replace(routed_experts(cfg, (f"{src}.mlp.experts",), dst), fused_first=True),
         *gated_mlp(f"{src}.mlp.shared_experts", f"{dst}.mlp.shared_expert"),
         *router_references(dst, f"{src}.mlp.gate"),
         Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
