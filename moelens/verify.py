@@ -186,8 +186,7 @@ def load_reference(path, dtype: torch.dtype = torch.float32):
         kwargs = dict(dtype=dtype, attn_implementation="eager")
         if type(config) in transformers.AutoModelForCausalLM._model_mapping:
             return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-        text_config = getattr(config, "text_config", None)
-        if text_config is None:
+        if getattr(config, "text_config", None) is None:
             return causal_lm_class(config).from_pretrained(path, **kwargs).eval()
         whole = getattr(transformers, config.architectures[0]).from_pretrained(path, **kwargs)
         return text_model_of(whole).eval()
@@ -199,9 +198,13 @@ def load_reference(path, dtype: torch.dtype = torch.float32):
 
 
 def causal_lm_class(config) -> type:
-    """transformers' `<config class name without Config>ForCausalLM` for a config AutoModelForCausalLM does not map."""
+    """transformers' causal LM class for a config: the one AutoModelForCausalLM maps it to, else
+    `<config class name without Config>ForCausalLM` (Mistral 4's, which it does not map)."""
     import transformers
 
+    mapping = transformers.AutoModelForCausalLM._model_mapping
+    if type(config) in mapping:
+        return mapping[type(config)]
     name = type(config).__name__.removesuffix("Config") + "ForCausalLM"
     if not hasattr(transformers, name):
         raise ValueError(f"transformers has no {name} for model_type {config.model_type!r}")

@@ -46,8 +46,10 @@ MULTIMODAL_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 # the multimodal config's fields about images, which the text model does not read
 MULTIMODAL_FIELDS = ("vision_config", "image_token_index", "image_token_id", "spatial_merge_size", "vision_feature_layer",
                      "multimodal_projector_bias", "projector_hidden_act")
-# in Mistral 4's config.json, unused by transformers' model (tensor parallelism, training)
-IGNORED_FIELDS = ("pretraining_tp", "output_router_logits", "attention_dropout", "num_nextn_predict_layers")
+# in Mistral 4's config.json, unused by transformers' model (tensor parallelism, training, multi-token prediction)
+# or set by it (head_dim and qk_head_dim: qk_nope_head_dim + qk_rope_head_dim, whatever config.json says)
+IGNORED_FIELDS = ("pretraining_tp", "output_router_logits", "attention_dropout", "num_nextn_predict_layers", "head_dim",
+                  "qk_head_dim")
 
 # transformers' Mistral4Config defaults (Mistral Small 4's sizes), for the fields latent_decoder_fields reads
 MISTRAL4_DEFAULTS = dict(
@@ -56,6 +58,13 @@ MISTRAL4_DEFAULTS = dict(
     num_experts_per_tok=4, moe_intermediate_size=2048, intermediate_size=12288, n_group=1, topk_group=1,
     routed_scaling_factor=1.0,
 )
+
+# transformers' Mistral4Config's rotary where config.json has neither rope_parameters nor rope_scaling (Mistral Small
+# 4's own: YaRN from 8192 positions, the queries' scaling by position); a top-level rope_theta is not read then
+DEFAULT_ROPE = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0, "original_max_position_embeddings": 8192,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+}
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,12 @@ class HookedMistral4(HookedDeepseekV3):
                     "mistral3 checkpoint only where its text model is Mistral 4's mixture (text_config.model_type "
                     "'mistral4', Mistral Small 4); Mistral Small 3's text model is dense"
                 )
+        text = raw["text_config"] if nested else raw
+        if text.get("rope_parameters") is None and text.get("rope_scaling") is None:
+            # transformers' Mistral4Config then sets its own rotary (the scaling fields with it), not the default
+            text = {**text, "rope_parameters": dict(DEFAULT_ROPE)}
+            raw = {**raw, "text_config": text} if nested else text
+            outer = HFConfig(raw)
         hf = outer.section("text_config") if nested else outer
         fields = latent_decoder_fields(hf, hf.raw, MISTRAL4_DEFAULTS, rotary_of_head=True)
         if fields["rope"].kind == "default" and fields["qk_nope_head_dim"]:
