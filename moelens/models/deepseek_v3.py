@@ -95,9 +95,9 @@ def latent_decoder_fields(
     family's reading of which blocks are mixtures from n_layers (GLM-4.7-Flash's mlp_layer_types); None:
     first_k_dense_replace dense blocks, then mixtures. rotary_of_head: partial_rotary_factor is the rotated share of
     the whole query head, which must come to qk_rope_head_dim (Mistral 4's config); else it must be 1."""
-    d_nope = hf.integer("qk_nope_head_dim", defaults["qk_nope_head_dim"], at_least=0)
-    d_rope = hf.integer("qk_rope_head_dim", defaults["qk_rope_head_dim"], at_least=2)
     if rotary_of_head:  # transformers' rotary turns partial_rotary_factor of head_dim (nope + rope) dims
+        d_nope = hf.integer("qk_nope_head_dim", defaults["qk_nope_head_dim"], at_least=0)
+        d_rope = hf.integer("qk_rope_head_dim", defaults["qk_rope_head_dim"], at_least=2)
         rope = hf.rope(partial_rotary_factor=d_rope / (d_nope + d_rope))
         if int((d_nope + d_rope) * rope.partial_rotary_factor) != d_rope:  # its cos / sin would not fit
             raise ValueError(
@@ -122,6 +122,8 @@ def latent_decoder_fields(
                 f"rope_interleave {raw['rope_interleave']}: this family's latent attention always lays its rotary "
                 f"dims out {'interleaved' if rope_interleave else 'half-split'} (transformers does not read the field)"
             )
+    d_nope = hf.integer("qk_nope_head_dim", defaults["qk_nope_head_dim"], at_least=0)
+    d_rope = hf.integer("qk_rope_head_dim", defaults["qk_rope_head_dim"], at_least=2)
     fields = common_fields(
         hf, rms_norm_eps=defaults["rms_norm_eps"], max_position_embeddings=defaults["max_position_embeddings"],
         hidden_size=defaults["hidden_size"], d_head=d_nope + d_rope, rope=dataclasses.replace(rope, interleaved=interleaved),
