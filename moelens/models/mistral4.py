@@ -157,32 +157,13 @@ class HookedMistral4(HookedDeepseekV3):
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> Mistral4Config:
-        nested = raw.get("model_type") == MULTIMODAL_TYPE
-        outer = HFConfig(raw)
-        if nested:
-            text = raw.get("text_config")
-            if not isinstance(text, dict):
-                raise ValueError(
-                    "model_type 'mistral3' (the multimodal checkpoint) needs its text model's text_config object"
-                )
-            if text.get("model_type") != TEXT_TYPE:
-                raise ValueError(
-                    f"model_type 'mistral3' with text_config.model_type {text.get('model_type')!r}: moelens reads a "
-                    "mistral3 checkpoint only where its text model is Mistral 4's mixture (text_config.model_type "
-                    "'mistral4', Mistral Small 4); Mistral Small 3's text model is dense"
-                )
-        text = raw["text_config"] if nested else raw
-        if text.get("rope_parameters") is None and text.get("rope_scaling") is None:
-            # transformers' Mistral4Config then sets its own rotary (the scaling fields with it), not the default
-            text = {**text, "rope_parameters": dict(DEFAULT_ROPE)}
-            raw = {**raw, "text_config": text} if nested else text
-            outer = HFConfig(raw)
-        hf = outer.section("text_config") if nested else outer
+        outer, hf, nested = text_config_of(raw)
+        # the groups are checked there as SigmoidGroupedTopK's (the same rule: each group scored by its two best)
         fields = latent_decoder_fields(hf, hf.raw, MISTRAL4_DEFAULTS, rotary_of_head=True)
         if fields["rope"].kind == "default" and fields["qk_nope_head_dim"]:
             raise ValueError(
-                "rope_parameters.rope_type 'default': transformers' Mistral 4 then builds its rotary for all of "
-                f"head_dim (qk_nope_head_dim + qk_rope_head_dim = {fields['d_head']}) and cannot apply it to the "
+                f"{hf.label('rope_parameters')}.rope_type 'default': transformers' Mistral 4 then builds its rotary "
+                f"for all of head_dim (qk_nope_head_dim + qk_rope_head_dim = {fields['d_head']}) and cannot apply it to the "
                 f"qk_rope_head_dim ({fields['qk_rope_head_dim']}) rotated dims; a scaled rotary (yarn, as published) "
                 "turns partial_rotary_factor of them"
             )
@@ -191,7 +172,6 @@ class HookedMistral4(HookedDeepseekV3):
         fields.pop("mtp_layers")
         hf.read.remove("num_nextn_predict_layers")
         beta, period = query_scaling(hf)
-        # the group rule is SigmoidGroupedTopK's (each group scored by its two best), checked as it is there
         ignored = tuple(hf.label(f) for f in IGNORED_FIELDS if hf.raw.get(f) is not None)
         read = [hf.label(f) for f in hf.read]
         if nested:
@@ -199,14 +179,38 @@ class HookedMistral4(HookedDeepseekV3):
             # the multimodal class ties its head by its own config's flag (transformers' Mistral3Config: true where
             # absent), not by the text config's
             fields["tie_word_embeddings"] = outer.flag("tie_word_embeddings", True)
-            read = [f for f in read if f != "text_config.tie_word_embeddings"] + ["tie_word_embeddings"]
+            read = [f for f in read if f != hf.label("tie_word_embeddings")] + ["tie_word_embeddings"]
             if "tie_word_embeddings" in hf.raw:
-                ignored += ("text_config.tie_word_embeddings",)
+                ignored += (hf.label("tie_word_embeddings"),)
         return Mistral4Config(
             **fields, family=cls.model_type, query_scaling_beta=beta, query_scaling_period=period,
             key_prefix=HUB_PREFIX if nested else "", fields_read=tuple(read),
             fields_ignored=ignored,
         )
+
+
+def text_config_of(raw: dict) -> tuple[HFConfig, HFConfig, bool]:
+    """(config.json, the text model's config in it, whether it is the multimodal checkpoint's): the text model's is
+    config.json itself, or its text_config under model_type mistral3, which must be Mistral 4's. Without any rotary
+    settings, transformers' Mistral4Config's own (DEFAULT_ROPE)."""
+    nested = raw.get("model_type") == MULTIMODAL_TYPE
+    if nested:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("model_type 'mistral3' (the multimodal checkpoint) needs its text model's text_config object")
+        if text.get("model_type") != TEXT_TYPE:
+            raise ValueError(
+                f"model_type 'mistral3' with text_config.model_type {text.get('model_type')!r}: moelens reads a "
+                "mistral3 checkpoint only where its text model is Mistral 4's mixture (text_config.model_type "
+                "'mistral4', Mistral Small 4); Mistral Small 3's text model is dense"
+            )
+    text = raw["text_config"] if nested else raw
+    if text.get("rope_parameters") is None and text.get("rope_scaling") is None:
+        # transformers' Mistral4Config then sets its own rotary (the scaling fields with it), not the default one
+        text = {**text, "rope_parameters": dict(DEFAULT_ROPE)}
+        raw = {**raw, "text_config": text} if nested else text
+    outer = HFConfig(raw)
+    return outer, (outer.section("text_config") if nested else outer), nested
 
 
 def query_scaling(hf: HFConfig) -> tuple[float, int]:
@@ -216,7 +220,7 @@ def query_scaling(hf: HFConfig) -> tuple[float, int]:
     missing = [f for f in ("llama_4_scaling_beta", "original_max_position_embeddings") if rope.raw.get(f) is None]
     if missing:
         raise ValueError(
-            f"rope_parameters lacks {' and '.join(missing)}: Mistral 4 scales its queries by position with them "
+            f"{hf.label('rope_parameters')} lacks {' and '.join(missing)}: Mistral 4 scales its queries by position with them "
             "(1 + llama_4_scaling_beta * log(1 + floor(position / original_max_position_embeddings))), and "
             "transformers' model cannot run without them"
         )
