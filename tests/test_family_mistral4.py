@@ -243,10 +243,12 @@ def test_support_lists_the_latent_sites(models):
     assert "blocks.L.mlp.hook_choice_scores" not in names  # no correction bias
 
 
-def test_verify_command_and_embedded_default(tmp_path, monkeypatch, capsys):
+def test_verify_command_and_embedded_default(checkpoints, tmp_path, monkeypatch, capsys):
+    """verify builds transformers' Mistral4ForCausalLM itself, and for the multimodal checkpoint its text model."""
     monkeypatch.setattr("moelens.defaults.cache_root", lambda: tmp_path)
     model = HookedTransformer.from_pretrained("tiny-mistral4", progress=False)
     assert type(model) is HookedMistral4 and model.cfg.n_experts == 16 and model.cfg.query_scaling_period == 256
-    assert main(["verify", "tiny-mistral4"]) == 0
-    out = capsys.readouterr().out
-    assert "float32: OK" in out and "bfloat16: OK" in out
+    for name in ("tiny-mistral4", str(checkpoints["multimodal"])):
+        assert main(["verify", name]) == 0
+        out = capsys.readouterr().out
+        assert "float32: OK" in out and "bfloat16: OK" in out
