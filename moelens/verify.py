@@ -175,16 +175,53 @@ class ReferenceUnavailable(RuntimeError):
 
 
 def load_reference(path, dtype: torch.dtype = torch.float32):
-    """transformers' model for this checkpoint, eager attention, default experts implementation."""
-    from transformers import AutoModelForCausalLM
+    """transformers' causal LM for this checkpoint, eager attention, default experts implementation: the class
+    AutoModelForCausalLM maps its config to; where it maps none (Mistral 4), the text model's own causal LM class,
+    and for a multimodal checkpoint (Mistral Small 4's) that class around the language model and head of the
+    checkpoint's own class (its architectures), which is what that class runs on text."""
+    import transformers
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+        config = transformers.AutoConfig.from_pretrained(path)
+        kwargs = dict(dtype=dtype, attn_implementation="eager")
+        if type(config) in transformers.AutoModelForCausalLM._model_mapping:
+            return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+        if getattr(config, "text_config", None) is None:
+            return causal_lm_class(config).from_pretrained(path, **kwargs).eval()
+        whole = getattr(transformers, config.architectures[0]).from_pretrained(path, **kwargs)
+        return text_model_of(whole).eval()
     except Exception as err:  # transformers raises many types here; the point is to say who failed
         raise ReferenceUnavailable(
             f"transformers could not load {path} as a reference ({type(err).__name__}: {err}); moelens itself "
             "may still load it (e.g. Tencent's Hunyuan config without head_dim)"
         ) from err
+
+
+def causal_lm_class(config) -> type:
+    """transformers' causal LM class for a config: the one AutoModelForCausalLM maps it to, else
+    `<config class name without Config>ForCausalLM` (Mistral 4's, which it does not map)."""
+    import transformers
+
+    mapping = transformers.AutoModelForCausalLM._model_mapping
+    if type(config) in mapping:
+        return mapping[type(config)]
+    name = type(config).__name__.removesuffix("Config") + "ForCausalLM"
+    if not hasattr(transformers, name):
+        raise ValueError(f"transformers has no {name} for model_type {config.model_type!r}")
+    return getattr(transformers, name)
+
+
+def text_model_of(whole: torch.nn.Module) -> torch.nn.Module:
+    """The text causal LM of a multimodal model (`model.language_model` and `lm_head`), as its own causal LM class,
+    sharing the multimodal model's modules: references then name the text model's modules."""
+    text_config = whole.config.text_config
+    with torch.device("meta"):
+        lm = causal_lm_class(text_config)(text_config)
+    lm.model, lm.lm_head = whole.model.language_model, whole.lm_head
+    left = [n for n, t in (*lm.named_parameters(), *lm.named_buffers()) if t.is_meta]
+    if left:  # a class with parts beside its model and head: taking only those two would leave them unset
+        raise ValueError(f"{type(lm).__name__} has tensors besides model and lm_head: {left[:3]}")
+    return lm
 
 
 FP8_REFERENCE = (

@@ -170,6 +170,33 @@ CASES = {
             "vocab_size"],
         ignored=("head_dim",),
     ),
+    "mistral4": Case(
+        # as transformers writes it: head_dim and qk_head_dim (both qk_nope_head_dim + qk_rope_head_dim, set by it),
+        # the rotary's partial_rotary_factor (8 of the 20-wide head) and the queries' scaling by position in it
+        raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 20, "hidden_act": "silu", "hidden_size":
+            64, "intermediate_size": 80, "kv_lora_rank": 16, "max_position_embeddings": 256, "moe_intermediate_size": 24,
+            "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": 24,
+            "qk_head_dim": 20, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "rms_norm_eps": 1e-06,
+            "rope_interleave": True, "rope_parameters": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 4.0,
+            "llama_4_scaling_beta": 0.4, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16,
+            "partial_rotary_factor": 0.4, "rope_theta": 10000.0, "rope_type": "yarn"}, "routed_scaling_factor": 1.0,
+            "tie_word_embeddings": False, "topk_group": 1, "v_head_dim": 10, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=20, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, kind="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+            mscale_all_dim=1.0, interleaved=True), max_position_embeddings=256, d_mlp=80, moe_layers=(False, True,
+            True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=24, norm_topk_prob=True,
+            routed_scaling_factor=1.0, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+            qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1, query_scaling_beta=0.4,
+            query_scaling_period=16),
+        read=["attention_bias", "first_k_dense_replace", "hidden_act", "hidden_size", "intermediate_size",
+            "kv_lora_rank", "max_position_embeddings", "moe_intermediate_size", "n_group", "n_routed_experts",
+            "n_shared_experts", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "partial_rotary_factor", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "rms_norm_eps", "rope_interleave", "rope_parameters", "rope_scaling", "rope_theta", "routed_scaling_factor",
+            "tie_word_embeddings", "topk_group", "v_head_dim", "vocab_size"],
+        ignored=("head_dim", "qk_head_dim"),
+    ),
     "sarvam_mla": Case(
         # as transformers writes it: DeepSeek-V3's names; the legacy head_dim (the latent cache's width) unused
         raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size":
@@ -615,6 +642,18 @@ MINIMAL = {
             norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512,
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=3),
     ),
+    "mistral4": (
+        # transformers' defaults are Mistral Small 4's sizes: every block a mixture, its rotary (YaRN from 8192
+        # positions, 64 of the 128-wide head turned) and the queries' scaling by position (beta 0.1)
+        {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=4096, n_layers=2, n_heads=4, n_kv_heads=4, d_head=64 + 64, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, kind="yarn", factor=128.0, original_max_position_embeddings=8192, mscale=1.0,
+            mscale_all_dim=1.0, interleaved=True), max_position_embeddings=1048576, moe_layers=(True, True),
+            n_experts=128, top_k_per_layer=(4, 4), d_expert=2048, d_shared=2048, norm_topk_prob=True,
+            routed_scaling_factor=1.0, n_group=1, topk_group=1, q_lora_rank=1024, kv_lora_rank=256,
+            qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=0,
+            query_scaling_beta=0.1, query_scaling_period=8192),
+    ),
     "sarvam_mla": (
         # Sarvam-105B's defaults (transformers' SarvamMLAConfig): one dense block first, 128 experts, top 8
         {"num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96},
@@ -776,6 +815,7 @@ CONFIG_CLASSES = {
     "ernie4_5_moe": "Ernie4_5MoeConfig",
     "flex_olmo": "ClipQKVConfig",
     "glm4_moe_lite": "DeepseekV3Config",
+    "mistral4": "Mistral4Config",
     "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig",
     "minimax_m2": "MiniMaxM2Config",

@@ -25,7 +25,7 @@ WITHOUT_FLAGSHIP = {"granitemoeshared": "no published GraniteMoeShared config.js
 # block_sparse_moe, Llama 4's feed_forward, the Gated DeltaNet and Mamba-2 mixers, LongCat-Flash's paired sublayers,
 # the sparse attention's indexer, Phi-3.5-MoE's norms with bias): their plan's components against transformers'.
 BY_COMPONENT = {"deepseek_v2", "deepseek_v3", "ernie4_5_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite",
-                "hunyuan_v1_moe", "minimax_m2", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open"}
+                "hunyuan_v1_moe", "minimax_m2", "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open"}
 # Weights transformers allocates that no checkpoint stores, per layer: LongCat-Flash's fused gate_up_proj has
 # gate / up rows for its identity ("zero") experts too, which nothing reads.
 TRANSFORMERS_ONLY_PER_LAYER = {

@@ -18,6 +18,7 @@ from conftest import (BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, as_added, attent
 
 from moelens import HookedTransformer
 from moelens.models.deepseek_v2 import SoftmaxGroupLimitedTopK
+from moelens.models.mistral4 import SoftmaxGroupedTopK
 from moelens.models.components.router import SparseMixer
 from moelens.models.ernie4_5_moe import StatisticsBiasedSoftmaxTopK
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
@@ -128,6 +129,17 @@ def test_router_rules(family_models, family, tokens):
             choice = grouped.masked_fill(~keep[..., None], 0.0).flatten(-2)
             assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
             expected = scores.gather(-1, idx) * model.cfg.routed_scaling_factor
+        elif isinstance(router, SoftmaxGroupedTopK):  # Mistral 4: groups by their two best scores, the model's dtype
+            scores = logits.softmax(-1)
+            grouped = scores.unflatten(-1, (model.cfg.n_group, -1))
+            best_groups = grouped.topk(2, -1).values.sum(-1).topk(model.cfg.topk_group, -1).indices
+            keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool).scatter_(-1, best_groups, True)
+            choice = grouped.masked_fill(~keep[..., None], 0.0).flatten(-2)
+            assert torch.equal(choice.topk(k, -1).indices.sort(-1).values, idx.sort(-1).values)
+            expected = scores.gather(-1, idx)
+            if model.cfg.norm_topk_prob:
+                expected = expected / (expected.sum(-1, keepdim=True) + 1e-20)
+            expected = expected * model.cfg.routed_scaling_factor
         else:
             top = logits.float().softmax(-1).topk(k, dim=-1)
             assert torch.equal(top.indices, idx)

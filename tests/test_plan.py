@@ -14,6 +14,7 @@ from flagships import entries, flagship
 
 from moelens.cli import main
 from moelens.plan import parse_size, plan
+from moelens.verify import causal_lm_class
 
 # The seed checkpoints at full size (their config.json values: docs/families/flagships/)
 SOLAR = flagship("solar_open")
@@ -49,7 +50,7 @@ def hf_weights(config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     import transformers
 
     hf_config = transformers.AutoConfig.for_model(**config)
-    cls = transformers.AutoModelForCausalLM._model_mapping[type(hf_config)]
+    cls = causal_lm_class(hf_config)  # AutoModelForCausalLM's class, or Mistral 4's, which it does not map
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -12,6 +12,7 @@ import torch
 
 import moelens
 from moelens import HookedTransformer, HookedTransformerConfig, MoeConfig
+from moelens.verify import causal_lm_class
 
 TL = dict(n_layers=2, d_model=64, n_ctx=64, d_head=16, n_heads=4, d_vocab=50, num_experts=4, experts_per_token=2, d_mlp=32)
 
@@ -142,6 +143,11 @@ OWN_FIELDS = {
     "deepseek_v3": {"n_group": 1, "topk_group": 1},
     "deepseek_v32": {"n_group": 1, "topk_group": 1},
     "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "head_dim": 8},
+    # transformers' Mistral 4 cannot run the unscaled rotary (it turns all of head_dim), and reads the queries'
+    # scaling by position from the rotary's settings
+    "mistral4": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                     "llama_4_scaling_beta": 0.1}},
 }
 
 
@@ -187,7 +193,8 @@ def test_the_architecture_is_transformers_for_the_config_json_it_writes(family, 
 
     args = {**TL, "n_layers": 4, "family": family, "seed": 0, "hf_config": OWN_FIELDS.get(family)}
     config = transformers.AutoConfig.for_model(**moelens.tl_config.hf_config_from_tl(args))
-    reference = tiny.new_model(transformers.AutoModelForCausalLM.from_config, config, seed=3).eval()
+    # what AutoModelForCausalLM.from_config calls, for Mistral 4 too (which it does not map)
+    reference = tiny.new_model(causal_lm_class(config)._from_config, config, seed=3).eval()
     loaded = HookedTransformer.from_pretrained(tiny.save_hf(reference, tmp_path / family), progress=False)
     model = HookedTransformer(HookedTransformerConfig(**args))
     # transformers writes DeepSeek-V3's default of one multi-token-prediction layer, which no forward runs

@@ -86,20 +86,33 @@ DEEPSEEK_V3_DEFAULTS = dict(
 
 def latent_decoder_fields(
     hf: HFConfig, raw: dict, defaults: dict, rope_interleave: bool | None = None,
-    moe_layers: Callable[[int], tuple[bool, ...]] | None = None,
+    moe_layers: Callable[[int], tuple[bool, ...]] | None = None, rotary_of_head: bool = False,
 ) -> dict:
     """DeepseekV3Config's fields (all but family and the bookkeeping) from config.json, which DeepSeek-V3.2 and
     GLM-5 spell the same way; `defaults`: the family's transformers defaults (DEEPSEEK_V3_DEFAULTS' keys).
     rope_interleave: None reads config.json's rope_interleave (DeepSeek-V3); True or False is the family's fixed
     layout, and a config.json saying otherwise is refused (transformers would not read it). moe_layers: the
     family's reading of which blocks are mixtures from n_layers (GLM-4.7-Flash's mlp_layer_types); None:
-    first_k_dense_replace dense blocks, then mixtures."""
-    rope = hf.rope()
-    if rope.partial_rotary_factor != 1.0:  # transformers' MLA would fail on the cos / sin width
-        raise ValueError(
-            f"partial_rotary_factor {rope.partial_rotary_factor}: DeepSeek-V3 rotates qk_rope_head_dim dims, "
-            "set by qk_rope_head_dim (partial_rotary_factor must be 1)"
-        )
+    first_k_dense_replace dense blocks, then mixtures. rotary_of_head: partial_rotary_factor is the rotated share of
+    the whole query head, which must come to qk_rope_head_dim (Mistral 4's config); else it must be 1."""
+    if rotary_of_head:  # transformers' rotary turns partial_rotary_factor of head_dim (nope + rope) dims
+        d_nope = hf.integer("qk_nope_head_dim", defaults["qk_nope_head_dim"], at_least=0)
+        d_rope = hf.integer("qk_rope_head_dim", defaults["qk_rope_head_dim"], at_least=2)
+        rope = hf.rope(partial_rotary_factor=d_rope / (d_nope + d_rope))
+        if int((d_nope + d_rope) * rope.partial_rotary_factor) != d_rope:  # its cos / sin would not fit
+            raise ValueError(
+                f"partial_rotary_factor {rope.partial_rotary_factor}: the rotary must turn the qk_rope_head_dim "
+                f"({d_rope}) of the head's qk_nope_head_dim + qk_rope_head_dim ({d_nope + d_rope}) dims, "
+                f"{d_rope}/{d_nope + d_rope} (absent, it is)"
+            )
+        rope = dataclasses.replace(rope, partial_rotary_factor=1.0)  # of the rotated dims, d_rot
+    else:
+        rope = hf.rope()
+        if rope.partial_rotary_factor != 1.0:  # transformers' MLA would fail on the cos / sin width
+            raise ValueError(
+                f"partial_rotary_factor {rope.partial_rotary_factor}: DeepSeek-V3 rotates qk_rope_head_dim dims, "
+                "set by qk_rope_head_dim (partial_rotary_factor must be 1)"
+            )
     if rope_interleave is None:
         interleaved = hf.flag("rope_interleave", True)
     else:

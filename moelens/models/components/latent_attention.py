@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import nn
 
 from moelens.config import RopeConfig
@@ -123,7 +123,7 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
         q_latent, q = self.project_query(x)
         k, v = self.project_key_value(x)
         q, k = self.position(q, k, inputs.cos, inputs.sin)
-        q, k = self.hook_rot_q(q), self.hook_rot_k(k)
+        q, k = self.hook_rot_q(self.scale_queries(q, inputs.positions)), self.hook_rot_k(k)
         if inputs.state is not None:  # cached after the hooks, so an edit of hook_rot_k / hook_v also holds later
             k, v = inputs.state.append(k, v)
         allowed = self.allowed(x, q_latent, inputs)
@@ -199,6 +199,13 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary on the last qk_rope_head_dim dims of each query and key head; the nope dims pass."""
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def scale_queries(
+        self, q: Float[torch.Tensor, "batch pos head d_head"], positions: Int[torch.Tensor, "batch pos"]
+    ) -> Float[torch.Tensor, "batch pos head d_head"]:
+        """The rotated queries as they enter the scores: unchanged here; a subclass scales them by position
+        (Mistral Small 4)."""
+        return q
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         nope, rope = torch.split(x, [self.d_nope, self.d_rope], dim=-1)
