@@ -132,15 +132,15 @@ def test_time_step_limit_clamps_the_chunked_form_only(models):
     assert step["blocks.0.mixer.hook_dt"].max() > CLAMPED[1]
 
 
-@pytest.mark.parametrize("variant", ["base", "clamped"])
-def test_prefill_then_decode_equals_transformers_cached_runs(models, refs, variant):
+def test_prefill_then_decode_equals_transformers_cached_runs(models, refs):
     """A 12-token prefill then one-token steps (the Mamba-2 recurrence), and a prefill then one 9-token step,
-    each against transformers' own cached run with the same cuts."""
-    model, ref, toks = models(variant), refs(variant), tokens(11, (2, 21))
+    each against transformers' own cached run with the same cuts, where time_step_limit clamps the prefill and
+    not the steps (so the cuts change the result, the same way in both)."""
+    model, ref, toks = models("clamped"), refs("clamped"), tokens(11, (2, 21))
 
     def hf_run(cuts):
         cache = transformers.DynamicCache(config=ref.config)
-        return torch.cat([ref(toks[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in cuts], dim=1)
+        return torch.cat([ref(toks[:, a:b], cache=cache, use_cache=True).logits for a, b in cuts], dim=1)
 
     def our_run(cuts):
         cache = KVCache.for_model(model)
@@ -154,14 +154,14 @@ def test_prefill_then_decode_equals_transformers_cached_runs(models, refs, varia
         assert (our_run([(0, 12), (12, 21)]) - hf_run([(0, 12), (12, 21)])).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("variant", ["base", "rope", "dense", "clamped"])
+@pytest.mark.parametrize("variant", ["base", "rope", "dense"])
 def test_greedy_generation_equals_transformers(models, refs, variant):
-    check_greedy_generation(models(variant), refs(variant), tokens(4, (1, 10)), new=24)
+    check_greedy_generation(models(variant), refs(variant), tokens(4, (1, 10)), new=16)
 
 
 def test_left_padded_generation_equals_transformers(models, refs):
     toks, mask = left_padded(8, (2, 10), (0, 3))
-    check_greedy_generation(models("base"), refs("base"), toks, mask, new=12)
+    check_greedy_generation(models("base"), refs("base"), toks, mask, new=8)
 
 
 # ---- config.json ---------------------------------------------------------------------------------------------
