@@ -579,6 +579,32 @@ CASES = {
             "rope_theta", "shared_intermediate_size", "tie_word_embeddings", "vocab_size"],
         ignored=(),
     ),
+    "granitemoehybrid": Case(
+        raw={"attention_bias": False, "attention_multiplier": 0.15, "embedding_multiplier": 6.0, "hidden_act": "silu",
+            "hidden_size": 64, "intermediate_size": 32, "layer_types": ["mamba", "attention", "mamba"],
+            "logits_scaling": 2.5, "mamba_chunk_size": 8, "mamba_conv_bias": True, "mamba_d_conv": 4,
+            "mamba_d_head": 16, "mamba_d_state": 16, "mamba_expand": 2, "mamba_n_groups": 2, "mamba_n_heads": 8,
+            "mamba_proj_bias": False, "max_position_embeddings": 256, "normalization_function": "rmsnorm",
+            "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2,
+            "num_local_experts": 8, "position_embedding_type": "nope", "residual_multiplier": 0.4,
+            "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "shared_intermediate_size": 48, "tie_word_embeddings": False,
+            "time_step_limit": [0.0, {"__float__": "Infinity"}], "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(3, 3, 3), d_expert=32, d_shared=48, embedding_multiplier=6.0, residual_multiplier=0.4,
+            attention_multiplier=0.15, logits_scaling=2.5,
+            layer_types=("linear_attention", "full_attention", "linear_attention"), mamba_n_heads=8, mamba_d_head=16,
+            mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8, mamba_norm_eps=1e-06),
+        read=["attention_bias", "attention_multiplier", "embedding_multiplier", "head_dim", "hidden_act", "hidden_size",
+            "intermediate_size", "layer_types", "logits_scaling", "mamba_chunk_size", "mamba_conv_bias", "mamba_d_conv",
+            "mamba_d_head", "mamba_d_state", "mamba_expand", "mamba_n_groups", "mamba_n_heads", "mamba_proj_bias",
+            "max_position_embeddings", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "num_local_experts", "partial_rotary_factor", "position_embedding_type",
+            "residual_multiplier", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+            "shared_intermediate_size", "tie_word_embeddings", "time_step_limit", "vocab_size"],
+        ignored=("normalization_function",),
+    ),
 }
 
 # config.json with only what the family requires (and what its defaults would contradict): transformers' defaults
@@ -799,6 +825,16 @@ MINIMAL = {
             rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True, True), n_experts=8,
             top_k_per_layer=(2, 2, 2), d_expert=11008),
     ),
+    "granitemoehybrid": (
+        # transformers' GraniteMoeHybridConfig defaults: every layer Mamba-2 (128 heads of 2 * 64 / 128 = 1), no
+        # positional encoding, 8 experts, top 2, a shared MLP of 1024, dt unclamped
+        {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(2, 2, 2), d_expert=11008, d_shared=1024, layer_types=("linear_attention",) * 3,
+            mamba_n_heads=128, mamba_d_head=1, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
+            mamba_chunk_size=256),
+    ),
 }
 
 CONFIG_CLASSES = {
@@ -828,6 +864,7 @@ CONFIG_CLASSES = {
     "nemotron_h": "NemotronHConfig",
     "granitemoe": "GraniteMoeConfig",
     "granitemoeshared": "GraniteMoeSharedConfig",
+    "granitemoehybrid": "GraniteMoeHybridConfig",
 }
 # Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling)
 ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw]

@@ -49,7 +49,8 @@ def hf_weights(config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     parameters (tied ones once) and buffers except the rotary's."""
     import transformers
 
-    hf_config = transformers.AutoConfig.for_model(**config)
+    # as transformers reads a config.json file: its tagged floats ({"__float__": "Infinity"}) decoded
+    hf_config = transformers.AutoConfig.for_model(**transformers.PreTrainedConfig._decode_special_floats(config))
     cls = causal_lm_class(hf_config)  # AutoModelForCausalLM's class, or Mistral 4's, which it does not map
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -29,6 +29,8 @@ CONFIGS = {c["model_type"]: c for c in (json.loads((Path(defaults.__file__).pare
 VARIANTS = {
     "qwen3_next_dense_layer": {**CONFIGS["qwen3_next"], "mlp_only_layers": [1]},
     "qwen2_moe_tied": {**CONFIGS["qwen2_moe"], "tie_word_embeddings": True},
+    # no experts: the shared MLP is each layer's dense MLP (granite-4.0-h-micro)
+    "granitemoehybrid_dense": {**CONFIGS["granitemoehybrid"], "num_local_experts": 0},
 }
 
 

@@ -192,7 +192,9 @@ def test_the_architecture_is_transformers_for_the_config_json_it_writes(family, 
     import tiny
 
     args = {**TL, "n_layers": 4, "family": family, "seed": 0, "hf_config": OWN_FIELDS.get(family)}
-    config = transformers.AutoConfig.for_model(**moelens.tl_config.hf_config_from_tl(args))
+    written = moelens.tl_config.hf_config_from_tl(args)
+    # as transformers reads a config.json file: its tagged floats ({"__float__": "Infinity"}) decoded
+    config = transformers.AutoConfig.for_model(**transformers.PreTrainedConfig._decode_special_floats(written))
     # what AutoModelForCausalLM.from_config calls, for Mistral 4 too (which it does not map)
     reference = tiny.new_model(causal_lm_class(config)._from_config, config, seed=3).eval()
     loaded = HookedTransformer.from_pretrained(tiny.save_hf(reference, tmp_path / family), progress=False)

@@ -88,29 +88,49 @@ class HookedGraniteMoe(HookedTransformer):
 
 def granite_fields(hf: HFConfig) -> dict:
     """The fields granitemoe and granitemoeshared read alike (transformers' GraniteMoeConfig defaults)."""
+    fields = granite_stream_fields(hf)
+    n_experts = hf.integer("num_local_experts", 8, at_least=1)
+    routed = routed_fields(
+        hf, (True,) * fields["n_layers"], n_experts, hf.integer("intermediate_size", 11008, at_least=1),
+        num_experts_per_tok=2,
+    )
+    return dict(**fields, **routed)
+
+
+def granite_stream_fields(hf: HFConfig) -> dict:
+    """What every Granite MoE family reads alike besides its feed-forward: the common fields (rotary over the
+    whole head only), the four multipliers and attention_bias."""
     fields = common_fields(hf, rms_norm_eps=1e-6, max_position_embeddings=2048)
     if fields["rope"].partial_rotary_factor != 1.0:  # transformers' Granite rotary turns the whole head
         raise ValueError(
             f"partial_rotary_factor = {fields['rope'].partial_rotary_factor}: Granite's rotary (transformers') turns "
             "every dimension of the head, so only 1 is supported"
         )
-    n_experts = hf.integer("num_local_experts", 8, at_least=1)
     bias = hf.flag("attention_bias", False)
-    routed = routed_fields(
-        hf, (True,) * fields["n_layers"], n_experts, hf.integer("intermediate_size", 11008, at_least=1),
-        num_experts_per_tok=2,
-    )
-    return dict(**fields, **routed, **multiplier_fields(hf), qkv_bias=bias, o_bias=bias)
+    return dict(**fields, **multiplier_fields(hf), qkv_bias=bias, o_bias=bias)
 
 
 def granite_layer_sites(cfg: GraniteMoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
     """Attention, router and routed experts of one layer, in the Hub's spelling or transformers 5's; the
     sublayer outputs' references times residual_multiplier, as transformers adds them."""
-    moe, m = f"{src}.block_sparse_moe", cfg.residual_multiplier
+    return granite_attention_sites(cfg, src, dst) + [
+        Reference(f"{dst}.hook_resid_mid", f"{src}.post_attention_layernorm", "in"),
+        *granite_mixture_sites(cfg, src, dst),
+    ]
+
+
+def granite_attention_sites(cfg: GraniteMoeConfig, src: str, dst: str) -> list[Entry]:
+    """q, k, v, o of one layer's self_attn; hook_attn_out is its output times residual_multiplier."""
     return attention_projections(cfg, src, dst) + [
         Reference(f"{dst}.attn.hook_z", f"{src}.self_attn.o_proj", "in"),
-        Reference(f"{dst}.hook_attn_out", f"{src}.self_attn", "out.0", multiplier=m),
-        Reference(f"{dst}.hook_resid_mid", f"{src}.post_attention_layernorm", "in"),
+        Reference(f"{dst}.hook_attn_out", f"{src}.self_attn", "out.0", multiplier=cfg.residual_multiplier),
+    ]
+
+
+def granite_mixture_sites(cfg: GraniteMoeConfig, src: str, dst: str) -> list[Entry]:
+    """The router and routed experts of one layer's block_sparse_moe (hook_mlp_out is the family's)."""
+    moe = f"{src}.block_sparse_moe"
+    return [
         Weight(f"{dst}.mlp.router.weight", (f"{moe}.router.layer.weight", f"{moe}.router.weight")),
         _experts(cfg, moe, dst),
         *router_references(dst, f"{moe}.router"),

@@ -58,16 +58,22 @@ class HookedGraniteMoeShared(HookedTransformer):
 
 
 def _layer_sites(cfg: GraniteMoeSharedConfig, layer: int, src: str, dst: str) -> list[Entry]:
-    moe, shared, m = f"{src}.block_sparse_moe", f"{src}.shared_mlp", cfg.residual_multiplier
     if not cfg.d_shared:
+        moe, m = f"{src}.block_sparse_moe", cfg.residual_multiplier
         return granite_layer_sites(cfg, layer, src, dst) + [Reference(f"{dst}.hook_mlp_out", moe, multiplier=m)]
-    ours = f"{dst}.mlp.shared_expert"
-    return granite_layer_sites(cfg, layer, src, dst) + [
+    return granite_layer_sites(cfg, layer, src, dst) + shared_mlp_sites(cfg, src, dst)
+
+
+def shared_mlp_sites(cfg: GraniteMoeConfig, src: str, dst: str) -> list[Entry]:
+    """A layer's shared_mlp (input_linear: gate rows, then up rows) as blocks.L.mlp.shared_expert, and
+    hook_mlp_out: residual_multiplier * (block_sparse_moe's output + shared_mlp's)."""
+    moe, shared, ours = f"{src}.block_sparse_moe", f"{src}.shared_mlp", f"{dst}.mlp.shared_expert"
+    return [
         Weight(f"{ours}.gate_up_proj.weight", (f"{shared}.input_linear.weight",)),
         Weight(f"{ours}.down_proj.weight", (f"{shared}.output_linear.weight",)),
         Reference(f"{ours}.hook_post", f"{shared}.output_linear", "in"),
         Reference(f"{ours}.hook_out", shared),
         Reference(f"{dst}.mlp.hook_shared_out", shared),
         # transformers adds the shared MLP's output to the mixture's, then multiplies
-        Reference(f"{dst}.hook_mlp_out", moe, added=shared, multiplier=m),
+        Reference(f"{dst}.hook_mlp_out", moe, added=shared, multiplier=cfg.residual_multiplier),
     ]

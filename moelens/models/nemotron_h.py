@@ -31,7 +31,7 @@ from moelens.config import HFConfig, MoeConfig, RopeConfig, routed_fields
 from moelens.experts.spec import ExpertSpec, Ungated
 from moelens.hooks.sites import site_hook
 from moelens.models.base import HookedTransformer
-from moelens.models.components.attention import Attention
+from moelens.models.components.attention import NoPositionAttention
 from moelens.models.components.mlp import UngatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import CastAfterWeightRMSNorm
@@ -118,14 +118,6 @@ def aliased(hf: HFConfig, read, name: str, old: str, default, **bounds):
     """A field transformers reads under two names; the older one (config.json of NVIDIA's remote code) wins
     where both are there, as in transformers' NemotronHConfig."""
     return read(old, **bounds) if old in hf else read(name, default, **bounds)
-
-
-class NoPositionAttention(Attention):
-    """Grouped-query attention without positional encoding (Nemotron-H's attention layers): hook_rot_q and
-    hook_rot_k hold q and k as projected."""
-
-    def position(self, q, k, cos, sin):
-        return q, k
 
 
 class NemotronHMoe(SparseMoe):

@@ -236,6 +236,14 @@ class Attention(AttentionWeightViews, nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+class NoPositionAttention(Attention):
+    """Grouped-query attention without positional encoding (Nemotron-H's attention layers, Granite-4.0-H's
+    "nope"): hook_rot_q and hook_rot_k hold q and k as projected."""
+
+    def position(self, q, k, cos, sin):
+        return q, k
+
+
 class QKNormAfterRotaryAttention(Attention):
     """RMSNorm of each rotated query and key head, one weight [d_head] shared by the heads (Hunyuan)."""
 
