@@ -350,6 +350,25 @@ CASES = {
             "rope_theta", "routed_scaling_factor", "tie_word_embeddings", "topk_group", "use_qk_norm", "vocab_size"],
         ignored=(),
     ),
+    "dots1": Case(
+        raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 24, "hidden_act": "silu", "hidden_size": 64,
+            "intermediate_size": 80, "layer_types": ["full_attention", "full_attention", "sliding_attention"],
+            "max_position_embeddings": 256, "max_window_layers": 2, "moe_intermediate_size": 24, "n_group": 1,
+            "n_routed_experts": 8, "n_shared_experts": 2, "norm_topk_prob": True, "num_attention_heads": 4,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}, "routed_scaling_factor": 2.5,
+            "sliding_window": 6, "tie_word_embeddings": False, "topk_group": 1, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=24, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, attention_windows=(None, None, 6), d_mlp=80,
+            moe_layers=(False, True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=48,
+            norm_topk_prob=True, routed_scaling_factor=2.5, qk_norm=True),
+        read=["attention_bias", "first_k_dense_replace", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "layer_types", "max_position_embeddings", "moe_intermediate_size", "n_group", "n_routed_experts",
+            "n_shared_experts", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "routed_scaling_factor", "sliding_window", "tie_word_embeddings", "topk_group", "vocab_size"],
+        ignored=("max_window_layers",),  # layer_types given: transformers does not read it
+    ),
     "minimax_m2": Case(
         raw={"attention_dropout": 0.0, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
             "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
@@ -657,6 +676,14 @@ MINIMAL = {
             moe_layers=(False, True, True), n_experts=128, top_k_per_layer=(0, 8, 8), d_expert=1408, d_shared=1408,
             norm_topk_prob=True),
     ),
+    "dots1": (
+        {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96, "num_key_value_heads": 2,
+            "n_routed_experts": 8, "n_shared_experts": 2, "num_experts_per_tok": 3},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, attention_windows=(None, None, None),
+            moe_layers=(True, True, True), n_experts=8, top_k_per_layer=(3, 3, 3), d_expert=1408, d_shared=2816,
+            qk_norm=True),
+    ),
     "minimax_m2": (
         {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size":
             96, "num_key_value_heads": 2},
@@ -742,6 +769,7 @@ CONFIG_CLASSES = {
     "glm4_moe_lite": "DeepseekV3Config",
     "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig",
+    "dots1": "Glm4MoeConfig",
     "minimax_m2": "MiniMaxM2Config",
     "deepseek_v32": "DeepseekV32Config",
     "glm_moe_dsa": "DeepseekV32Config",
