@@ -23,7 +23,6 @@ from moelens.models.components.qk_norm_attention import QKNormSlidingWindowAtten
 from moelens.models.deepseek_v3 import deepseek_mixture_fields
 from moelens.models.glm4_moe import Glm4MoeConfig, HookedGlm4Moe
 from moelens.models.recipe import Recipe, decoder_recipe
-from moelens.sitemap import SiteMap
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Present in dots.llm1's config.json, unused by transformers' Dots1 model: the routing rule's name (always sigmoid
@@ -38,10 +37,6 @@ class HookedDots1(HookedGlm4Moe):
     @classmethod
     def recipe(cls, cfg: Glm4MoeConfig) -> Recipe:
         return decoder_recipe(cfg, QKNormSlidingWindowAttention, SharedExpertMoe, SigmoidGroupedTopK)
-
-    @classmethod
-    def site_map(cls, cfg: Glm4MoeConfig) -> SiteMap:
-        return super().site_map(cfg)  # GLM-4.5's, with its q/k norms (cfg.qk_norm) and no MTP layers
 
     # transformers' Dots1Config defaults, for the fields config.json leaves out (REQUIRED ones: none there)
     defaults = dict(
