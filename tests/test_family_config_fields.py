@@ -369,6 +369,24 @@ CASES = {
             "rope_theta", "routed_scaling_factor", "sliding_window", "tie_word_embeddings", "topk_group", "vocab_size"],
         ignored=("max_window_layers",),  # layer_types given: transformers does not read it
     ),
+    "hy_v3": Case(
+        raw={"attention_bias": False, "enable_moe_fp32_combine": True, "head_dim": 24, "hidden_act": "silu",
+            "hidden_size": 64, "intermediate_size": 80, "max_position_embeddings": 256, "mlp_bias": False,
+            "mlp_layer_types": ["dense", "sparse", "sparse"], "moe_intermediate_size": 24, "num_attention_heads": 4,
+            "num_experts": 8, "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2,
+            "num_shared_experts": 2, "rms_norm_eps": 1e-05, "rope_parameters": {"rope_type": "default", "rope_theta":
+            1000.0}, "router_scaling_factor": 2.826, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=24, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, d_mlp=80, moe_layers=(False, True, True),
+            n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=48, norm_topk_prob=True,
+            routed_scaling_factor=2.826, qk_norm=True),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+            "mlp_bias", "mlp_layer_types", "moe_intermediate_size", "num_attention_heads", "num_experts",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "num_nextn_predict_layers",
+            "num_shared_experts", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "router_scaling_factor", "tie_word_embeddings", "vocab_size"],
+        ignored=("enable_moe_fp32_combine",),  # adds in float32 and rounds once, as the model's dtype does
+    ),
     "minimax_m2": Case(
         raw={"attention_dropout": 0.0, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
             "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
@@ -684,6 +702,13 @@ MINIMAL = {
             moe_layers=(True, True, True), n_experts=8, top_k_per_layer=(3, 3, 3), d_expert=1408, d_shared=2816,
             qk_norm=True),
     ),
+    "hy_v3": (
+        {"hidden_size": 64, "num_attention_heads": 16, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=16, n_kv_heads=8, d_head=128, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=11158840.0), max_position_embeddings=131072, d_mlp=13312,
+            moe_layers=(False, True, True), n_experts=192, top_k_per_layer=(0, 8, 8), d_expert=1536, d_shared=1536,
+            norm_topk_prob=True, routed_scaling_factor=2.826, qk_norm=True),
+    ),
     "minimax_m2": (
         {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size":
             96, "num_key_value_heads": 2},
@@ -770,6 +795,7 @@ CONFIG_CLASSES = {
     "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig",
     "dots1": "Glm4MoeConfig",
+    "hy_v3": "Glm4MoeConfig",
     "minimax_m2": "MiniMaxM2Config",
     "deepseek_v32": "DeepseekV32Config",
     "glm_moe_dsa": "DeepseekV32Config",
