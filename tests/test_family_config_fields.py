@@ -387,6 +387,27 @@ CASES = {
             "rope_theta", "router_scaling_factor", "tie_word_embeddings", "vocab_size"],
         ignored=("enable_moe_fp32_combine",),  # adds in float32 and rounds once, as the model's dtype does
     ),
+    "exaone_moe": Case(
+        raw={"first_k_dense_replace": 1, "head_dim": 24, "hidden_act": "silu", "hidden_size": 64, "intermediate_size":
+            80, "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "max_position_embeddings": 256, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "moe_intermediate_size": 24, "n_group": 1, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts":
+            8, "num_experts_per_tok": 3, "num_hidden_layers": 4, "num_key_value_heads": 2, "num_shared_experts": 2,
+            "rms_norm_eps": 1e-05, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+            "routed_scaling_factor": 2.5, "sliding_window": 6, "sliding_window_pattern": 2, "tie_word_embeddings":
+            False, "topk_group": 1, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_head=24, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, attention_windows=(6, None, 6, None), d_mlp=80,
+            moe_layers=(False, True, True, True), n_experts=8, top_k_per_layer=(0, 3, 3, 3), d_expert=24, d_shared=48,
+            norm_topk_prob=True, routed_scaling_factor=2.5, qk_norm=True),
+        read=["head_dim", "hidden_act", "hidden_size", "intermediate_size", "layer_types", "max_position_embeddings",
+            "mlp_layer_types", "moe_intermediate_size", "n_group", "norm_topk_prob", "num_attention_heads",
+            "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "num_shared_experts",
+            "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+            "routed_scaling_factor", "sliding_window", "tie_word_embeddings", "topk_group", "vocab_size"],
+        # transformers reads mlp_layer_types and layer_types over them
+        ignored=("first_k_dense_replace", "sliding_window_pattern"),
+    ),
     "minimax_m2": Case(
         raw={"attention_dropout": 0.0, "head_dim": 32, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32,
             "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
@@ -709,6 +730,13 @@ MINIMAL = {
             moe_layers=(False, True, True), n_experts=192, top_k_per_layer=(0, 8, 8), d_expert=1536, d_shared=1536,
             norm_topk_prob=True, routed_scaling_factor=2.826, qk_norm=True),
     ),
+    "exaone_moe": (
+        {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96, "num_key_value_heads": 2},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, attention_windows=(4096, 4096, 4096),
+            d_mlp=16384, moe_layers=(False, True, True), n_experts=64, top_k_per_layer=(0, 8, 8), d_expert=1024,
+            d_shared=1024, norm_topk_prob=True, routed_scaling_factor=2.5, qk_norm=True),
+    ),
     "minimax_m2": (
         {"hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size":
             96, "num_key_value_heads": 2},
@@ -796,6 +824,7 @@ CONFIG_CLASSES = {
     "glm4_moe": "Glm4MoeConfig",
     "dots1": "Glm4MoeConfig",
     "hy_v3": "Glm4MoeConfig",
+    "exaone_moe": "Glm4MoeConfig",
     "minimax_m2": "MiniMaxM2Config",
     "deepseek_v32": "DeepseekV32Config",
     "glm_moe_dsa": "DeepseekV32Config",
