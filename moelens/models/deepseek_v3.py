@@ -16,7 +16,7 @@ layer (model.layers.61 of DeepSeek-V3, num_nextn_predict_layers) is not part of 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from moelens.config import REQUIRED, HFConfig, MoeConfig, common_fields, routed_fields
@@ -171,7 +171,10 @@ def deepseek_mixture_fields(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    n_shared_experts: int = 1,
+    norm_topk_prob: bool = True,
     moe_layers: tuple[bool, ...] | None = None,
+    fixed: Mapping[str, int | bool] | None = None,
 ) -> dict:
     """DeepSeek-V3's mixture fields, which GLM-4.5 and Solar-Open spell and mean the same way: the first
     `first_dense` blocks dense MLPs (intermediate_size wide, read only where there is one), the rest mixtures of
@@ -179,7 +182,11 @@ def deepseek_mixture_fields(
     router (SigmoidGroupedTopK: n_group, topk_group, norm_topk_prob, routed_scaling_factor), and a shared expert
     n_shared_experts times moe_intermediate_size wide. The keywords are the family's defaults for the fields of
     their name (REQUIRED: no default). At least one block must be a mixture: first_dense below n_layers.
-    moe_layers: which blocks are mixtures where the family says so per layer (first_dense is then not used)."""
+    moe_layers: which blocks are mixtures where the family says so per layer (first_dense is then not used).
+    fixed: the grouping and renormalisation fields (n_group, topk_group, norm_topk_prob) the family's
+    transformers model does not read, with the value it always runs as (Hunyuan v3: no groups, renormalised);
+    they are not read from config.json."""
+    fixed = fixed or {}
     if moe_layers is not None:
         if not any(moe_layers):
             raise ValueError("mlp_layer_types makes every block a dense MLP, leaving no mixture block")
@@ -193,13 +200,14 @@ def deepseek_mixture_fields(
     n_experts = hf.integer("n_routed_experts", n_routed_experts, at_least=1)
     d_expert = hf.integer("moe_intermediate_size", moe_intermediate_size, at_least=1)
     routed = routed_fields(hf, moe_layers, n_experts, d_expert, num_experts_per_tok=num_experts_per_tok)
-    n_group, topk_group = hf.integer("n_group", n_group, at_least=1), hf.integer("topk_group", topk_group, at_least=1)
+    n_group = fixed["n_group"] if "n_group" in fixed else hf.integer("n_group", n_group, at_least=1)
+    topk_group = fixed["topk_group"] if "topk_group" in fixed else hf.integer("topk_group", topk_group, at_least=1)
     SigmoidGroupedTopK.check_groups(n_experts, max(routed["top_k_per_layer"]), n_group, topk_group)
     return dict(
         **routed,
         d_mlp=hf.integer("intermediate_size", intermediate_size, at_least=1) if not all(moe_layers) else 0,
-        d_shared=d_expert * hf.integer("n_shared_experts", 1, at_least=1),
-        norm_topk_prob=hf.flag("norm_topk_prob", True),
+        d_shared=d_expert * hf.integer("n_shared_experts", n_shared_experts, at_least=1),
+        norm_topk_prob=fixed["norm_topk_prob"] if "norm_topk_prob" in fixed else hf.flag("norm_topk_prob", norm_topk_prob),
         routed_scaling_factor=hf.number("routed_scaling_factor", routed_scaling_factor),
         n_group=n_group,
         topk_group=topk_group,

@@ -95,7 +95,8 @@ class HookedGlm4Moe(HookedTransformer):
         )
 
 
-def _layer_sites(cfg: Glm4MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+def attention_sites(cfg: Glm4MoeConfig, src: str, dst: str) -> list[Entry]:
+    """q, k, v, o (biases where the config has them), the q/k norms where cfg.qk_norm, hook_z."""
     attn = f"{src}.self_attn"
     entries = attention_projections(cfg, src, dst) + [Reference(f"{dst}.attn.hook_z", f"{attn}.o_proj", "in")]
     if cfg.qk_norm:
@@ -103,6 +104,11 @@ def _layer_sites(cfg: Glm4MoeConfig, layer: int, src: str, dst: str) -> list[Ent
             Weight(f"{dst}.attn.q_norm.weight", (f"{attn}.q_norm.weight",)),
             Weight(f"{dst}.attn.k_norm.weight", (f"{attn}.k_norm.weight",)),
         ]
+    return entries
+
+
+def _layer_sites(cfg: Glm4MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    entries = attention_sites(cfg, src, dst)
     if not cfg.moe_layers[layer]:
         return entries + dense_mlp(src, dst)
     return entries + [

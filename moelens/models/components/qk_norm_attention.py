@@ -1,10 +1,11 @@
-"""Attention with a per-head RMSNorm of the queries and keys before the rotary."""
+"""Attention with a per-head RMSNorm of the queries and keys before the rotary (or in place of it)."""
 
 from __future__ import annotations
 
 from moelens.config import MoeConfig
 from moelens.models.components.attention import Attention
 from moelens.models.components.norm import RMSNorm
+from moelens.models.components.sliding_window_attention import SlidingWindowAttention
 from moelens.models.terms import ParamTerm, under
 
 
@@ -25,3 +26,16 @@ class QKNormBeforeRotaryAttention(Attention):
 
     def position(self, q, k, cos, sin):
         return super().position(self.q_norm(q), self.k_norm(k), cos, sin)
+
+
+class QKNormSlidingWindowAttention(QKNormBeforeRotaryAttention, SlidingWindowAttention):
+    """QKNormBeforeRotaryAttention whose keys are narrowed to the layer's sliding window where cfg.window(layer)
+    gives one (dots.llm1's and K-EXAONE's sliding layers); a layer without one attends to every earlier position."""
+
+
+class QKNormNoRotaryAttention(QKNormBeforeRotaryAttention):
+    """RMSNorm of each query and key head and no rotary at all (K-EXAONE's global layers: NoPE); hook_rot_q /
+    hook_rot_k hold the normed heads that enter the scores."""
+
+    def position(self, q, k, cos, sin):
+        return self.q_norm(q), self.k_norm(k)
