@@ -33,7 +33,7 @@ DEFINITION = {
     "granitemoeshared": softmax,
     "longcat_flash": softmax,  # over the real and the identity experts
     "phimoe": softmax,  # its scores are the logits; each slot's weight is a softmax over the logits near its own
-    "flex_olmo": softmax,
+    "flex_olmo": softmax, "afmoe": normalised_sigmoid,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
