@@ -223,6 +223,25 @@ CASES = {
             "vocab_size"],
         ignored=("head_dim",),
     ),
+    "afmoe": Case(
+        raw={"attention_bias": False, "global_attn_every_n_layers": 2, "head_dim": 16, "hidden_act": "silu",
+            "hidden_size": 64, "intermediate_size": 80, "layer_types": ["sliding_attention", "full_attention",
+            "sliding_attention"], "max_position_embeddings": 256, "moe_intermediate_size": 24, "mup_enabled": True,
+            "num_attention_heads": 4, "num_dense_layers": 1, "num_experts": 8, "num_experts_per_tok": 3,
+            "num_hidden_layers": 3, "num_key_value_heads": 2, "num_shared_experts": 2, "rms_norm_eps": 1e-05,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "route_scale": 2.5, "sliding_window": 5,
+            "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, attention_windows=(5, None, 5), d_mlp=80,
+            moe_layers=(False, True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=48,
+            norm_topk_prob=True, routed_scaling_factor=2.5, rotary_layers=(True, False, True), embedding_multiplier=8.0),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "layer_types",
+            "max_position_embeddings", "moe_intermediate_size", "mup_enabled", "num_attention_heads", "num_dense_layers",
+            "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "num_shared_experts",
+            "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "route_scale",
+            "sliding_window", "tie_word_embeddings", "vocab_size"],
+        ignored=("global_attn_every_n_layers",),
+    ),
     "glm4_moe_lite": Case(
         # transformers 5's spelling (mlp_layer_types) beside the Hub's first_k_dense_replace, which agrees
         raw={"attention_bias": False, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 64,
@@ -747,6 +766,14 @@ MINIMAL = {
             norm_topk_prob=True, routed_scaling_factor=2.5, kv_lora_rank=512, qk_nope_head_dim=128,
             qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1),
     ),
+    "afmoe": (
+        # transformers' AfmoeConfig defaults: every fourth layer full attention, the first block dense
+        {"num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 96},
+        dict(d_model=2048, n_layers=4, n_heads=4, n_kv_heads=4, d_head=128, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=16384, attention_windows=(1024, 1024, 1024, None),
+            d_mlp=6144, moe_layers=(False, True, True, True), n_experts=64, top_k_per_layer=(0, 6, 6, 6), d_expert=1408,
+            d_shared=2816, norm_topk_prob=True, rotary_layers=(True, True, True, False)),
+    ),
     "glm4_moe_lite": (
         # transformers' default layer types: the first block dense
         {"num_attention_heads": 20, "num_hidden_layers": 2, "vocab_size": 96},
@@ -928,6 +955,7 @@ CONFIG_CLASSES = {
     "deepseek_v3": "DeepseekV3Config",
     "deepseek_v2": "DeepseekV3Config",
     "sarvam_mla": "DeepseekV3Config",
+    "afmoe": "AfmoeConfig",
     "ernie4_5_moe": "Ernie4_5MoeConfig",
     "flex_olmo": "ClipQKVConfig",
     "glm4_moe_lite": "DeepseekV3Config",

@@ -35,6 +35,7 @@ DEFINITION = {
     "phimoe": softmax,  # its scores are the logits; each slot's weight is a softmax over the logits near its own
     "flex_olmo": softmax,
     "mistral4": softmax,  # in the model's dtype; DeepSeek-V3's blocks, not its sigmoid router
+    "afmoe": normalised_sigmoid,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

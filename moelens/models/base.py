@@ -78,6 +78,17 @@ class _BuildsFromConfig(type):
 _DRAWN_1D = ("sinks",)
 
 
+def keep_float32(model: nn.Module) -> None:
+    """Back to float32, whatever the model's dtype: every tensor of a module whose class says float32_weight (some
+    routers and norms), and the buffers a module's class lists in float32_buffers (AFMoE's choice bias, float32
+    beside a router weight in the model's dtype), as transformers keeps them."""
+    for module in model.modules():
+        if getattr(module, "float32_weight", False):
+            module.float()
+        for name in getattr(module, "float32_buffers", ()):
+            module._buffers[name] = module._buffers[name].float()
+
+
 class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass=_BuildsFromConfig):
     """A decoder-only MoE language model with a HookPoint at every site (see model.support()).
 
@@ -139,14 +150,12 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass
 
     @classmethod
     def build(cls, cfg: MoeConfig) -> HookedTransformer:
-        """The model on the meta device, in cfg.dtype, the modules the family keeps float32 (a class attribute
-        float32_weight: some routers and norms) float32: what loading fills and what `moelens plan` counts."""
+        """The model on the meta device, in cfg.dtype, what the family keeps float32 float32 (keep_float32):
+        what loading fills and what `moelens plan` counts."""
         with torch.device("meta"):
             model = cls(cfg)
         model.to(cfg.dtype)
-        for module in model.modules():
-            if getattr(module, "float32_weight", False):
-                module.float()
+        keep_float32(model)
         return model
 
     @classmethod
@@ -178,9 +187,7 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass
         model = family(cfg)
         model.init_weights()
         model.to(dtype)
-        for module in model.modules():
-            if getattr(module, "float32_weight", False):
-                module.float()
+        keep_float32(model)
         if move_to_device:
             model.to(cfg.device)
         if tokenizer is not None:
