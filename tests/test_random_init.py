@@ -139,6 +139,7 @@ def test_hooked_transformer_of_any_models_cfg_is_a_random_model_of_its_family():
 
 # the families that need their own fields at these sizes (four experts; d_head 16), and those fields
 OWN_FIELDS = {
+    "axk1": {"n_group": 1, "topk_group": 1},
     "deepseek_v3": {"n_group": 1, "topk_group": 1},
     "deepseek_v32": {"n_group": 1, "topk_group": 1},
     "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "head_dim": 8},
