@@ -34,6 +34,8 @@ DEFINITION = {
     "longcat_flash": softmax,  # over the real and the identity experts
     "phimoe": softmax,  # its scores are the logits; each slot's weight is a softmax over the logits near its own
     "flex_olmo": softmax,
+    "kolibri1": normalised_sigmoid,  # its scores are the logits; each chosen one's sigmoid is its weight
+    "aria_text": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
@@ -68,7 +70,7 @@ def test_support_says_what_the_scores_and_the_probs_are(family_models, family):
     rows = {row.name: row for row in family_models[family].support().rows}
     probs, scores = rows["blocks.L.mlp.hook_router_probs"], rows["blocks.L.mlp.hook_router_scores"]
     assert "distribution over the experts" in probs.meaning and "observation only" in probs.meaning
-    if family in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared"):  # top-k on the logits themselves
+    if family in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared", "kolibri1", "aria_text"):  # top-k on the logits (Kolibri 1: biased)
         assert scores.meaning.startswith("the logits the top-k is taken on")
     elif family == "phimoe":  # the sparsemixer chooses slot by slot on the logits
         assert scores.meaning.startswith("the logits the slots are chosen on")
