@@ -315,6 +315,27 @@ CASES = {
             "rope_scaling", "rope_theta", "tie_word_embeddings", "vocab_size"],
         ignored=("attention_dropout", "pretraining_tp"),
     ),
+    "mellum": Case(
+        # rope_parameters keyed by layer type; transformers writes num_mtp_layers as num_nextn_predict_layers (null)
+        raw={"attention_bias": False, "attention_dropout": 0.0, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+            "intermediate_size": 80, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "max_position_embeddings": 256, "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "moe_intermediate_size": 32, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 3,
+            "num_hidden_layers": 3, "num_key_value_heads": 2, "num_local_experts": 8, "num_nextn_predict_layers": None,
+            "rms_norm_eps": 1e-06, "rope_parameters": {"full_attention": {"rope_theta": 50000.0, "rope_type":
+            "default"}, "sliding_attention": {"rope_theta": 100.0, "rope_type": "default"}},
+            "router_aux_loss_coef": 0.001, "sliding_window": 5, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=100.0), max_position_embeddings=256, attention_windows=(5, None, 5), d_mlp=80,
+            moe_layers=(False, True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=32, norm_topk_prob=True,
+            layer_ropes=(RopeConfig(theta=100.0), RopeConfig(theta=50000.0), RopeConfig(theta=100.0))),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "layer_types",
+            "max_position_embeddings", "mlp_layer_types", "moe_intermediate_size", "norm_topk_prob",
+            "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "num_local_experts", "rms_norm_eps", "rope_parameters", "sliding_window", "tie_word_embeddings",
+            "vocab_size"],
+        ignored=("attention_dropout", "router_aux_loss_coef"),
+    ),
     "deepseek_v32": Case(
         raw={"first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size": 64, "index_head_dim": 16,
             "index_n_heads": 4, "index_topk": 3, "intermediate_size": 80, "kv_lora_rank": 16,
@@ -671,6 +692,14 @@ MINIMAL = {
             rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True), n_experts=8,
             top_k_per_layer=(2, 2), d_expert=4096, d_shared=8192),
     ),
+    "mellum": (
+        # transformers' defaults are Mellum2-12B-A2.5B's sizes: every layer full and a mixture, the full layers' base
+        {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=2304, n_layers=2, n_heads=4, n_kv_heads=4, d_head=128, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=500000.0), max_position_embeddings=131072, attention_windows=(None, None),
+            moe_layers=(True, True), n_experts=64, top_k_per_layer=(8, 8), d_expert=896, norm_topk_prob=True,
+            layer_ropes=(RopeConfig(theta=500000.0),) * 2),
+    ),
     "glm4_moe_lite": (
         # transformers' default layer types: the first block dense
         {"num_attention_heads": 20, "num_hidden_layers": 2, "vocab_size": 96},
@@ -837,9 +866,11 @@ CONFIG_CLASSES = {
     "axk1": "DeepseekV3Config",
     "kolibri1": "MoeConfig",
     "aria_text": "AriaTextConfig",
+    "mellum": "MellumConfig",
 }
-# Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling)
-ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw]
+# Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's
+# rope_parameters is keyed by layer type, which has no Hub spelling (transformers reads no other)
+ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw and family != "mellum"]
 
 
 def identity(cfg) -> dict:

@@ -35,7 +35,8 @@ DEFINITION = {
     "phimoe": softmax,  # its scores are the logits; each slot's weight is a softmax over the logits near its own
     "flex_olmo": softmax,
     "kolibri1": normalised_sigmoid,  # its scores are the logits; each chosen one's sigmoid is its weight
-    "aria_text": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
+    "aria_text": softmax,
+    "mellum": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
