@@ -143,6 +143,9 @@ OWN_FIELDS = {
     "deepseek_v3": {"n_group": 1, "topk_group": 1},
     "deepseek_v32": {"n_group": 1, "topk_group": 1},
     "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "head_dim": 8},
+    # Mellum's rotary settings are keyed by layer type
+    "mellum": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
 }
 
 

@@ -126,7 +126,7 @@ def _type_ropes(hf: HFConfig, types: list[str]) -> dict[str, RopeConfig]:
         params = {t: {"rope_type": "default", "rope_theta": theta} for t, theta in DEFAULT_THETA.items()}
     if not isinstance(params, dict) or not set(types) <= set(params) or not all(isinstance(params[t], dict) for t in types):
         raise ValueError(f"rope_parameters must hold an object per layer type ({types}), as {{\"full_attention\": "
-                         f"{{...}}, \"sliding_attention\": {{...}}}}; got {params!r}")
+                         f"{{...}}, \"sliding_attention\": {{...}}}}; got {_shape(params)}")
     ropes = {}
     for t in types:
         rope = HFConfig({"rope_parameters": params[t], "max_position_embeddings": hf.opt("max_position_embeddings")}
@@ -136,6 +136,11 @@ def _type_ropes(hf: HFConfig, types: list[str]) -> dict[str, RopeConfig]:
                              "Mellum rotates every dim of a head with tables that narrow, and cannot run it; only 1.0")
         ropes[t] = rope
     return ropes
+
+
+def _shape(value) -> str:
+    """What a rope_parameters value is, briefly (its keys, not a whole nested config)."""
+    return f"an object with keys {sorted(value)[:6]}" if isinstance(value, dict) else type(value).__name__
 
 
 def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
