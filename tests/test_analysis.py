@@ -25,6 +25,7 @@ from moelens.analysis import (
 )
 from moelens.models.components.router import SparseMixer
 from moelens.models.gpt_oss import LogitTopKSoftmax
+from moelens.models.kolibri1 import BiasedLogitsSigmoidTopK
 from moelens.models.llama4_text import SigmoidOfChosenLogits
 
 
@@ -58,7 +59,8 @@ def router_probabilities(model, layer, scores):
     scores = scores.double()
     if model.blocks[layer].mlp.router.scoring in (LogitTopKSoftmax.scoring, SparseMixer.scoring):
         return scores.softmax(-1)
-    if model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # Llama 4: logit scores, sigmoid weights
+    # Llama 4, Kolibri 1: logit scores, sigmoid weights
+    if model.blocks[layer].mlp.router.scoring in (SigmoidOfChosenLogits.scoring, BiasedLogitsSigmoidTopK.scoring):
         return scores.sigmoid() / scores.sigmoid().sum(-1, keepdim=True)
     return scores / scores.sum(-1, keepdim=True)
 

@@ -328,6 +328,86 @@ CASES = {
             "rope_theta", "tie_word_embeddings", "vocab_size"],
         ignored=(),
     ),
+    "axk1": Case(
+        # transformers 5's spelling (mlp_layer_types) and the derived head_dim / qk_head_dim it writes (unused)
+        raw={"attention_bias": False, "head_dim": 8, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 80,
+            "kv_lora_rank": 16, "max_position_embeddings": 256, "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "moe_intermediate_size": 24, "n_group": 2, "n_routed_experts": 8, "n_shared_experts": 1,
+            "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 3,
+            "num_key_value_heads": 4, "q_lora_rank": 24, "qk_head_dim": 20, "qk_nope_head_dim": 12,
+            "qk_rope_head_dim": 8, "rms_norm_eps": 1e-06, "rope_interleave": True, "rope_parameters": {"rope_theta":
+            1000.0, "rope_type": "default"}, "routed_scaling_factor": 2.5, "tie_word_embeddings": False,
+            "topk_group": 1, "v_head_dim": 10, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=20, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0, interleaved=True), max_position_embeddings=256, d_mlp=80, moe_layers=(False,
+            True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=24, norm_topk_prob=True,
+            routed_scaling_factor=2.5, n_group=2, topk_group=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+            qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1, mtp_layers=0),
+        read=["attention_bias", "first_k_dense_replace", "hidden_act", "hidden_size", "intermediate_size",
+            "kv_lora_rank", "max_position_embeddings", "mlp_layer_types", "moe_intermediate_size", "moe_layer_freq",
+            "n_group", "n_routed_experts", "n_shared_experts", "norm_topk_prob", "num_attention_heads",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "num_nextn_predict_layers",
+            "partial_rotary_factor", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps",
+            "rope_interleave", "rope_parameters", "rope_scaling", "rope_theta", "routed_scaling_factor",
+            "tie_word_embeddings", "topk_group", "v_head_dim", "vocab_size"],
+        ignored=("head_dim", "qk_head_dim"),
+    ),
+    "kolibri1": Case(
+        # transformers 5 writes num_experts as num_local_experts (its attribute_map)
+        raw={"attention_dropout": 0.0, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "layer_types":
+            ["sliding_attention", "full_attention", "sliding_attention"], "max_position_embeddings": 256,
+            "moe_intermediate_size": 32, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 3,
+            "num_hidden_layers": 3, "num_key_value_heads": 2, "num_local_experts": 8, "rms_norm_eps": 1e-06,
+            "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}, "shared_expert_intermediate_size": 40,
+            "sliding_window": 5, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, attention_windows=(5, None, 5),
+            moe_layers=(True, True, True), n_experts=8, top_k_per_layer=(3, 3, 3), d_expert=32, d_shared=40,
+            norm_topk_prob=True),
+        read=["head_dim", "hidden_act", "hidden_size", "layer_types", "max_position_embeddings",
+            "moe_intermediate_size", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok",
+            "num_hidden_layers", "num_key_value_heads", "num_local_experts", "partial_rotary_factor", "rms_norm_eps",
+            "rope_parameters", "rope_scaling", "rope_theta", "shared_expert_intermediate_size", "sliding_window",
+            "tie_word_embeddings", "vocab_size"],
+        ignored=("attention_dropout",),
+    ),
+    "aria_text": Case(
+        raw={"attention_bias": False, "attention_dropout": 0.0, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+            "intermediate_size": 24, "max_position_embeddings": 256, "mlp_bias": False, "moe_num_experts": 8,
+            "moe_num_shared_experts": 2, "moe_topk": 3, "num_attention_heads": 4, "num_hidden_layers": 3,
+            "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta":
+            1000.0, "rope_type": "default"}, "tie_word_embeddings": False, "vocab_size": 96},
+        # every block a mixture of intermediate_size experts, the shared experts twice as wide
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(3, 3, 3), d_expert=24, d_shared=48),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+            "mlp_bias", "moe_num_experts", "moe_num_shared_experts", "moe_topk", "num_attention_heads",
+            "num_hidden_layers", "num_key_value_heads", "partial_rotary_factor", "rms_norm_eps", "rope_parameters",
+            "rope_scaling", "rope_theta", "tie_word_embeddings", "vocab_size"],
+        ignored=("attention_dropout", "pretraining_tp"),
+    ),
+    "mellum": Case(
+        # rope_parameters keyed by layer type; transformers writes num_mtp_layers as num_nextn_predict_layers (null)
+        raw={"attention_bias": False, "attention_dropout": 0.0, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+            "intermediate_size": 80, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "max_position_embeddings": 256, "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "moe_intermediate_size": 32, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 3,
+            "num_hidden_layers": 3, "num_key_value_heads": 2, "num_local_experts": 8, "num_nextn_predict_layers": None,
+            "rms_norm_eps": 1e-06, "rope_parameters": {"full_attention": {"rope_theta": 50000.0, "rope_type":
+            "default"}, "sliding_attention": {"rope_theta": 100.0, "rope_type": "default"}},
+            "router_aux_loss_coef": 0.001, "sliding_window": 5, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=100.0), max_position_embeddings=256, attention_windows=(5, None, 5), d_mlp=80,
+            moe_layers=(False, True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=32, norm_topk_prob=True,
+            layer_ropes=(RopeConfig(theta=100.0), RopeConfig(theta=50000.0), RopeConfig(theta=100.0))),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "intermediate_size", "layer_types",
+            "max_position_embeddings", "mlp_layer_types", "moe_intermediate_size", "norm_topk_prob",
+            "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "num_local_experts", "rms_norm_eps", "rope_parameters", "sliding_window", "tie_word_embeddings",
+            "vocab_size"],
+        ignored=("attention_dropout", "router_aux_loss_coef"),
+    ),
     "deepseek_v32": Case(
         raw={"first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size": 64, "index_head_dim": 16,
             "index_n_heads": 4, "index_topk": 3, "intermediate_size": 80, "kv_lora_rank": 16,
@@ -774,6 +854,37 @@ MINIMAL = {
             d_mlp=6144, moe_layers=(False, True, True, True), n_experts=64, top_k_per_layer=(0, 6, 6, 6), d_expert=1408,
             d_shared=2816, norm_topk_prob=True, rotary_layers=(True, True, True, False)),
     ),
+    "axk1": (
+        # transformers' defaults are A.X K1's sizes; the blocks from the legacy first_k_dense_replace 1
+        {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=7168, n_layers=2, n_heads=4, n_kv_heads=4, d_head=128 + 64, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, interleaved=True), max_position_embeddings=32768, d_mlp=18432,
+            moe_layers=(False, True), n_experts=192, top_k_per_layer=(0, 8), d_expert=2048, d_shared=2048,
+            norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1),
+    ),
+    "kolibri1": (
+        # transformers' defaults are Kolibri 1's sizes; every fifth layer full
+        {"num_attention_heads": 4, "num_hidden_layers": 5, "vocab_size": 96},
+        dict(d_model=2560, n_layers=5, n_heads=4, n_kv_heads=4, d_head=128, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=262144, attention_windows=(513, 513, 513, 513, None),
+            moe_layers=(True,) * 5, n_experts=384, top_k_per_layer=(6,) * 5, d_expert=512, d_shared=512),
+    ),
+    "aria_text": (
+        # transformers' AriaTextConfig defaults
+        {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=4096, n_layers=2, n_heads=4, n_kv_heads=4, d_head=1024, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True), n_experts=8,
+            top_k_per_layer=(2, 2), d_expert=4096, d_shared=8192),
+    ),
+    "mellum": (
+        # transformers' defaults are Mellum2-12B-A2.5B's sizes: every layer full and a mixture, the full layers' base
+        {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
+        dict(d_model=2304, n_layers=2, n_heads=4, n_kv_heads=4, d_head=128, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=500000.0), max_position_embeddings=131072, attention_windows=(None, None),
+            moe_layers=(True, True), n_experts=64, top_k_per_layer=(8, 8), d_expert=896, norm_topk_prob=True,
+            layer_ropes=(RopeConfig(theta=500000.0),) * 2),
+    ),
     "glm4_moe_lite": (
         # transformers' default layer types: the first block dense
         {"num_attention_heads": 20, "num_hidden_layers": 2, "vocab_size": 96},
@@ -976,9 +1087,14 @@ CONFIG_CLASSES = {
     "granitemoe": "GraniteMoeConfig",
     "granitemoeshared": "GraniteMoeSharedConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig",
+    "axk1": "DeepseekV3Config",
+    "kolibri1": "MoeConfig",
+    "aria_text": "AriaTextConfig",
+    "mellum": "MellumConfig",
 }
-# Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling)
-ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw]
+# Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's
+# rope_parameters is keyed by layer type, which has no Hub spelling (transformers reads no other)
+ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw and family != "mellum"]
 
 
 def identity(cfg) -> dict:

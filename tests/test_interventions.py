@@ -24,12 +24,15 @@ from moelens.models.ernie4_5_moe import StatisticsBiasedSoftmaxTopK
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.llama4_text import SigmoidOfChosenLogits
+from moelens.models.kolibri1 import BiasedLogitsSigmoidTopK
 from moelens.models.minimax_m2 import SigmoidTopKFloat32Weights
 from moelens.models.mixtral import SoftmaxTopKFloat32Weights
 
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
-# the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral, MiniMax-M2)
-FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK, SoftmaxTopKFloat32Weights, SigmoidTopKFloat32Weights)
+# the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral, MiniMax-M2,
+# Kolibri 1)
+FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK, SoftmaxTopKFloat32Weights, SigmoidTopKFloat32Weights,
+                   BiasedLogitsSigmoidTopK)
 
 
 def sparsemixer_by_hand(logits, idx, eps):
@@ -106,6 +109,11 @@ def test_router_rules(family_models, family, tokens):
             top = logits.topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
             expected = top.values.float().sigmoid()
+        elif isinstance(router, BiasedLogitsSigmoidTopK):  # Kolibri 1: top-k of logits + bias, each one's sigmoid
+            assert torch.equal((logits.float() + router.e_score_correction_bias).topk(k, -1).indices, idx)
+            expected = logits.float().gather(-1, idx).sigmoid()
+            if model.cfg.norm_topk_prob:
+                expected = expected / expected.sum(-1, keepdim=True)
         elif isinstance(router, StatisticsBiasedSoftmaxTopK):  # ERNIE-4.5: biased choice, a floor under the sum
             scores = logits.float().softmax(-1)
             assert torch.equal((scores + router.e_score_correction_bias).topk(k, -1).indices, idx)
@@ -193,6 +201,9 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
         expected = torch.softmax(new_logits, -1)
     elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # each chosen logit's sigmoid
         expected = torch.sigmoid(new_logits)
+    elif isinstance(model.blocks[layer].mlp.router, BiasedLogitsSigmoidTopK):  # the same, renormalised where asked
+        expected = torch.sigmoid(new_logits)
+        expected = expected / expected.sum() if model.cfg.norm_topk_prob else expected
     elif model.blocks[layer].mlp.router.scoring == SparseMixer.scoring:  # near logits share a slot's softmax
         row = torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (model.cfg.n_experts - k))
         expected = sparsemixer_by_hand(row, torch.arange(k), model.cfg.router_jitter_noise).float()
@@ -235,6 +246,9 @@ def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
         expected = scores.float().softmax(-1)
     elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # the new experts' logits' sigmoids
         expected = scores.float().sigmoid()
+    elif isinstance(model.blocks[layer].mlp.router, BiasedLogitsSigmoidTopK):  # the same, renormalised where asked
+        expected = scores.float().sigmoid()
+        expected = expected / expected.sum(-1, keepdim=True) if model.cfg.norm_topk_prob else expected
     elif model.blocks[layer].mlp.router.scoring == SparseMixer.scoring:  # from every logit near the new experts'
         logits = cache[f"blocks.{layer}.mlp.hook_router_scores"]
         expected = sparsemixer_by_hand(logits, new.expand(*logits.shape[:-1], k), model.cfg.router_jitter_noise)

@@ -140,6 +140,7 @@ def test_hooked_transformer_of_any_models_cfg_is_a_random_model_of_its_family():
 
 # the families that need their own fields at these sizes (four experts; d_head 16), and those fields
 OWN_FIELDS = {
+    "axk1": {"n_group": 1, "topk_group": 1},
     "deepseek_v3": {"n_group": 1, "topk_group": 1},
     "deepseek_v32": {"n_group": 1, "topk_group": 1},
     "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "head_dim": 8},
@@ -148,6 +149,9 @@ OWN_FIELDS = {
     "mistral4": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                      "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
                                      "llama_4_scaling_beta": 0.1}},
+    # Mellum's rotary settings are keyed by layer type
+    "mellum": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
 }
 
 

@@ -36,6 +36,9 @@ DEFINITION = {
     "flex_olmo": softmax,
     "mistral4": softmax,  # in the model's dtype; DeepSeek-V3's blocks, not its sigmoid router
     "afmoe": normalised_sigmoid,
+    "kolibri1": normalised_sigmoid,  # its scores are the logits; each chosen one's sigmoid is its weight
+    "aria_text": softmax,
+    "mellum": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
@@ -70,7 +73,7 @@ def test_support_says_what_the_scores_and_the_probs_are(family_models, family):
     rows = {row.name: row for row in family_models[family].support().rows}
     probs, scores = rows["blocks.L.mlp.hook_router_probs"], rows["blocks.L.mlp.hook_router_scores"]
     assert "distribution over the experts" in probs.meaning and "observation only" in probs.meaning
-    if any(n in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared") for n in lineage(family)):  # top-k on the logits
+    if any(n in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared", "kolibri1", "aria_text") for n in lineage(family)):  # top-k on the logits (Kolibri 1: biased)
         assert scores.meaning.startswith("the logits the top-k is taken on")
     elif family == "phimoe":  # the sparsemixer chooses slot by slot on the logits
         assert scores.meaning.startswith("the logits the slots are chosen on")
