@@ -97,7 +97,7 @@ def load(cls, options: LoadOptions):
     keys = key_map(site_map, files, fmt)
     if options.expert_storage:
         check_stored_as(options.expert_storage, fmt, keys, files, folder / "config.json")
-    if cfg.tie_word_embeddings and any(t.param == "unembed.weight" for t in keys.values()):
+    if cfg.tie_word_embeddings and any("unembed.weight" in t.params for t in keys.values()):
         # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     try:

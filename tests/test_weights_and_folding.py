@@ -85,7 +85,7 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
         close(cache["ln_final.hook_normalized"] @ model.W_U + model.b_U, logits)  # b_U: Phi-3.5-MoE's head bias
         # the token direction is TransformerLens's W_U column: the final norm's output . direction (+ b_U) is the logit
         close(model.tokens_to_residual_directions(toks), model.W_U.T[toks], 0)
-        if family in LAYER_NORM_FAMILIES:  # a LayerNorm centres and adds a bias: its output as cached
+        if family in LAYER_NORM_FAMILIES:  # a LayerNorm centres (and may add a bias): its output as cached
             normed = cache["ln_final.hook_normalized"]
         else:
             normed = cache["resid_post", -1] / cache["ln_final.hook_scale"] * norm_factor(model.ln_final)

@@ -266,8 +266,9 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass
         fold_ln: fold every RMSNorm weight into the weights that read it and set the norms' weights to 1
             (logits unchanged; Hunyuan's per-head q/k norms stay, see moelens.fold); counts the probe tokens
             whose experts changed in model.routing_changes and warns when any did.
-        center_writing_weights: refused when True: every norm here is an RMSNorm, which subtracts no mean,
-            so there is no mean for centered writing weights to leave unchanged (TL skips it on RMS models).
+        center_writing_weights: refused when True: an RMSNorm subtracts no mean, so there is no mean for
+            centered writing weights to leave unchanged (TL skips it on RMS models); not done on the LayerNorm
+            models (Phi-3.5-MoE, DBRX) either.
         center_unembed: subtract the vocabulary mean from W_U (logits move by a per-position constant;
             probabilities unchanged).
         refactor_factored_attn_matrices: refused when True: with rotary embeddings the QK circuit depends on
