@@ -187,7 +187,7 @@ class ExpertStack:
 class Reference:
     """The transformers module whose input or output a moelens hook equals.
 
-    read: "in" (first input), "out", "out.N" (N-th output), or "out.heads_first" (an output laid out
+    read: "in" (first input), "in.N" (N-th positional input), "out", "out.N" (N-th output), or "out.heads_first" (an output laid out
     [batch head pos d_head], which moelens lays out [batch pos head d_head]); an output may be followed by
     ".topk_indices.K" / ".topk_values.K" (dense per-expert scores, as the chosen K) or ".expert_sum.E" (outputs
     of E experts stacked, summed) or ".copy" (copied when captured), see moelens.verify."""

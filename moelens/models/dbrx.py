@@ -35,7 +35,7 @@ from jaxtyping import Float
 
 from moelens.config import HFConfig, MoeConfig
 from moelens.experts.activations import activation
-from moelens.experts.spec import ExpertSpec
+from moelens.experts.spec import GLU, ExpertSpec
 from moelens.hooks.sites import site_hook
 from moelens.models.base import HookedTransformer
 from moelens.models.components import SoftmaxTopK, SparseMoe
@@ -54,11 +54,25 @@ TRAINING_FIELDS = ("resid_pdrop", "emb_pdrop", "attn_config.attn_pdrop", "ffn_co
 
 
 @dataclass(frozen=True)
+class SeparateGLU(GLU):
+    """act(gate) * up with gate and up each contiguous, as a reference that computes them by separate GEMMs
+    (DBRX's w1, v1) has them: torch's elementwise kernels can round differently (gelu's, by a float32 ulp) on
+    the strided halves of a fused gate_up."""
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return super().__call__(gate.contiguous(), up.contiguous())
+
+
+@dataclass(frozen=True)
 class DbrxConfig(ClipQKVConfig):
     def expert_spec(self) -> ExpertSpec:
         # transformers' DbrxExperts adds each expert's weighted output into the model-dtype stream with
-        # index_add_, in ascending expert order
-        return dataclasses.replace(super().expert_spec(), combine="experts")
+        # index_add_, in ascending expert order; each expert's rows by slot, then token (torch.where on its [top_k,
+        # tokens] mask); its down projection is x @ w2 with w2 [d_expert, d_model]
+        return dataclasses.replace(
+            super().expert_spec(), activation=SeparateGLU(self.act_fn), combine="experts", down_layout="in_out",
+            rows_by="slot",
+        )
 
 
 class ClampedQKVAttention(Attention):
@@ -231,6 +245,9 @@ def _layer_sites(cfg: DbrxConfig, src: str, dst: str) -> tuple[list, list[Refere
         Reference(f"{dst}.hook_attn_out", attn, "out.0"),
         Reference(f"{dst}.ln2.hook_normalized", f"{block}.norm_2"),
         Reference(f"{dst}.mlp.hook_router_logits", f"{ffn}.router"),
+        # transformers' experts module is called with the hidden states, the chosen experts and their weights
+        Reference(f"{dst}.mlp.hook_expert_indices", f"{ffn}.experts", "in.1"),
+        Reference(f"{dst}.mlp.hook_expert_weights", f"{ffn}.experts", "in.2"),
         Reference(f"{dst}.mlp.hook_routed_out", f"{ffn}.experts"),
         Reference(f"{dst}.hook_mlp_out", ffn),
         Reference(f"{dst}.hook_resid_post", src),
