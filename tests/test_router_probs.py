@@ -34,6 +34,7 @@ DEFINITION = {
     "longcat_flash": softmax,  # over the real and the identity experts
     "phimoe": softmax,  # its scores are the logits; each slot's weight is a softmax over the logits near its own
     "flex_olmo": softmax,
+    "dbrx": softmax,  # in the model's dtype; hook_router_probs is float32
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

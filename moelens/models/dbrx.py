@@ -165,7 +165,9 @@ class HookedDbrx(HookedTransformer):
             raise ValueError(
                 f"partial_rotary_factor = {rope.partial_rotary_factor}: transformers' DBRX rotary turns the whole head"
             )
-        _warn_ignored_theta(attn.number("rope_theta", None, above=0), rope.theta)
+        attn_theta = attn.number("rope_theta", None, above=0)
+        attn.read.remove("rope_theta")  # checked, then ignored (as transformers): fields_ignored lists it
+        _warn_ignored_theta(attn_theta, rope.theta)
         n_layers = hf.integer("num_hidden_layers", 24, at_least=1)
         n_experts = ffn.integer("moe_num_experts", 4, at_least=1)
         top_k = ffn.integer("moe_top_k", 1, at_least=1, at_most=n_experts)
@@ -174,7 +176,17 @@ class HookedDbrx(HookedTransformer):
             activation(act_fn)
         except ValueError:
             raise ValueError(f"ffn_config.ffn_act_fn.name = {act_fn!r} is not supported") from None
-        fields_read = (*hf.read, *(f"attn_config.{n}" for n in attn.read), *(f"ffn_config.{n}" for n in ffn.read))
+        sizes = dict(
+            d_vocab=hf.integer("vocab_size", 32000, at_least=1),
+            max_position_embeddings=hf.integer("max_position_embeddings", 2048, at_least=1),
+            d_expert=ffn.integer("ffn_hidden_size", 3584, at_least=1),
+            topk_norm_p=_p_norm(ffn),
+            clip_qkv=attn.number("clip_qkv", None, above=0),
+        )
+        # config.json's spellings: d_model, n_heads, ..., attn_config.kv_n_heads
+        spelt = {name: other for other, name in SPELLINGS.items()}
+        fields_read = (*(spelt.get(n, n) for n in hf.read), *(f"attn_config.{n}" for n in attn.read),
+                       *(f"ffn_config.{n}" for n in ffn.read))
         return DbrxConfig(
             family=cls.model_type,
             d_model=d_model,
@@ -182,17 +194,13 @@ class HookedDbrx(HookedTransformer):
             n_heads=n_heads,
             n_kv_heads=n_kv,
             d_head=d_head,
-            d_vocab=hf.integer("vocab_size", 32000, at_least=1),
             norm_eps=LAYER_NORM_EPS,
             rope=rope,
-            max_position_embeddings=hf.integer("max_position_embeddings", 2048, at_least=1),
             act_fn=act_fn,
             moe_layers=(True,) * n_layers,
             n_experts=n_experts,
             top_k_per_layer=(top_k,) * n_layers,
-            d_expert=ffn.integer("ffn_hidden_size", 3584, at_least=1),
-            topk_norm_p=_p_norm(ffn),
-            clip_qkv=attn.number("clip_qkv", None, above=0),
+            **sizes,
             fields_read=fields_read,
             fields_ignored=tuple(f for f in (*TRAINING_FIELDS, "attn_config.rope_theta") if _present(raw, f)),
         )
@@ -220,7 +228,7 @@ def _warn_ignored_theta(attn_theta: float | None, theta: float) -> None:
 def _present(raw: dict, dotted: str) -> bool:
     *section, name = dotted.split(".")
     where = raw.get(section[0]) if section else raw
-    return isinstance(where, dict) and name in where
+    return isinstance(where, dict) and where.get(name) is not None  # null counts as absent, as in HFConfig
 
 
 def _layer_sites(cfg: DbrxConfig, src: str, dst: str) -> tuple[list, list[Reference]]:
