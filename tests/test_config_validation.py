@@ -277,7 +277,7 @@ def test_top_k_is_one_int_and_the_per_layer_tuple_has_its_own_name():
 
 DBRX_BAD = [
     ("ffn_config", "moe_num_experts", 2.5, "2.5", "an integer"),
-    ("ffn_config", "moe_top_k", 0, "0", "between 1 and 6"),
+    ("ffn_config", "moe_top_k", 0, "0", "between 1 and 8"),
     ("ffn_config", "moe_normalize_expert_weights", "2", "'2'", "a finite number"),
     ("attn_config", "kv_n_heads", "2", "'2'", "an integer"),
     ("attn_config", "clip_qkv", True, "True", "a finite number"),

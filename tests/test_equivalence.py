@@ -79,11 +79,13 @@ def test_bfloat16_is_bit_exact(checkpoints, family, variant):
     ref = load_reference(path, torch.bfloat16)
     for layer, block in enumerate(model.blocks):
         if block.is_moe:
-            ref_layer = ref.model.layers[layer]
+            # DBRX's blocks are transformer.blocks, its router ffn.router.layer
+            ref_layer = ref.model.layers[layer] if hasattr(ref, "model") else ref.transformer.blocks[layer]
             # Llama 4's router is feed_forward.router, Nemotron-H's mixture is its layer's mixer, Granite's
             # block_sparse_moe.router, LongCat-Flash's mlp.router.classifier, Phi-3.5-MoE's mlp.router
             router = getattr(getattr(ref_layer, "mlp", None), "router", None)
-            ref_gate = ((router.classifier if hasattr(router, "classifier") else router) if router is not None
+            ref_gate = (ref_layer.ffn.router.layer if hasattr(ref_layer, "ffn") else
+                        (router.classifier if hasattr(router, "classifier") else router) if router is not None
                         else ref_layer.mlp.gate if hasattr(ref_layer, "mlp") else ref_layer.mixer.gate
                         if hasattr(ref_layer, "mixer") else ref_layer.block_sparse_moe.router
                         if hasattr(ref_layer, "block_sparse_moe") else ref_layer.feed_forward.router)

@@ -151,11 +151,11 @@ CASES = {
         raw={"attn_config": {"attn_pdrop": 0.0, "clip_qkv": 0.6, "kv_n_heads": 2, "rope_theta": 10000.0},
             "d_model": 64, "emb_pdrop": 0.0, "ffn_config": {"ffn_act_fn": {"name": "silu"}, "ffn_hidden_size": 32,
             "hidden_size": 64, "moe_jitter_eps": None, "moe_loss_weight": 0.01, "moe_normalize_expert_weights": 1.0,
-            "moe_num_experts": 6, "moe_top_k": 3}, "max_seq_len": 256, "n_heads": 4, "n_layers": 3,
+            "moe_num_experts": 8, "moe_top_k": 3}, "max_seq_len": 256, "n_heads": 4, "n_layers": 3,
             "num_key_value_heads": 2, "resid_pdrop": 0.0, "rope_parameters": {"rope_theta": 10000.0, "rope_type":
             "default"}, "tie_word_embeddings": False, "vocab_size": 96},
         fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
-            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=6,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=8,
             top_k_per_layer=(3, 3, 3), d_expert=32, topk_norm_p=1.0, clip_qkv=0.6),
         read=["attn_config", "attn_config.clip_qkv", "attn_config.kv_n_heads", "d_model", "ffn_config",
             "ffn_config.ffn_act_fn", "ffn_config.ffn_hidden_size", "ffn_config.moe_normalize_expert_weights",

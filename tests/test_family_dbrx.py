@@ -54,7 +54,7 @@ def test_variants_are_what_they_claim(ckpts):
     cfg = {v: HookedTransformer.from_pretrained(p, progress=False).cfg for v, p in ckpts.items()}
     base = cfg["base"]
     assert base.clip_qkv == CLIP and base.topk_norm_p == 1.0 and base.n_kv_heads == 2 < base.n_heads == 4
-    assert base.n_experts == 6 and base.top_k == 3 and base.d_expert == 32 and base.norm_eps == 1e-5
+    assert base.n_experts == 8 and base.top_k == 3 and base.d_expert == 32 and base.norm_eps == 1e-5
     assert cfg["p2"].topk_norm_p == 2.0 and cfg["unnormalised"].topk_norm_p is None
     mha = cfg["mha_gelu"]
     assert mha.n_kv_heads == 4 and mha.act_fn == "gelu" and mha.rope.theta == 500.0
@@ -74,7 +74,7 @@ def test_weights_are_read_from_the_fused_and_flat_tensors(ckpts):
     assert wqkv.shape == (64 + 2 * 2 * 16, 64)
     assert torch.equal(attn.q_proj.weight, wqkv[:64]) and torch.equal(attn.k_proj.weight, wqkv[64:96])
     assert torch.equal(attn.v_proj.weight, wqkv[96:])
-    assert w1.shape == (6 * 32, 64)
+    assert w1.shape == (8 * 32, 64)
     for e in (0, 4):
         rows = slice(32 * e, 32 * (e + 1))
         assert torch.equal(experts.W_gate_up[e, :32], w1[rows]) and torch.equal(experts.W_gate_up[e, 32:], v1[rows])
@@ -202,7 +202,7 @@ def test_missing_flat_experts_name_their_key(ckpts, tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     ({"ffn_config": {"moe_num_experts": 0}}, "ffn_config.moe_num_experts"),
-    ({"ffn_config": {"moe_top_k": 7}}, "ffn_config.moe_top_k"),
+    ({"ffn_config": {"moe_top_k": 9}}, "ffn_config.moe_top_k"),
     ({"ffn_config": {"ffn_hidden_size": 0}}, "ffn_config.ffn_hidden_size"),
     ({"ffn_config": {"moe_normalize_expert_weights": -1}}, "ffn_config.moe_normalize_expert_weights"),
     ({"ffn_config": {"ffn_act_fn": {"name": "tanh"}}}, "ffn_config.ffn_act_fn.name"),

@@ -26,7 +26,7 @@ def dbrx_config(clip_qkv: float | None = CLIP, attn: dict | None = None, ffn: di
         pad_token_id=1,
         # transformers reads attn_config.rope_theta's presence, not its value: the rotary's is the top level's
         attn_config={"kv_n_heads": 2, "clip_qkv": clip_qkv, "rope_theta": 10000.0, **(attn or {})},
-        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 6, "moe_top_k": 3, **(ffn or {})},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 3, **(ffn or {})},
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     kwargs.update(overrides)
@@ -40,7 +40,7 @@ def build_dbrx(folder: Path, seed: int = 0, max_shard_size: str | None = None, *
     gen = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():  # tiny.perturb knows norms by the other families' names; DBRX's are norm_1, norm_2, norm_f
         for name, p in model.named_parameters():
-            if ".norm_" in name:
+            if name.endswith((".norm_1.weight", ".norm_2.weight", ".norm_f.weight")):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
     return tiny.save_hf(model, folder, max_shard_size)
 

@@ -128,6 +128,17 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass
         raise NotImplementedError(f"{cls.__name__} does not define config_from_hf")
 
     @classmethod
+    def flat_config_json(cls, config: dict) -> dict:
+        """The family's config.json in the flat spelling moelens.tl_config fills (hidden_size, num_experts, ...);
+        a family whose config.json nests or renames those (DBRX) overrides this and nested_config_json."""
+        return dict(config)
+
+    @classmethod
+    def nested_config_json(cls, flat: dict) -> dict:
+        """flat_config_json's inverse: the flat spelling back in the family's own."""
+        return dict(flat)
+
+    @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:  # pragma: no cover - every family overrides
         """Each layer's token mixer, feed-forward and norm for this config (moelens.models.recipe)."""
         raise NotImplementedError(f"{cls.__name__} does not define recipe")

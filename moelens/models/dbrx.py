@@ -49,6 +49,11 @@ LAYER_NORM_EPS = 1e-5  # transformers' nn.LayerNorm default: DBRX's config has n
 # transformers' attribute_map: config.json's spelling of the fields common_fields would name
 SPELLINGS = {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
              "max_seq_len": "max_position_embeddings"}
+# the sections' fields, as moelens.tl_config's flat spelling names them (HookedDbrx.flat_config_json)
+ATTN_NAMES = {"num_key_value_heads": "kv_n_heads"}
+ATTN_FIELDS = ("num_key_value_heads",)
+FFN_FIELDS = ("ffn_hidden_size", "moe_num_experts", "moe_top_k", "moe_normalize_expert_weights", "hidden_act",
+              "moe_jitter_eps", "moe_loss_weight")
 TRAINING_FIELDS = ("resid_pdrop", "emb_pdrop", "attn_config.attn_pdrop", "ffn_config.moe_jitter_eps",
                    "ffn_config.moe_loss_weight")
 
@@ -137,6 +142,46 @@ class HookedDbrx(HookedTransformer):
             weights += w
             references += r
         return SiteMap(tuple(weights), tuple(references))
+
+    @classmethod
+    def flat_config_json(cls, config: dict) -> dict:
+        """The top level's and the sections' fields under the flat names (hidden_size, num_key_value_heads,
+        moe_num_experts, moe_top_k, ffn_hidden_size, hidden_act, ...)."""
+        flat = {SPELLINGS.get(k, k): v for k, v in config.items() if k not in ("attn_config", "ffn_config")}
+        attn, ffn = dict(config.get("attn_config") or {}), dict(config.get("ffn_config") or {})
+        if "kv_n_heads" in attn:
+            flat["num_key_value_heads"] = attn.pop("kv_n_heads")
+        act = ffn.pop("ffn_act_fn", None) or {}
+        if "name" in act:
+            flat["hidden_act"] = act["name"]
+        flat.update(ffn)
+        flat["attn_config"] = attn  # what has no flat name stays in its section
+        return flat
+
+    @classmethod
+    def nested_config_json(cls, flat: dict) -> dict:
+        """DBRX's spelling of a flat config.json: the sizes as d_model, n_heads, n_layers, max_seq_len; the
+        attention's and the mixture's fields in their sections. head_dim is kept where it is not d_model / n_heads
+        (so that config_from_hf names it); rms_norm_eps, which DBRX has no field for, is kept where it is not its
+        LayerNorms' 1e-5; norm_topk_prob is dropped (the p-norm, 1 by default, makes the weights sum to one)."""
+        flat = dict(flat)
+        spelt = {name: other for other, name in SPELLINGS.items()}
+        config = {spelt.get(k, k): v for k, v in flat.items() if k not in FFN_FIELDS + ATTN_FIELDS}
+        attn = dict(config.pop("attn_config", None) or {})
+        attn.update({ATTN_NAMES.get(k, k): flat[k] for k in ATTN_FIELDS if k in flat})
+        ffn = {k: flat[k] for k in FFN_FIELDS if k in flat and k != "hidden_act"}
+        if "hidden_act" in flat:
+            ffn["ffn_act_fn"] = {"name": flat["hidden_act"]}
+        theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta"))
+        if "rope_theta" in attn and theta is not None:  # transformers needs it there, reads the top level's
+            attn["rope_theta"] = theta
+        config.update(attn_config=attn, ffn_config=ffn)
+        if config.get("head_dim") == config["d_model"] // config["n_heads"]:
+            del config["head_dim"]
+        if config.get("rms_norm_eps") == LAYER_NORM_EPS:
+            del config["rms_norm_eps"]
+        config.pop("norm_topk_prob", None)
+        return config
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> DbrxConfig:
