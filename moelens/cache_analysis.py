@@ -311,13 +311,14 @@ class CacheAnalysis:
 
     def _norm_weight(self, scale_name: str) -> Float[torch.Tensor, "d_model"]:
         """The factor the norm whose hook_scale is `scale_name` multiplies by (its effective_weight(), as it is
-        now: 1 after fold_ln). A norm that centres its input and adds a bias (a LayerNorm) is refused: dividing
-        the components by its scale would not give its output."""
+        now: 1 after fold_ln). A norm that centres its input (a LayerNorm, with or without a bias) is refused:
+        dividing the components by its scale would not give its output."""
         name = scale_name.removesuffix(".hook_scale")
         norm = self.model.mod_dict[name]
-        if getattr(norm, "bias", None) is not None:
+        if getattr(norm, "centres", False) or getattr(norm, "bias", None) is not None:
+            bias = " and adds a bias" if getattr(norm, "bias", None) is not None else ""
             raise NormNotDecomposable(
-                f"{name} is a LayerNorm (it centres its input and adds a bias): applying it to a stack of components "
+                f"{name} is a LayerNorm (it centres its input{bias}): applying it to a stack of components "
                 "is not supported yet; use apply_ln=False and the cached normalised streams"
             )
         return norm.effective_weight().detach()

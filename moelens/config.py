@@ -154,6 +154,9 @@ class MoeConfig:
     d_shared: int = 0  # shared expert width, where the family's mixture block has one
     # sizes and constants the routers read; how a family routes is its router class (models/components)
     norm_topk_prob: bool = False
+    # the k weights divided by their p-norm, this p (None: not; DBRX's moe_normalize_expert_weights), by the
+    # softmax routers (SoftmaxTopK and its subclasses)
+    topk_norm_p: float | None = None
     routed_scaling_factor: float = 1.0
     router_jitter_noise: float = 0.0  # sparsemixer: the relative distance within which experts share a slot's weight
     n_group: int = 1
@@ -217,6 +220,8 @@ class MoeConfig:
                 f"{self.n_experts} experts in n_group {self.n_group} groups, topk_group {self.topk_group}: need "
                 "1 <= topk_group <= n_group and the experts evenly split into the groups"
             )
+        if self.topk_norm_p is not None and not self.topk_norm_p > 0:
+            raise ValueError(f"topk_norm_p must be positive (or None: no p-norm), got {self.topk_norm_p}")
         if self.attention_windows and len(self.attention_windows) != self.n_layers:
             raise ValueError(f"attention_windows ({len(self.attention_windows)}) needs one entry per layer ({self.n_layers})")
         if len(self.moe_layers) != self.n_layers or len(self.top_k_per_layer) != self.n_layers:

@@ -33,8 +33,9 @@ OFFLOAD_MODES = (None, "cpu", "disk")
 UNSUPPORTED = {
     "center_writing_weights": (
         False,
-        "every norm here is an RMSNorm, which subtracts no mean, so centering the weights that write to the "
-        "residual stream would change the model (TransformerLens skips it on RMSNorm models)",
+        "on an RMSNorm model, which subtracts no mean, centering the weights that write to the residual stream "
+        "would change the model (TransformerLens skips it on RMSNorm models); moelens does not do it on its "
+        "LayerNorm models (Phi-3.5-MoE, DBRX) either",
     ),
     "fold_value_biases": (False, "moelens does not fold value biases into b_O: b_V stays where the checkpoint has it"),
     "refactor_factored_attn_matrices": (

@@ -47,14 +47,15 @@ def model_slots(model) -> dict[str, torch.Tensor]:
 def materialize(model: torch.nn.Module, device_for: Callable[[str], torch.device]) -> None:
     """Give every meta parameter and buffer uninitialised storage on its device (device_for(full name)).
 
-    Like Module.to_empty, but through torch.empty with plain shapes: to_empty's empty_like on meta tensors
+    Like Module.to_empty, but through torch.empty_strided with the meta tensors' shapes and strides (a
+    parameter laid out transposed stays so: ExpertSpec.down_layout): to_empty's empty_like on meta tensors
     runs torch's Python reference implementation, which imports sympy and torch.fx (~300 MB resident).
     """
     for prefix, module in model.named_modules():
         where = f"{prefix}." if prefix else ""
         for name, param in module._parameters.items():
             if param is not None and param.is_meta:
-                empty = torch.empty(param.shape, dtype=param.dtype, device=device_for(where + name))
+                empty = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device=device_for(where + name))
                 module._parameters[name] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
@@ -97,7 +98,7 @@ def load(cls, options: LoadOptions):
     keys = key_map(site_map, files, fmt)
     if options.expert_storage:
         check_stored_as(options.expert_storage, fmt, keys, files, folder / "config.json")
-    if cfg.tie_word_embeddings and any(t.param == "unembed.weight" for t in keys.values()):
+    if cfg.tie_word_embeddings and any("unembed.weight" in t.params for t in keys.values()):
         # tie_word_embeddings, but the checkpoint stores its own head: use it, as transformers does
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     try:

@@ -97,6 +97,33 @@ class Weight:
 
 
 @dataclass(frozen=True)
+class Part:
+    """A piece of a SplitWeight's stored tensor: its next `rows` rows (along the stored tensor's first axis), read
+    into `param` (at `index` within it, where the piece fills part of the parameter) through `layout`."""
+
+    param: str
+    rows: int
+    index: tuple = ()
+    layout: Layout = AS_STORED
+
+
+@dataclass(frozen=True)
+class SplitWeight:
+    """One checkpoint tensor read into several moelens parameters, or into several places of one: its rows,
+    in order, are the parts' (DBRX's fused Wqkv into q_proj, k_proj and v_proj; its experts stored flat
+    [n_experts * d_expert, d_model] into each expert's rows of the stacked W_gate_up / W_down). keys: the
+    spellings of that tensor, tried in order. The loader checks the stored tensor's shape against the parts'
+    together, and counts it (moelens plan) as the parts' pieces."""
+
+    keys: tuple[str, ...]
+    parts: tuple[Part, ...]
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.param for p in self.parts))
+
+
+@dataclass(frozen=True)
 class PackedWeight:
     """A moelens parameter stored as several checkpoint tensors that a quantized format combines into it
     (gpt-oss's MXFP4 experts: `<name>_blocks`, `<name>_scales`). keys: the stored tensors in the format's
@@ -160,7 +187,7 @@ class ExpertStack:
 class Reference:
     """The transformers module whose input or output a moelens hook equals.
 
-    read: "in" (first input), "out", "out.N" (N-th output), or "out.heads_first" (an output laid out
+    read: "in" (first input), "in.N" (N-th positional input), "out", "out.N" (N-th output), or "out.heads_first" (an output laid out
     [batch head pos d_head], which moelens lays out [batch pos head d_head]); an output may be followed by
     ".topk_indices.K" / ".topk_values.K" (dense per-expert scores, as the chosen K) or ".expert_sum.E" (outputs
     of E experts stacked, summed) or ".copy" (copied when captured), see moelens.verify."""
@@ -179,7 +206,7 @@ class Reference:
 
 @dataclass(frozen=True)
 class SiteMap:
-    weights: tuple[Weight | ExpertStack | PackedWeight, ...]
+    weights: tuple[Weight | ExpertStack | PackedWeight | SplitWeight, ...]
     references: tuple[Reference, ...]
     # checkpoint keys the family's published checkpoints carry that the model does not use (DeepSeek-V3's
     # multi-token-prediction layer, which transformers skips too); any other key the map lacks is an error

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelens.loaders.checkpoint import expected_keys
+from moelens.loaders.checkpoint import SplitTarget, expected_keys
 from moelens.loaders.quantized import MXFP4_GROUP, Format, Fp8Blocks, ModelOptFp8, Mxfp4, listed_unconverted
 from moelens.sitemap import PackedWeight, SiteMap
 
@@ -90,6 +90,19 @@ def stored_tensors(
     slots = params | buffers
     out: dict[str, list[StoredTensor]] = {}
     for key, target in expected_keys(site_map).items():
+        if isinstance(target, SplitTarget):  # each part counts its piece (dense: key_map refuses a quantized one)
+            if fmt is not None:
+                raise ValueError(
+                    f"config.json says quant_method {fmt.method!r}, but {key!r} is read into several parameters "
+                    f"({', '.join(target.params)}); a quantized tensor split so is not supported"
+                )
+            shape = target.stored_shape(slots)
+            for part, piece in target.pieces(shape):
+                stored = dtype if part.param in params else slots[part.param].dtype
+                numel = math.prod(piece)
+                nbytes = numel * torch.tensor([], dtype=stored).element_size()
+                out.setdefault(part.param, []).append(StoredTensor(key, piece, nbytes, numel, str(stored).removeprefix("torch.")))
+            continue
         slot = slots[target.param]
         shape = target.layout.stored_shape(tuple(slot[target.index].shape))
         numel = math.prod(shape)

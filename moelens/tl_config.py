@@ -52,7 +52,7 @@ _ARGS = {"family", "hf_config"} | _TL_FIELDS
 
 # the config.json names families give the same thing (each is written where the family's tiny default has it)
 _EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
+_TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk", "moe_top_k")
 _EXPERT_WIDTH = ("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size")
 _DENSE_WIDTH = ("intermediate_size", "ffn_hidden_size")  # the dense MLPs' (and Mixtral-style experts') width
 _LAYER_PATTERNS = ("layer_types", "hybrid_override_pattern")  # one entry per layer: repeated to n_layers
@@ -127,7 +127,8 @@ def hf_config_from_tl(args: dict) -> dict:
     d_mlp = 4 * d_model if args.get("d_mlp") is None else _integer(args, "d_mlp")  # TransformerLens's default
     expert_field = "n_experts" if args.get("n_experts") is not None else "num_experts"
     n_experts = args.get(expert_field)
-    base = _base_config(family)
+    family_class = families.FAMILIES[family]
+    base = family_class.flat_config_json(_base_config(family))
     # the tiny default's special token ids are its byte-level tokenizer's; a model made here has no tokenizer
     hf = {**base, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     base_layers = next((hf[name] for name in _LAYER_COUNT if name in hf), None)
@@ -179,6 +180,7 @@ def hf_config_from_tl(args: dict) -> dict:
         for name in _TOP_K:
             if name in hf:
                 hf[name] = [k] * n_layers if isinstance(hf[name], list) else k
+    hf = family_class.nested_config_json(hf)
     hf.update(args.get("hf_config") or {})
     return hf
 
@@ -229,7 +231,7 @@ def config_from_tl(**args) -> MoeConfig:
             f"HookedTransformerConfig(family={args['family']!r}): the family refused the config.json made from these "
             f"fields ({what}); give the family's own fields with hf_config={{...}}"
         ) from e
-    _check_taken(cfg, args, hf)
+    _check_taken(cfg, args, family.flat_config_json(hf))  # read in the flat spelling it was written in
     d_model = cfg.d_model
     initializer_range = args.get("initializer_range", -1.0)
     if initializer_range is None or initializer_range < 0:

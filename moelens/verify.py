@@ -81,6 +81,9 @@ def _capture_read(module: torch.nn.Module, what: str, store: dict, key: str) -> 
     """Store what `what` reads."""
     if what == "in":
         handle = module.register_forward_pre_hook(lambda m, args, kwargs: store.__setitem__(key, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    elif what.startswith("in."):  # the N-th positional input (DBRX's experts: the chosen experts, their weights)
+        n = int(what.split(".")[1])
+        handle = module.register_forward_pre_hook(lambda m, args: store.__setitem__(key, args[n]))
     elif what == "out.heads_first":
         handle = module.register_forward_hook(lambda m, args, out: store.__setitem__(key, out.transpose(1, 2)))
     else:

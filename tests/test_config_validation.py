@@ -271,3 +271,20 @@ def test_top_k_is_one_int_and_the_per_layer_tuple_has_its_own_name():
     uneven = dataclasses.replace(cfg, top_k_per_layer=(0, 2, 3, 2))  # Hunyuan's moe_topk may differ per layer
     with pytest.raises(ValueError, match=r"different numbers of experts \(\{1: 2, 2: 3, 3: 2\}\).*top_k_per_layer\[L\]"):
         uneven.top_k
+
+
+# ---- nested sections (DBRX's attn_config / ffn_config): the message names the section and the field ----------------
+
+DBRX_BAD = [
+    ("ffn_config", "moe_num_experts", 2.5, "2.5", "an integer"),
+    ("ffn_config", "moe_top_k", 0, "0", "between 1 and 8"),
+    ("ffn_config", "moe_normalize_expert_weights", "2", "'2'", "a finite number"),
+    ("attn_config", "kv_n_heads", "2", "'2'", "an integer"),
+    ("attn_config", "clip_qkv", True, "True", "a finite number"),
+]
+
+
+@pytest.mark.parametrize("section, field, value, shown, expected", DBRX_BAD, ids=[f"{s}.{f}={v!r}" for s, f, v, *_ in DBRX_BAD])
+def test_dbrx_nested_field_is_named_with_its_section(pristine, edited, section, field, value, shown, expected):
+    config = json.loads((pristine["dbrx"] / "config.json").read_text())
+    refused(edited("dbrx", **{section: {**config[section], field: value}}), f"{section}.{field}", f"= {shown} ", expected)

@@ -70,6 +70,26 @@ def test_float32_fused_attention(checkpoints, family, tokens):
 BF16_EXACT = [k for k in VARIANTS if k[1] in ("base", "norm_topk", "renormalised") and k[0] != "gpt_oss"]
 
 
+def reference_router_weight(ref_layer) -> torch.Tensor:
+    """The router weight of one of transformers' decoder layers, wherever the family keeps it."""
+    mlp = getattr(ref_layer, "mlp", None)
+    router = getattr(mlp, "router", None)
+    if hasattr(ref_layer, "ffn"):  # DBRX: ffn.router.layer
+        gate = ref_layer.ffn.router.layer
+    elif router is not None:  # LongCat-Flash: mlp.router.classifier; AFMoE: mlp.router.gate; Phi-3.5-MoE: mlp.router
+        gate = router.classifier if hasattr(router, "classifier") else (
+            router.gate if isinstance(getattr(router, "gate", None), torch.nn.Linear) else router)
+    elif mlp is not None:
+        gate = mlp.gate
+    elif hasattr(ref_layer, "mixer"):  # Nemotron-H: the layer's mixer is the mixture
+        gate = ref_layer.mixer.gate
+    elif hasattr(ref_layer, "block_sparse_moe"):  # Granite
+        gate = ref_layer.block_sparse_moe.router
+    else:  # Llama 4
+        gate = ref_layer.feed_forward.router
+    return gate.wg.weight if hasattr(gate, "wg") else gate.weight
+
+
 @pytest.mark.parametrize("family,variant", BF16_EXACT)
 def test_bfloat16_is_bit_exact(checkpoints, family, variant):
     """Eager attention runs the reference's ops in the reference's order: bf16 results are identical,
@@ -79,17 +99,9 @@ def test_bfloat16_is_bit_exact(checkpoints, family, variant):
     ref = load_reference(path, torch.bfloat16)
     for layer, block in enumerate(model.blocks):
         if block.is_moe:
-            ref_layer = ref.model.layers[layer]
-            # Llama 4's router is feed_forward.router, Nemotron-H's mixture is its layer's mixer, Granite's
-            # block_sparse_moe.router, LongCat-Flash's mlp.router.classifier, AFMoE's mlp.router.gate,
-            # Phi-3.5-MoE's mlp.router
-            router = getattr(getattr(ref_layer, "mlp", None), "router", None)
-            ref_gate = ((router.classifier if hasattr(router, "classifier") else router.gate
-                         if isinstance(getattr(router, "gate", None), torch.nn.Linear) else router) if router is not None
-                        else ref_layer.mlp.gate if hasattr(ref_layer, "mlp") else ref_layer.mixer.gate
-                        if hasattr(ref_layer, "mixer") else ref_layer.block_sparse_moe.router
-                        if hasattr(ref_layer, "block_sparse_moe") else ref_layer.feed_forward.router)
-            ref_weight = ref_gate.wg.weight if hasattr(ref_gate, "wg") else ref_gate.weight
+            # DBRX's blocks are transformer.blocks, its router ffn.router.layer
+            ref_layer = ref.model.layers[layer] if hasattr(ref, "model") else ref.transformer.blocks[layer]
+            ref_weight = reference_router_weight(ref_layer)
             assert block.mlp.router.weight.dtype == ref_weight.dtype
     tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(3))
     report = compare(model, ref, tokens)

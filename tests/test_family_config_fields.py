@@ -145,6 +145,26 @@ CASES = {
             "rope_scaling", "rope_theta", "tie_word_embeddings", "vocab_size"],
         ignored=(),
     ),
+    "dbrx": Case(
+        # the nested sections as transformers writes them (their bookkeeping trimmed); attn_config.rope_theta is
+        # there, ignored, as transformers ignores it
+        raw={"attn_config": {"attn_pdrop": 0.0, "clip_qkv": 0.6, "kv_n_heads": 2, "rope_theta": 10000.0},
+            "d_model": 64, "emb_pdrop": 0.0, "ffn_config": {"ffn_act_fn": {"name": "silu"}, "ffn_hidden_size": 32,
+            "hidden_size": 64, "moe_jitter_eps": None, "moe_loss_weight": 0.01, "moe_normalize_expert_weights": 1.0,
+            "moe_num_experts": 8, "moe_top_k": 3}, "max_seq_len": 256, "n_heads": 4, "n_layers": 3,
+            "num_key_value_heads": 2, "resid_pdrop": 0.0, "rope_parameters": {"rope_theta": 10000.0, "rope_type":
+            "default"}, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True, True, True), n_experts=8,
+            top_k_per_layer=(3, 3, 3), d_expert=32, topk_norm_p=1.0, clip_qkv=0.6),
+        read=["attn_config", "attn_config.clip_qkv", "attn_config.kv_n_heads", "d_model", "ffn_config",
+            "ffn_config.ffn_act_fn", "ffn_config.ffn_hidden_size", "ffn_config.moe_normalize_expert_weights",
+            "ffn_config.moe_num_experts", "ffn_config.moe_top_k", "head_dim", "max_seq_len", "n_heads", "n_layers",
+            "partial_rotary_factor", "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings",
+            "vocab_size"],
+        ignored=("resid_pdrop", "emb_pdrop", "attn_config.attn_pdrop", "ffn_config.moe_loss_weight",
+            "attn_config.rope_theta"),
+    ),
     "deepseek_v3": Case(
         raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size":
             64, "intermediate_size": 80, "kv_lora_rank": 16, "max_position_embeddings": 256, "moe_intermediate_size":
@@ -816,6 +836,13 @@ MINIMAL = {
             rope=RopeConfig(theta=10000.0), max_position_embeddings=4096, moe_layers=(True, True, True), n_experts=8,
             top_k_per_layer=(3, 3, 3), d_expert=32),
     ),
+    "dbrx": (
+        # transformers' DbrxConfig defaults: one kv head, 4 experts top-1, ffn_hidden_size 3584, p-norm 1
+        {"d_model": 64, "n_heads": 4, "n_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=1, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True, True), n_experts=4,
+            top_k_per_layer=(1, 1, 1), d_expert=3584, topk_norm_p=1.0),
+    ),
     "deepseek_v3": (
         # four blocks, so that the last (after the first_k_dense_replace = 3 dense ones) is a mixture
         {"num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 96},
@@ -1062,6 +1089,7 @@ CONFIG_CLASSES = {
     "qwen3_moe": "MoeConfig",
     "mixtral": "MixtralConfig",
     "olmoe": "ClipQKVConfig",
+    "dbrx": "DbrxConfig",
     "phimoe": "MoeConfig",
     "deepseek_v3": "DeepseekV3Config",
     "deepseek_v2": "DeepseekV3Config",

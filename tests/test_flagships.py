@@ -31,7 +31,7 @@ BY_COMPONENT = {"deepseek_v2", "deepseek_v3", "ernie4_5_moe", "flex_olmo", "glm4
 TRANSFORMERS_ONLY_PER_LAYER = {
     "longcat_flash": lambda c: c["zero_expert_num"] * 2 * c["expert_ffn_hidden_size"] * c["hidden_size"],
 }
-LAYER = re.compile(r"^(?:model\.|backbone\.)?layers\.(\d+)\.")
+LAYER = re.compile(r"^(?:(?:model\.|backbone\.)?layers|transformer\.blocks)\.(\d+)\.")  # DBRX: transformer.blocks
 
 
 def file_params():

@@ -80,6 +80,12 @@ def test_identities(family_models, family, tokens):
                                    cache[f"{mlp}.hook_routed_out"], rtol=0, atol=1e-6)
 
 
+def p_normalised(model, w: torch.Tensor) -> torch.Tensor:
+    """The k weights divided by their topk_norm_p-norm (DBRX's moe_normalize_expert_weights), where the config sets it."""
+    p = model.cfg.topk_norm_p
+    return w if p is None else w / w.abs().pow(p).sum(-1, keepdim=True).pow(1 / p)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_router_rules(family_models, family, tokens):
     """Each family's router rule, recomputed by hand from the cached logits."""
@@ -152,6 +158,7 @@ def test_router_rules(family_models, family, tokens):
             top = logits.float().softmax(-1).topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
             expected = top.values / top.values.sum(-1, keepdim=True) if model.cfg.norm_topk_prob else top.values
+            expected = p_normalised(model, expected)
         torch.testing.assert_close(expected.to(w.dtype), w, rtol=0, atol=1e-7)
         assert w.dtype == (torch.float32 if isinstance(router, FLOAT32_WEIGHTS) else model.cfg.dtype)
 
@@ -209,7 +216,7 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
         expected = sparsemixer_by_hand(row, torch.arange(k), model.cfg.router_jitter_noise).float()
     else:
         probs = torch.softmax(torch.tensor([4.0 - r for r in range(k)] + [-10.0] * (routable_experts(model) - k)), -1)[:k]
-        expected = probs / probs.sum() if model.cfg.norm_topk_prob else probs
+        expected = p_normalised(model, probs / probs.sum() if model.cfg.norm_topk_prob else probs)
         if model.blocks[layer].mlp.router.choice_bias:  # LongCat-Flash's weights: the scores times the scaling factor
             expected = expected * model.cfg.routed_scaling_factor
     order = idx.argsort(-1)
@@ -255,7 +262,7 @@ def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
     else:
         if model.cfg.norm_topk_prob:
             scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-        expected = scores * model.cfg.routed_scaling_factor
+        expected = p_normalised(model, scores) * model.cfg.routed_scaling_factor
     torch.testing.assert_close(w, expected.to(w.dtype), rtol=0, atol=1e-7)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tiny
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, families_reading_experts_one_at_a_time
 from safetensors.torch import load_file, save_file
 
 from moelens import HookedTransformer
@@ -40,7 +40,7 @@ def distinct_experts(cache, model):
     return sum(int((ids < model.cfg.n_experts).sum()) for ids in real)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_reading_experts_one_at_a_time())
 @pytest.mark.parametrize("mode", MODES)
 def test_logits_and_every_hook_equal_the_resident_model(checkpoints, resident, family, mode, tokens):
     ref = resident[family]
@@ -99,7 +99,7 @@ def test_a_cache_that_holds_everything_hits_on_the_second_forward(checkpoints, r
     assert stats.misses == stats.hits == distinct_experts(ref_cache, ref) and stats.evictions == 0
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_reading_experts_one_at_a_time())
 def test_rerouting_interventions_fetch_what_they_route_to(checkpoints, resident, family, tokens):
     """A hook that sends every slot to the last expert, and one that edits router logits: the offloaded model
     loads what they route to and matches the resident model under the same hooks."""
@@ -274,7 +274,7 @@ def let_prefetch_finish(model):
     prefetcher.cancel = finish_then_cancel
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_reading_experts_one_at_a_time())
 def test_prefetch_changes_no_bit(checkpoints, resident, family, tokens):
     ref = resident[family]
     model = load(checkpoints[family, "base"], expert_offload="disk", expert_cache_bytes=two_layers(ref), expert_prefetch=True)

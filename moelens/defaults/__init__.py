@@ -118,7 +118,7 @@ def build_checkpoint(config: dict, folder: Path) -> None:
     with torch.no_grad():
         slots = dict(model.named_parameters()) | dict(model.named_buffers())
         for key, target in keys.items():
-            shape = target.layout.stored_shape(tuple(slots[target.param][target.index].shape))
+            shape = target.stored_shape(slots)
             noise = torch.randn(shape, generator=gen)
             if key.endswith("norm.weight") or "layernorm" in key:
                 tensors[key] = 1.0 + 0.1 * noise

@@ -164,12 +164,24 @@ class ExpertSpec:
     # or "experts" (each cast to the input's dtype, added in ascending expert order: transformers' loop over
     # experts with index_add_, as LongCat-Flash's reference runs it)
     combine: Literal["slots", "experts"] = "slots"
+    # how a resident W_down [E, d_model, d_expert] is laid out in memory: "out_in" (each expert's [d_model,
+    # d_expert] row by row, nn.Linear's) or "in_out" (a transposed view of [E, d_expert, d_model] row by row:
+    # DBRX's w2, which its reference multiplies as x @ w2; a small GEMM rounds by the layout of its operand)
+    down_layout: Literal["out_in", "in_out"] = "out_in"
+    # the order of an expert's rows in its GEMMs on the torch path: "token" (then slot) or "slot" (then token, as a
+    # reference looping over experts with torch.where on a [top_k, tokens] mask takes them: DBRX's). With several
+    # threads a GEMM can round a row by its place, so this keeps float32 results the reference's
+    rows_by: Literal["token", "slot"] = "token"
 
     def __post_init__(self) -> None:
         if self.weight_at not in ("output", "input"):
             raise ValueError(f"ExpertSpec.weight_at must be 'output' or 'input', got {self.weight_at!r}")
         if self.combine not in ("slots", "experts"):
             raise ValueError(f"ExpertSpec.combine must be 'slots' or 'experts', got {self.combine!r}")
+        if self.down_layout not in ("out_in", "in_out"):
+            raise ValueError(f"ExpertSpec.down_layout must be 'out_in' or 'in_out', got {self.down_layout!r}")
+        if self.rows_by not in ("token", "slot"):
+            raise ValueError(f"ExpertSpec.rows_by must be 'token' or 'slot', got {self.rows_by!r}")
         if self.n_identity < 0:
             raise ValueError(f"ExpertSpec.n_identity must be at least 0, got {self.n_identity}")
         if self.n_identity and self.weight_at != "output":
@@ -190,6 +202,13 @@ class ExpertSpec:
         rows = 2 * I if self.activation.gated else I  # an ungated expert's W_gate_up is its up rows alone
         all_shapes = {"W_gate_up": (E, rows, H), "W_down": (E, H, I), "b_gate_up": (E, rows), "b_down": (E, H)}
         return {name: all_shapes[name] for name in self.param_names}
+
+    def empty(self, name: str) -> torch.Tensor:
+        """An uninitialised stacked parameter `name`, shaped as shapes() says and laid out as down_layout says."""
+        shape = self.shapes()[name]
+        if name == "W_down" and self.down_layout == "in_out":
+            return torch.empty(shape[0], shape[2], shape[1]).transpose(1, 2)
+        return torch.empty(shape)
 
     def expert_nbytes(self, dtype: torch.dtype) -> int:
         """Bytes of one expert's tensors in `dtype` (dense; StoredExperts.nbytes counts stored ones)."""

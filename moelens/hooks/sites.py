@@ -103,6 +103,7 @@ SITES: tuple[Site, ...] = (
         "latent": ("batch pos head d_head", "decompressed query per head [nope | rope], before the rotary"),
         "qk_norm": ("batch pos head d_head", _QK_NORM.format("")),
         "qk_norm_clamped": ("batch pos head d_head", _QK_NORM.format(_CLAMP)),
+        "clamped": ("batch pos head d_head", f"query projection (bias included){_CLAMP}"),
     }),
     _site("blocks.L.attn.hook_kv_latent", "batch pos kv_lora_rank",
           "compressed keys and values after their RMSNorm (kv_a_layernorm)", short="kv_latent"),
@@ -113,6 +114,7 @@ SITES: tuple[Site, ...] = (
                    "decompressed key per head [nope | the shared rope part], before the rotary"),
         "qk_norm": ("batch pos kv_head d_head", _K_NORM.format("")),
         "qk_norm_clamped": ("batch pos kv_head d_head", _K_NORM.format(_CLAMP)),
+        "clamped": ("batch pos kv_head d_head", f"key projection (bias included){_CLAMP}"),
     }),
     _site("blocks.L.attn.hook_v", "batch pos kv_head d_head", "value projection (bias included)",
           standard="attention_values", short="v", variants={

@@ -345,7 +345,7 @@ class ExpertShard:
         try:
             return routed_experts_torch(
                 x, indices, weights, self._local, spec.activation, hooks, batch_pos,
-                n_experts=self.n_experts, linear=self.grouped_linear, bias_rows=self.bias_rows, weight_at=spec.weight_at, combine=spec.combine,
+                n_experts=self.n_experts, linear=self.grouped_linear, bias_rows=self.bias_rows, weight_at=spec.weight_at, combine=spec.combine, rows_by=spec.rows_by,
             )
         finally:
             self._local = self._position = None

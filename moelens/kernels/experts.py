@@ -106,12 +106,24 @@ def grouped_linear(
     return out
 
 
-def sort_slots(experts: Int[torch.Tensor, "S"], n_experts: int) -> tuple[Int[torch.Tensor, "S"], list[int]]:
+def sort_slots(
+    experts: Int[torch.Tensor, "S"], n_experts: int, top_k: int | None = None
+) -> tuple[Int[torch.Tensor, "S"], list[int]]:
     """(slot order sorted by expert, stable; rows per expert) for the grouped GEMMs. (transformers' grouped_mm
     experts order a group's rows by torch.sort, which is not stable; with several threads a GEMM can round a row
     by its place in its group, so float32 results then differ from transformers' by ~1e-7 per expert output. The
-    Triton kernels keep the stable order, and both backends must give the same hook tensors.)"""
-    return torch.argsort(experts, stable=True), torch.bincount(experts, minlength=n_experts).tolist()
+    Triton kernels keep the stable order, and both backends must give the same hook tensors.)
+
+    top_k given: a group's rows by slot, then token (slot 0 of every token first), as a reference that loops over
+    the experts and takes each one's rows with torch.where on a [top_k, tokens] mask orders them (DBRX's);
+    ExpertSpec.rows_by "slot"."""
+    counts = torch.bincount(experts, minlength=n_experts).tolist()
+    if top_k is None:
+        return torch.argsort(experts, stable=True), counts
+    slot_major = experts.view(-1, top_k).T.reshape(-1)  # position j * T + t holds slot t * top_k + j
+    by_slot = torch.argsort(slot_major, stable=True)
+    n_tokens = experts.numel() // top_k
+    return (by_slot % n_tokens) * top_k + by_slot // n_tokens, counts
 
 
 def slot_linear(
@@ -229,7 +241,8 @@ def routed_experts(
     if isinstance(tensors, StoredExperts):
         tensors = tensors.dequantize(x.dtype)
     return routed_experts_torch(
-        x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at, combine=spec.combine
+        x, indices, weights, tensors, spec.activation, hooks, batch_pos, weight_at=spec.weight_at, combine=spec.combine,
+        rows_by=spec.rows_by,
     )
 
 
@@ -243,6 +256,7 @@ def routed_experts_torch(
     bias_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows,
     weight_at: str = "output",
     combine: str = "slots",
+    rows_by: str = "token",
 ):
     """The reference's algorithm: slots sorted by expert once, both GEMMs on sorted rows (each plus its
     expert's bias where the spec has biases), back to slot order for the weighted outputs. Per-slot hooks see
@@ -255,12 +269,14 @@ def routed_experts_torch(
     combine (ExpertSpec.combine): "slots" sums the weighted outputs over slots in their promoted dtype and
     casts once; "experts" casts each to x's dtype and adds them in ascending expert order.
 
+    rows_by (ExpertSpec.rows_by): the order of a GEMM group's rows, "token" (then slot) or "slot" (then token).
+
     weight_at (ExpertSpec.weight_at): "output" scales each slot's output by its weight; "input" scales the
     slot's input row before gate_up (in the rows' dtype, as Llama 4 does) and leaves the output as it is."""
     T, k = indices.shape
     experts = indices.reshape(-1)
     n_real = tensors.n_experts if n_experts is None else n_experts
-    order, counts = sort_slots(experts, n_real)
+    order, counts = sort_slots(experts, n_real, k if rows_by == "slot" else None)
     unsort = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     # ids from n_real on are identity experts (ExpertSpec.n_identity): sorted after every real slot, they take
     # no GEMM; their per-slot neurons are zeros and their output is the input row itself

@@ -578,7 +578,7 @@ def offloaded_routed_experts(
         positions = ExpertTensors(0, 1, 2 if spec.bias else None, 3 if spec.bias else None)  # the linears' `param`
         return routed_experts_torch(
             x, indices, weights, positions, spec.activation, hooks, batch_pos, n_experts=store.n_experts,
-            linear=run.linear, bias_rows=run.bias_rows, weight_at=spec.weight_at, combine=spec.combine,
+            linear=run.linear, bias_rows=run.bias_rows, weight_at=spec.weight_at, combine=spec.combine, rows_by=spec.rows_by,
         )
     finally:
         run.release()

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from moelens.loaders.errors import CheckpointError, CheckpointWarning
 from moelens.loaders.quantized import Format, Fp8Blocks, ModelOptFp8, Stored
 from moelens.loaders.safetensors_files import SafetensorsFiles
-from moelens.sitemap import AS_STORED, ExpertStack, Layout, PackedWeight, SiteMap
+from moelens.sitemap import AS_STORED, ExpertStack, Layout, PackedWeight, SiteMap, SplitWeight
 
 # Buffers some exporters write that are recomputed from the config.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -40,6 +40,59 @@ class Target:
     index: tuple = ()
     layout: Layout = AS_STORED
     stored: Stored | None = None
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return (self.param,)
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        """The places the key's tensor fills (a SplitTarget's parts)."""
+        return (self,)
+
+    def stored_shape(self, slots: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        """The shape the checkpoint's tensor must have (dense, once read) to fill the target."""
+        return self.layout.stored_shape(tuple(slots[self.param][self.index].shape))
+
+    def load_into(self, slots: dict[str, torch.Tensor], tensor: torch.Tensor) -> None:
+        slots[self.param][self.index].copy_(self.layout.load(tensor))
+
+
+@dataclass(frozen=True)
+class SplitTarget:
+    """Where a SplitWeight's tensor goes: its rows, in order, `rows[i]` of them into `parts[i]` (moelens.sitemap
+    .SplitWeight). Read dense only: a quantized split tensor is refused by key_map."""
+
+    parts: tuple[Target, ...]
+    rows: tuple[int, ...]
+    stored: None = None
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t.param for t in self.parts))
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        return self.parts
+
+    def pieces(self, shape: tuple[int, ...]) -> list[tuple[Target, tuple[int, ...]]]:
+        """Each part with its piece's stored shape (the stored tensor's rows, then its other axes)."""
+        return [(t, (n, *shape[1:])) for t, n in zip(self.parts, self.rows)]
+
+    def stored_shape(self, slots: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        """The parts' stored pieces stacked along the first axis (parts that do not stack are a bug in the site
+        map)."""
+        shapes = {t.stored_shape(slots)[1:] for t in self.parts}
+        if len(shapes) != 1 or any(t.stored_shape(slots)[0] != n for t, n in zip(self.parts, self.rows)):
+            raise RuntimeError(f"the site map's split parts {self.parts} do not stack along their rows {self.rows}")
+        return (sum(self.rows), *shapes.pop())
+
+    def load_into(self, slots: dict[str, torch.Tensor], tensor: torch.Tensor) -> None:
+        for t, piece in zip(self.parts, tensor.split(self.rows, dim=0)):
+            t.load_into(slots, piece)
+
+
+Targets = Target | SplitTarget
 
 
 def _expert_keys(stack: ExpertStack, present: set[str] | SafetensorsFiles) -> dict[str, Target]:
@@ -65,16 +118,21 @@ def _expert_keys(stack: ExpertStack, present: set[str] | SafetensorsFiles) -> di
     return keys
 
 
-def expected_keys(site_map: SiteMap, present: set[str] | SafetensorsFiles = frozenset()) -> dict[str, Target]:
+def expected_keys(site_map: SiteMap, present: set[str] | SafetensorsFiles = frozenset()) -> dict[str, Targets]:
     """Every checkpoint key the model reads, with its target, in the spellings found in `present` (the
     first spelling of each where none is; optional weights only where present)."""
-    keys: dict[str, Target] = {}
+    keys: dict[str, Targets] = {}
     for entry in site_map.weights:
         if isinstance(entry, ExpertStack):
             keys.update(_expert_keys(entry, present))
             continue
         if isinstance(entry, PackedWeight):  # its first key; key_map adds how the rest combine with it
             keys[entry.keys[0]] = Target(entry.param, layout=entry.layout)
+            continue
+        if isinstance(entry, SplitWeight):
+            found = next((k for k in entry.keys if k in present), entry.keys[0])
+            parts = tuple(Target(p.param, p.index, p.layout) for p in entry.parts)
+            keys[found] = SplitTarget(parts, tuple(p.rows for p in entry.parts))
             continue
         found = next((k for k in entry.keys if k in present), None)
         if found is not None or entry.required:
@@ -87,7 +145,7 @@ def _list(keys: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def key_map(site_map: SiteMap, files: SafetensorsFiles, fmt: Format | None = None) -> dict[str, Target]:
+def key_map(site_map: SiteMap, files: SafetensorsFiles, fmt: Format | None = None) -> dict[str, Targets]:
     """Check the checkpoint's keys against the site map (headers only); returns key -> target.
 
     fmt: the stored format config.json's quantization_config describes (moelens.loaders.quantized.stored_format);
@@ -115,7 +173,7 @@ def key_map(site_map: SiteMap, files: SafetensorsFiles, fmt: Format | None = Non
     return keys
 
 
-def _with_storage(site_map: SiteMap, files: SafetensorsFiles, keys: dict[str, Target], fmt: Format | None) -> dict[str, Target]:
+def _with_storage(site_map: SiteMap, files: SafetensorsFiles, keys: dict[str, Targets], fmt: Format | None) -> dict[str, Targets]:
     """keys, each quantized one's target carrying how it is stored (checked from the headers)."""
     stored: dict[str, Stored] = {}
     for entry in site_map.weights:
@@ -130,6 +188,11 @@ def _with_storage(site_map: SiteMap, files: SafetensorsFiles, keys: dict[str, Ta
     if isinstance(fmt, (Fp8Blocks, ModelOptFp8)):
         for key in keys:
             if key not in stored and (found := fmt.stored(key, files)) is not None:
+                if isinstance(keys[key], SplitTarget):  # a block grid over rows that several parameters share
+                    raise CheckpointError(
+                        f"{files.location[key].name}: {key!r} is stored as {fmt.method} and split into "
+                        f"{', '.join(keys[key].params)}; a quantized tensor read into several parameters is not supported"
+                    )
                 stored[key] = found
     if isinstance(fmt, Fp8Blocks):
         _check_fused_blocks(site_map, stored, files)
@@ -153,18 +216,18 @@ def _check_fused_blocks(site_map: SiteMap, stored: dict[str, Stored], files: Saf
             )
 
 
-def slot_map(model: nn.Module, keys: dict[str, Target]) -> dict[str, torch.Tensor]:
+def slot_map(model: nn.Module, keys: dict[str, Targets]) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of the model by name; each must be the target of some key."""
     slots = dict(model.named_parameters()) | dict(model.named_buffers())
-    uncovered = set(slots) - {t.param for t in keys.values()}
+    uncovered = set(slots) - {p for t in keys.values() for p in t.params}
     if uncovered:  # a bug in the key map, not in the checkpoint: these would stay uninitialised
         raise RuntimeError(f"the checkpoint key map leaves these parameters unfilled: {sorted(uncovered)}")
     return slots
 
 
-def check_shapes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Target]) -> None:
+def check_shapes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Targets]) -> None:
     """Every checkpoint tensor's shape, from the headers, against its slot: fail before reading any data."""
-    wrong = {key: t.layout.stored_shape(tuple(slots[t.param][t.index].shape)) for key, t in keys.items()}
+    wrong = {key: t.stored_shape(slots) for key, t in keys.items()}
     wrong = {key: shape for key, shape in wrong.items() if dense_shape(files, key, keys[key]) != shape}
     if wrong:
         key, expected = next(iter(wrong.items()))
@@ -173,23 +236,23 @@ def check_shapes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: 
         how = "" if stored is None else f" (dequantized from {stored.format.method}: {', '.join(map(repr, stored.keys))})"
         raise CheckpointError(
             f"{files.location[key].name}: tensor {key!r} has shape {dense_shape(files, key, keys[key])}{how}, but the "
-            f"config ({files.folder / 'config.json'}) needs {expected} for {keys[key].param}{more}"
+            f"config ({files.folder / 'config.json'}) needs {expected} for {' + '.join(keys[key].params)}{more}"
         )
 
 
-def dense_shape(files: SafetensorsFiles, key: str, target: Target) -> tuple[int, ...]:
+def dense_shape(files: SafetensorsFiles, key: str, target: Targets) -> tuple[int, ...]:
     """The shape a key's tensor has once read: as stored, or dequantized."""
     return files.shapes[key] if target.stored is None else target.stored.shape
 
 
-def warn_cast_dtypes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Target]) -> None:
+def warn_cast_dtypes(slots: dict[str, torch.Tensor], files: SafetensorsFiles, keys: dict[str, Targets]) -> None:
     """One warning per file and stored dtype that is not a float type: its values are cast, maybe changed."""
     groups: dict[tuple[str, str], list[str]] = {}
     for key, target in keys.items():
         if target.stored is None and files.dtypes[key] not in FLOAT_DTYPES:
             groups.setdefault((files.location[key].name, files.dtypes[key]), []).append(key)
     for (name, stored), group in groups.items():
-        cast_to = slots[keys[group[0]].param].dtype
+        cast_to = slots[keys[group[0]].params[0]].dtype
         warnings.warn(
             f"{files.folder / name} stores {len(group)} tensor(s) as {stored}, not a float type; moelens casts "
             f"them to {cast_to} as they are (quantised weights are not dequantised): {_list(group)}",
@@ -213,7 +276,7 @@ def not_finite_count(t: torch.Tensor) -> int:
 def fill(
     model: nn.Module,
     files: SafetensorsFiles,
-    keys: dict[str, Target],
+    keys: dict[str, Targets],
     progress: bool | None = None,
     check_finite: bool = True,
     offloaded: dict[str, torch.Tensor] | None = None,
@@ -229,7 +292,7 @@ def fill(
     slots = slot_map(model, keys) | (offloaded or {})
     check_shapes(slots, files, keys)
     warn_cast_dtypes(slots, files, keys)
-    to_read = [k for k, t in keys.items() if not slots[t.param].is_meta]
+    to_read = [k for k, t in keys.items() if not any(slots[p].is_meta for p in t.params)]
     plain = [k for k in to_read if keys[k].stored is None]
     quantized = [keys[k].stored.keys for k in to_read if keys[k].stored is not None]
     not_finite: list[str] = []
@@ -237,16 +300,17 @@ def fill(
 
     def settle(key: str, tensor: torch.Tensor) -> None:
         target = keys[key]
-        slot = slots[target.param][target.index]
         if target.stored is not None:  # on the slot's device: the same bits anywhere (float32 products, one cast)
+            slot = slots[target.param][target.index]
             tensor = target.stored.dequantize(tuple(t.to(slot.device) for t in tensor), slot.dtype)
-        slot.copy_(target.layout.load(tensor))
-        if check_finite and (bad := not_finite_count(slot)):
-            nan = int(torch.isnan(slot).sum())
-            not_finite.append(
-                f"{key!r} in {files.location[key].name}: {nan} NaN and {bad - nan} Inf of {slot.numel()} "
-                f"values as {slot.dtype}"
-            )
+        target.load_into(slots, tensor)
+        for slot in (slots[t.param][t.index] for t in target.targets):
+            if check_finite and (bad := not_finite_count(slot)):
+                nan = int(torch.isnan(slot).sum())
+                not_finite.append(
+                    f"{key!r} in {files.location[key].name}: {nan} NaN and {bad - nan} Inf of {slot.numel()} "
+                    f"values as {slot.dtype}"
+                )
         bar.update()
 
     with torch.no_grad():

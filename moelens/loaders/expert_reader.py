@@ -36,14 +36,24 @@ import torch
 from safetensors import safe_open
 
 from moelens.experts.stored import StoredPart
-from moelens.loaders.checkpoint import Target
+from moelens.loaders.checkpoint import SplitTarget, Target, Targets
 from moelens.loaders.errors import CheckpointError
 from moelens.loaders.safetensors_files import SafetensorsFiles
 from moelens.sitemap import AS_STORED
 
 
-def expert_param(target: Target, params: tuple[str, ...]) -> tuple[int, str] | None:
-    """(layer, parameter name) when a key fills one of a routed expert stack's `params`, else None."""
+def expert_param(target: Targets, params: tuple[str, ...]) -> tuple[int, str] | None:
+    """(layer, parameter name) when a key fills one of a routed expert stack's `params`, else None. A key split
+    into several parameters (experts stored flat) is refused: its experts cannot be read one at a time."""
+    if isinstance(target, SplitTarget):
+        for part in target.parts:
+            if expert_param(part, params) is not None:
+                raise CheckpointError(
+                    f"the routed experts' {part.param.rsplit('.', 1)[-1]} is stored flat, all experts in one tensor "
+                    f"read into {', '.join(target.params)}, which is not read one expert at a time: load without "
+                    "expert_offload, expert_parallel or expert_storage"
+                )
+        return None
     parts = target.param.split(".")  # blocks.L.mlp.experts.W_...
     if len(parts) == 5 and parts[2:4] == ["mlp", "experts"] and parts[4] in params:
         return int(parts[1]), parts[4]

@@ -139,6 +139,17 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass
         raise NotImplementedError(f"{cls.__name__} does not define config_from_hf")
 
     @classmethod
+    def flat_config_json(cls, config: dict) -> dict:
+        """The family's config.json in the flat spelling moelens.tl_config fills (hidden_size, num_experts, ...);
+        a family whose config.json nests or renames those (DBRX) overrides this and nested_config_json."""
+        return dict(config)
+
+    @classmethod
+    def nested_config_json(cls, flat: dict) -> dict:
+        """flat_config_json's inverse: the flat spelling back in the family's own."""
+        return dict(flat)
+
+    @classmethod
     def recipe(cls, cfg: MoeConfig) -> Recipe:  # pragma: no cover - every family overrides
         """Each layer's token mixer, feed-forward and norm for this config (moelens.models.recipe)."""
         raise NotImplementedError(f"{cls.__name__} does not define recipe")
@@ -273,8 +284,9 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass
         fold_ln: fold every RMSNorm weight into the weights that read it and set the norms' weights to 1
             (logits unchanged; Hunyuan's per-head q/k norms stay, see moelens.fold); counts the probe tokens
             whose experts changed in model.routing_changes and warns when any did.
-        center_writing_weights: refused when True: every norm here is an RMSNorm, which subtracts no mean,
-            so there is no mean for centered writing weights to leave unchanged (TL skips it on RMS models).
+        center_writing_weights: refused when True: an RMSNorm subtracts no mean, so there is no mean for
+            centered writing weights to leave unchanged (TL skips it on RMS models); not done on the LayerNorm
+            models (Phi-3.5-MoE, DBRX) either.
         center_unembed: subtract the vocabulary mean from W_U (logits move by a per-position constant;
             probabilities unchanged).
         refactor_factored_attn_matrices: refused when True: with rotary embeddings the QK circuit depends on

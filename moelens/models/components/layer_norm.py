@@ -1,10 +1,13 @@
 """LayerNorm with a weight and a bias: plain (DeepSeek Sparse Attention's indexer keys), or hooked as a block's
-norm (Phi-3.5-MoE)."""
+norm (Phi-3.5-MoE); and hooked without a bias (DBRX). Each centres its input, which an RMSNorm does not: the
+analyses that divide a stack of components by the cached scale refuse them (moelens.cache_analysis)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from typing import ClassVar
+
 from jaxtyping import Float
 from torch import nn
 
@@ -16,6 +19,8 @@ from moelens.models.terms import ParamTerm, vector
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last dim: torch's layer_norm, as transformers'
     nn.LayerNorm computes it (in the input's dtype)."""
+
+    centres: ClassVar[bool] = True  # subtracts the mean (RMSNorm: False)
 
     @staticmethod
     def param_terms(d: int, component: str = "norms") -> tuple[ParamTerm, ...]:
@@ -58,7 +63,8 @@ class HookedLayerNorm(LayerNorm):
         centred = x32 - x32.mean(-1, keepdim=True)
         computed = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = self.hook_scale(computed.clone())  # its own tensor: an in-place edit shows against `computed`
-        formula = (centred / scale * self.weight.float() + self.bias.float()).to(x.dtype)
+        formula = centred / scale * self.weight.float()
+        formula = (formula if self.bias is None else formula + self.bias.float()).to(x.dtype)
         with torch.no_grad():
             value = torch.where(scale == computed, super().forward(x), formula)
         return self.hook_normalized(_ValueWithGradOf.apply(formula, value))
@@ -70,6 +76,20 @@ class HookedLayerNorm(LayerNorm):
     @torch.no_grad()
     def make_identity(self) -> None:
         self.weight.fill_(1.0)
+
+
+class BiasFreeLayerNorm(HookedLayerNorm):
+    """A block's or the final LayerNorm with a weight and no bias (DBRX: transformers' nn.LayerNorm(d,
+    bias=False), eps 1e-5): (x - mean) / sqrt(var + eps) * weight, with HookedLayerNorm's hooks. Without a bias,
+    fold_ln folds its weight into the readers as an RMSNorm's; it still centres its input."""
+
+    @staticmethod
+    def param_terms(d: int, component: str = "norms") -> tuple[ParamTerm, ...]:
+        return vector("weight", d, component)
+
+    def __init__(self, d: int, eps: float, hooked: bool = True, site: str = "ln_final") -> None:
+        super().__init__(d, eps, hooked, site)
+        self.bias = None  # F.layer_norm adds none
 
 
 class _ValueWithGradOf(torch.autograd.Function):

@@ -87,8 +87,8 @@ class Experts(nn.Module):
         if self.spec.storage != cfg.expert_storage:  # a family's expert_spec() must pass it on
             raise ValueError(f"{type(cfg).__name__}.expert_spec() has storage {self.spec.storage!r}, cfg.expert_storage is {cfg.expert_storage!r}")
         if self.placement == "resident" and self.spec.storage is None:
-            for name, shape in self.spec.shapes().items():
-                self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+            for name in self.spec.shapes():
+                self.register_parameter(name, nn.Parameter(self.spec.empty(name)))
         self.stored: StoredExperts | None = None  # resident experts kept as stored: attach_stored()
         self.dtype = cfg.dtype  # what tensors() dequantizes stored experts to; follows model.to()
         self.rounding = (cfg.dtype,)  # the load's dtype, then each rounding dtype move's

@@ -21,6 +21,7 @@ class RMSNorm(nn.Module):
     """
 
     float32_weight: ClassVar[bool] = False  # kept float32 whatever the model's dtype (HookedTransformer.build)
+    centres: ClassVar[bool] = False  # subtracts no mean (a LayerNorm does)
 
     @classmethod
     def param_terms(cls, d: int, component: str = "norms") -> tuple[ParamTerm, ...]:

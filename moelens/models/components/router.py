@@ -40,6 +40,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, top_k
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.topk_norm_p = cfg.topk_norm_p
         self.weight = nn.Parameter(torch.zeros(cfg.n_experts, cfg.d_model))
 
     def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
@@ -53,14 +54,22 @@ class TopKRouter(nn.Module):
         scores = scores.float()
         return scores / scores.sum(-1, keepdim=True)
 
+    def p_normalised(self, w: Float[torch.Tensor, "... top_k"]) -> Float[torch.Tensor, "... top_k"]:
+        """The k weights divided by their topk_norm_p-norm (torch.norm, in their dtype, as DBRX's reference), or
+        as they are where topk_norm_p is None."""
+        if self.topk_norm_p is None:
+            return w
+        return w / torch.norm(w, p=self.topk_norm_p, dim=-1, keepdim=True)
+
     def extra_repr(self) -> str:
-        return f"n_experts={self.n_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+        p = "" if self.topk_norm_p is None else f", topk_norm_p={self.topk_norm_p}"
+        return f"n_experts={self.n_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}{p}"
 
 
 class SoftmaxTopK(TopKRouter):
-    """Softmax over all experts, top-k of the scores; the k weights renormalised when norm_topk_prob, then
-    cast to the logits' dtype (Qwen2-MoE, Qwen3-MoE, OLMoE). The logits are computed in the weight's dtype,
-    float32 where the weight is float32."""
+    """Softmax over all experts, top-k of the scores; the k weights renormalised when norm_topk_prob, divided by
+    their p-norm where topk_norm_p is set, then cast to the logits' dtype (Qwen2-MoE, Qwen3-MoE, OLMoE; DBRX's p
+    norm). The logits are computed in the weight's dtype, float32 where the weight is float32."""
 
     scoring = "softmax"
 
@@ -81,7 +90,7 @@ class SoftmaxTopK(TopKRouter):
         w = scores.gather(-1, indices)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w.to(logits_dtype)
+        return self.p_normalised(w).to(logits_dtype)
 
 
 class TopKLogitsSoftmax(TopKRouter):
