@@ -29,7 +29,6 @@ routers stay float32 in a bfloat16 model).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
