@@ -16,7 +16,7 @@ from moelens.cli import main
 from moelens.loaders.errors import CheckpointError
 from moelens.models.afmoe import AfmoeAttention, AfmoeRouter, HookedAfmoe
 from moelens.models.components.norm import CastAfterWeightRMSNorm
-from moelens.models.components.sandwich_norm_block import SandwichNormBlock
+from moelens.models.components.sandwich_block import SandwichBlock
 from moelens.plan import plan
 from moelens.verify import compare
 
@@ -54,7 +54,7 @@ def test_variants_are_what_they_claim(models, checkpoints):
     assert base.attention_windows == (5, None, 5) and base.rotary_layers == (True, False, True)
     assert plain.attention_windows == (5, 5, None) and plain.rotary_layers == (True, True, False)
     block = models["base"].blocks[1]
-    assert type(block) is SandwichNormBlock and type(block.attn) is AfmoeAttention and type(block.mlp.router) is AfmoeRouter
+    assert type(block) is SandwichBlock and type(block.attn) is AfmoeAttention and type(block.mlp.router) is AfmoeRouter
     assert type(block.ln1) is type(block.ln1_post) is type(block.attn.q_norm) is CastAfterWeightRMSNorm
     assert len(list(checkpoints["sharded"].glob("*.safetensors"))) > 1
     keys = stored_keys(checkpoints["fused"])

@@ -1,7 +1,7 @@
 """HookedAfmoe: Arcee's Trinity models, Trinity-Mini and Trinity-Nano (model_type afmoe).
 
 What is special about the family:
-- sandwich-norm blocks (moelens.models.components.sandwich_norm_block): each sublayer between two RMSNorms,
+- sandwich-norm blocks (moelens.models.components.sandwich_block): each sublayer between two RMSNorms,
   input_layernorm / post_attention_layernorm around attention (blocks.L.ln1 / ln1_post) and pre_mlp_layernorm /
   post_mlp_layernorm around the mixture (blocks.L.ln2 / ln2_post); every norm applies its weight to the float32
   normed input before the cast back;
@@ -31,7 +31,7 @@ from moelens.models.base import HookedTransformer
 from moelens.models.components import SharedExpertMoe, SigmoidGroupedTopK, SparseMoe
 from moelens.models.components.attention import SplitInputs, linear_per_head, project_out, split_inputs
 from moelens.models.components.norm import CastAfterWeightRMSNorm
-from moelens.models.components.sandwich_norm_block import SandwichNormBlock
+from moelens.models.components.sandwich_block import SandwichBlock
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
 from moelens.models.context import LayerInputs
 from moelens.models.recipe import Dense, LayerSpec, Mixture, Recipe
@@ -135,7 +135,7 @@ class HookedAfmoe(HookedTransformer):
     def recipe(cls, cfg: AfmoeConfig) -> Recipe:
         norm = CastAfterWeightRMSNorm
         mixture = Mixture(SharedExpertMoe if cfg.d_shared else SparseMoe, AfmoeRouter)
-        layers = tuple(LayerSpec(AfmoeAttention, mixture if moe else Dense(), norm, block=SandwichNormBlock)
+        layers = tuple(LayerSpec(AfmoeAttention, mixture if moe else Dense(), norm, block=SandwichBlock)
                        for moe in cfg.moe_layers)
         return Recipe(layers, norm, embedding_multiplier=cfg.embedding_multiplier)
 

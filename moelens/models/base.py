@@ -80,13 +80,10 @@ _DRAWN_1D = ("sinks",)
 
 def keep_float32(model: nn.Module) -> None:
     """Back to float32, whatever the model's dtype: every tensor of a module whose class says float32_weight (some
-    routers and norms), and the buffers a module's class lists in float32_buffers (AFMoE's choice bias, float32
-    beside a router weight in the model's dtype), as transformers keeps them."""
+    routers and norms), as transformers keeps them."""
     for module in model.modules():
         if getattr(module, "float32_weight", False):
             module.float()
-        for name in getattr(module, "float32_buffers", ()):
-            module._buffers[name] = module._buffers[name].float()
 
 
 class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass=_BuildsFromConfig):

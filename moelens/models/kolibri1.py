@@ -51,6 +51,7 @@ class BiasedLogitsSigmoidTopK(TopKRouter):
     expert outputs are scaled by float32 weights, as in transformers."""
 
     choice_bias = True
+    float32_buffers = ("e_score_correction_bias",)
     scoring = "top-k of biased logits, sigmoid of the chosen"
     scores_form = "top_k_logits_sigmoid"
     probs_form = "sigmoid"
@@ -63,17 +64,6 @@ class BiasedLogitsSigmoidTopK(TopKRouter):
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
-
-    def _apply(self, fn, recurse: bool = True):
-        # the correction bias stays float32 whatever the model's dtype (transformers keeps it so), its values
-        # never rounded by a dtype move; it follows the device only. The weight is in the model's dtype.
-        bias = self._buffers.pop("e_score_correction_bias")
-        try:
-            out = super()._apply(fn, recurse)
-        finally:
-            probe = fn(torch.empty(0, dtype=bias.dtype, device=bias.device))
-            self._buffers["e_score_correction_bias"] = bias.to(probe.device)
-        return out
 
     def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
         return F.linear(x.float(), self.weight.float())

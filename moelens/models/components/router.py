@@ -29,6 +29,9 @@ class TopKRouter(nn.Module):
     # the dtype weights() casts the top-k weights to: the logits' (False) or the block input's, the model dtype
     # (True: a float32 router whose reference casts its weights back to the stream's dtype, ERNIE-4.5)
     weights_in_stream_dtype: ClassVar[bool] = False
+    # buffers that stay float32 whatever dtype the router is moved to (following the device only), beside a weight
+    # in the model's dtype: a choice bias transformers keeps float32 (AFMoE, Kolibri 1)
+    float32_buffers: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
@@ -42,6 +45,15 @@ class TopKRouter(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.topk_norm_p = cfg.topk_norm_p
         self.weight = nn.Parameter(torch.zeros(cfg.n_experts, cfg.d_model))
+
+    def _apply(self, fn, recurse: bool = True):
+        kept = {name: self._buffers.pop(name) for name in self.float32_buffers}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for name, tensor in kept.items():  # its values never rounded by a dtype move
+                probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+                self._buffers[name] = tensor.to(probe.device)
 
     def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
         return scores
