@@ -16,7 +16,7 @@ from family_harness import (
 from moelens import HookedTransformer
 from moelens.cli import main
 from moelens.loaders.errors import CheckpointError
-from moelens.models.components.qk_norm_sliding_attention import QKNormNoRotaryAttention, QKNormSlidingWindowAttention
+from moelens.models.components.qk_norm_attention import QKNormNoRotaryAttention, QKNormSlidingWindowAttention
 from moelens.models.components.sandwich_block import SandwichBlock
 from moelens.models.kolibri1 import BiasedLogitsSigmoidTopK, HookedKolibri1
 from moelens.verify import compare

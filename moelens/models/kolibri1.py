@@ -25,7 +25,7 @@ from jaxtyping import Float, Int
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import SharedExpertMoe
-from moelens.models.components.qk_norm_sliding_attention import QKNormNoRotaryAttention, QKNormSlidingWindowAttention
+from moelens.models.components.qk_norm_attention import QKNormNoRotaryAttention, QKNormSlidingWindowAttention
 from moelens.models.components.router import TopKRouter
 from moelens.models.components.sandwich_block import SandwichBlock
 from moelens.models.recipe import LayerSpec, Mixture, Recipe

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from moelens.config import HFConfig, MoeConfig, RopeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import SoftmaxTopK, SparseMoe
-from moelens.models.components.qk_norm_sliding_attention import QKNormSlidingWindowAttention
+from moelens.models.components.qk_norm_attention import QKNormSlidingWindowAttention
 from moelens.models.components.rotary import Rotary
 from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, attention_projections, decoder_site_map, dense_mlp, router_references, routed_experts

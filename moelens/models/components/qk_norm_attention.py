@@ -33,9 +33,10 @@ class QKNormSlidingWindowAttention(QKNormBeforeRotaryAttention, SlidingWindowAtt
     gives one (dots.llm1's and K-EXAONE's sliding layers); a layer without one attends to every earlier position."""
 
 
-class QKNormNoRotaryAttention(QKNormBeforeRotaryAttention):
-    """RMSNorm of each query and key head and no rotary at all (K-EXAONE's global layers: NoPE); hook_rot_q /
-    hook_rot_k hold the normed heads that enter the scores."""
+class QKNormNoRotaryAttention(QKNormSlidingWindowAttention):
+    """RMSNorm of each query and key head and no rotary at all (NoPE: K-EXAONE's global layers, Kolibri 1's full
+    layers), within the layer's window where it has one; hook_rot_q / hook_rot_k hold the normed heads that enter
+    the scores."""
 
     def position(self, q, k, cos, sin):
         return self.q_norm(q), self.k_norm(k)
