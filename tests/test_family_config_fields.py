@@ -522,6 +522,26 @@ CASES = {
             "rope_theta", "routed_scaling_factor", "tie_word_embeddings", "topk_group", "use_qk_norm", "vocab_size"],
         ignored=(),
     ),
+    "sarvam_moe": Case(
+        # as transformers writes it: GLM-4.5's names (the rotary over the whole head written into rope_parameters)
+        raw={"attention_bias": True, "first_k_dense_replace": 1, "head_dim": 24, "hidden_act": "silu", "hidden_size":
+            64, "intermediate_size": 80, "max_position_embeddings": 256, "moe_intermediate_size": 24, "n_group": 1,
+            "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_nextn_predict_layers": 0,
+            "rms_norm_eps": 1e-06, "rope_parameters": {"partial_rotary_factor": 1.0, "rope_theta": 1000.0, "rope_type":
+            "default"}, "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm":
+            True, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=24, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, qkv_bias=True, d_mlp=80,
+            moe_layers=(False, True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=24, d_shared=24,
+            norm_topk_prob=True, routed_scaling_factor=2.5, qk_norm=True),
+        read=["attention_bias", "first_k_dense_replace", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "max_position_embeddings", "moe_intermediate_size", "n_group", "n_routed_experts", "n_shared_experts",
+            "norm_topk_prob", "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "num_nextn_predict_layers", "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling",
+            "rope_theta", "routed_scaling_factor", "tie_word_embeddings", "topk_group", "use_qk_norm", "vocab_size"],
+        ignored=(),
+    ),
     "dots1": Case(
         raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 24, "hidden_act": "silu", "hidden_size": 64,
             "intermediate_size": 80, "layer_types": ["full_attention", "full_attention", "sliding_attention"],
@@ -980,6 +1000,15 @@ MINIMAL = {
             moe_layers=(False, True, True), n_experts=128, top_k_per_layer=(0, 8, 8), d_expert=1408, d_shared=1408,
             norm_topk_prob=True),
     ),
+    "sarvam_moe": (
+        # Sarvam-30B's defaults (transformers' SarvamMoEConfig): the whole head rotated at theta 8e6, head_dim 64,
+        # 4 key-value heads, the q/k norm, 128 experts of 1024, top 6, weights times 2.5
+        {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96},
+        dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, d_head=64, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=8000000.0), max_position_embeddings=131072, d_mlp=8192,
+            moe_layers=(False, True, True), n_experts=128, top_k_per_layer=(0, 6, 6), d_expert=1024, d_shared=1024,
+            norm_topk_prob=True, routed_scaling_factor=2.5, qk_norm=True),
+    ),
     "dots1": (
         {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 96, "num_key_value_heads": 2,
             "n_routed_experts": 8, "n_shared_experts": 2, "num_experts_per_tok": 3},
@@ -1102,6 +1131,7 @@ CONFIG_CLASSES = {
     "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig",
     "dots1": "Glm4MoeConfig",
+    "sarvam_moe": "Glm4MoeConfig",
     "hy_v3": "Glm4MoeConfig",
     "exaone_moe": "Glm4MoeConfig",
     "minimax_m2": "MiniMaxM2Config",
