@@ -16,6 +16,7 @@ def granitemoe_swa_config(**overrides):
         vocab_size=96,
         hidden_size=64,
         intermediate_size=32,
+        shared_intermediate_size=48,  # transformers' default is 0 (no shared MLP): the no_shared variant
         num_hidden_layers=4,  # transformers' default layer_types: full, sliding, sliding, sliding
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -33,7 +34,7 @@ def granitemoe_swa_config(**overrides):
 
 
 def build_granitemoe_swa(folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
-    """The Hub's spelling: block_sparse_moe.input_linear / output_linear, router.layer (shared_mlp where any)."""
+    """The Hub's spelling: block_sparse_moe.input_linear / output_linear, router.layer, shared_mlp.input_linear / output_linear."""
     from transformers import GraniteMoeSWAForCausalLM
 
     model = tiny.new_model(GraniteMoeSWAForCausalLM, granitemoe_swa_config(**overrides), seed)
@@ -44,8 +45,8 @@ VARIANTS = {
     ("granitemoe_swa", "base"): lambda d: build_granitemoe_swa(d, seed=0),
     ("granitemoe_swa", "fused"): lambda d: transformers_names(build_granitemoe_swa(d, seed=1)),
     ("granitemoe_swa", "sharded"): lambda d: build_granitemoe_swa(d, seed=2, max_shard_size="100KB"),
-    ("granitemoe_swa", "shared"): lambda d: build_granitemoe_swa(
-        d, seed=3, shared_intermediate_size=48, attention_bias=True, tie_word_embeddings=True
+    ("granitemoe_swa", "no_shared"): lambda d: build_granitemoe_swa(
+        d, seed=3, shared_intermediate_size=0, attention_bias=True, tie_word_embeddings=True
     ),
     # a layer without rotary (layer_rope_theta 0), one at another base, sliding layers first
     ("granitemoe_swa", "layer_rope"): lambda d: build_granitemoe_swa(
