@@ -34,7 +34,9 @@ def granitemoe_swa_config(**overrides):
 
 
 def build_granitemoe_swa(folder: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
-    """The Hub's spelling: block_sparse_moe.input_linear / output_linear, router.layer, shared_mlp.input_linear / output_linear."""
+    """transformers' names as it saves them: block_sparse_moe.experts.gate_up_proj / down_proj (stacked),
+    router.weight, shared_mlp.input_linear / output_linear (transformers 5.24 maps no other spelling for this
+    model type, so a checkpoint it loads stores these)."""
     from transformers import GraniteMoeSWAForCausalLM
 
     model = tiny.new_model(GraniteMoeSWAForCausalLM, granitemoe_swa_config(**overrides), seed)
@@ -43,6 +45,7 @@ def build_granitemoe_swa(folder: Path, seed: int = 0, max_shard_size: str | None
 
 VARIANTS = {
     ("granitemoe_swa", "base"): lambda d: build_granitemoe_swa(d, seed=0),
+    # the experts already stored fused and stacked, as base (renaming finds no Granite-3 Hub keys to change)
     ("granitemoe_swa", "fused"): lambda d: transformers_names(build_granitemoe_swa(d, seed=1)),
     ("granitemoe_swa", "sharded"): lambda d: build_granitemoe_swa(d, seed=2, max_shard_size="100KB"),
     ("granitemoe_swa", "no_shared"): lambda d: build_granitemoe_swa(
