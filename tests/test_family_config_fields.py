@@ -776,6 +776,27 @@ CASES = {
             "rope_theta", "shared_intermediate_size", "tie_word_embeddings", "vocab_size"],
         ignored=(),
     ),
+    "granitemoe_swa": Case(
+        raw={"attention_bias": False, "attention_multiplier": 0.15, "embedding_multiplier": 6.0, "hidden_act": "silu",
+            "hidden_size": 64, "intermediate_size": 32, "layer_rope_theta": [0, 10000.0, 500.0, 0], "layer_types":
+            ["sliding_attention", "full_attention", "sliding_attention", "full_attention"], "logits_scaling": 2.5,
+            "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 4,
+            "num_key_value_heads": 2, "num_local_experts": 8, "residual_multiplier": 0.4, "rms_norm_eps": 1e-06,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "shared_intermediate_size": 48,
+            "sliding_window": 5, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, moe_layers=(True,) * 4, n_experts=8,
+            top_k_per_layer=(3,) * 4, d_expert=32, d_shared=48, embedding_multiplier=6.0, residual_multiplier=0.4,
+            attention_multiplier=0.15, logits_scaling=2.5, attention_windows=(5, None, 5, None),
+            layer_ropes=(None, RopeConfig(theta=10000.0), RopeConfig(theta=500.0), None)),
+        read=["attention_bias", "attention_multiplier", "embedding_multiplier", "head_dim", "hidden_act", "hidden_size",
+            "intermediate_size", "layer_rope_theta", "layer_types", "logits_scaling", "max_position_embeddings",
+            "num_attention_heads", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "num_local_experts", "partial_rotary_factor", "residual_multiplier", "rms_norm_eps", "rope_parameters",
+            "rope_scaling", "rope_theta", "shared_intermediate_size", "sliding_window", "tie_word_embeddings",
+            "vocab_size"],
+        ignored=(),
+    ),
     "granitemoehybrid": Case(
         raw={"attention_bias": False, "attention_multiplier": 0.15, "embedding_multiplier": 6.0, "hidden_act": "silu",
             "hidden_size": 64, "intermediate_size": 32, "layer_types": ["mamba", "attention", "mamba"],
@@ -1099,6 +1120,15 @@ MINIMAL = {
             rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True, True), n_experts=8,
             top_k_per_layer=(2, 2, 2), d_expert=11008),
     ),
+    "granitemoe_swa": (
+        # transformers' GraniteMoeSWAConfig defaults: as granitemoeshared's, with full attention on every fourth
+        # layer from 0 and a window of 128 on the others, the global rotary base on every layer, no shared MLP
+        {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 5, "vocab_size": 96},
+        dict(d_model=64, n_layers=5, n_heads=4, n_kv_heads=4, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True,) * 5, n_experts=8,
+            top_k_per_layer=(2,) * 5, d_expert=11008, attention_windows=(None, 128, 128, 128, None),
+            layer_ropes=(RopeConfig(theta=10000.0),) * 5),
+    ),
     "granitemoehybrid": (
         # transformers' GraniteMoeHybridConfig defaults: every layer Mamba-2 (128 heads of 2 * 64 / 128 = 1), no
         # positional encoding, 8 experts, top 2, a shared MLP of 1024, dt unclamped
@@ -1144,6 +1174,7 @@ CONFIG_CLASSES = {
     "nemotron_h": "NemotronHConfig",
     "granitemoe": "GraniteMoeConfig",
     "granitemoeshared": "GraniteMoeSharedConfig",
+    "granitemoe_swa": "GraniteMoeSWAConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "axk1": "DeepseekV3Config",
     "kolibri1": "MoeConfig",

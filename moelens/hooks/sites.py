@@ -148,6 +148,10 @@ SITES: tuple[Site, ...] = (
     # gpt-oss: a learned extra logit per head in every query's softmax
     _site("blocks.L.attn.hook_sink_scores", "batch head query 1",
           "each head's sink logit, the extra key every query's softmax includes", short="sink_scores"),
+    # GraniteMoeSWA: the sink scales each head's output after the values instead of joining the softmax
+    _site("blocks.L.attn.hook_sink_scale", "batch head query 1",
+          "float32 sigmoid(logsumexp(scores) - sink): the keys' total share once the head's sink logit joins the "
+          "softmax; the head's output (pattern @ v) is multiplied by it", short="sink_scale"),
     _site("blocks.L.attn.hook_pattern", "batch head query key", "attention probabilities",
           standard="attention_probabilities", short="pattern", variants={
               "sink": ("batch head query key", "attention probabilities of the keys; each row sums to 1 minus "

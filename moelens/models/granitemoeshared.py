@@ -46,7 +46,7 @@ class HookedGraniteMoeShared(HookedTransformer):
 
     @classmethod
     def site_map(cls, cfg: GraniteMoeSharedConfig) -> SiteMap:
-        return granite_site_map(cfg, decoder_site_map(cfg, _layer_sites, mlp_module="block_sparse_moe"))
+        return granite_site_map(cfg, decoder_site_map(cfg, shared_layer_sites, mlp_module="block_sparse_moe"))
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> GraniteMoeSharedConfig:
@@ -57,7 +57,8 @@ class HookedGraniteMoeShared(HookedTransformer):
         )
 
 
-def _layer_sites(cfg: GraniteMoeSharedConfig, layer: int, src: str, dst: str) -> list[Entry]:
+def shared_layer_sites(cfg: GraniteMoeSharedConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    """A layer's attention, router and experts, and its shared_mlp where d_shared is not 0."""
     if not cfg.d_shared:
         moe, m = f"{src}.block_sparse_moe", cfg.residual_multiplier
         return granite_layer_sites(cfg, layer, src, dst) + [Reference(f"{dst}.hook_mlp_out", moe, multiplier=m)]

@@ -109,6 +109,7 @@ def attend(
         scores = attn.hook_attn_scores(scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min))
         pattern = attn.hook_pattern(attn.softmax(scores))
         z = torch.matmul(pattern.reshape(b, n_kv, group * n_q, n_k), v).view(b, n_heads, n_q, v.shape[-1])
+        z = attn.rescale_heads(z, scores)
     else:  # nothing reads the pattern: the fused kernel gives the same result
         z = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=attn.scale, enable_gqa=group > 1)
     return z.transpose(1, 2)
@@ -203,6 +204,13 @@ class Attention(AttentionWeightViews, nn.Module):
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         """The pattern from the masked scores: a float32 softmax over the keys, in the scores' dtype."""
         return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+    def rescale_heads(
+        self, z: Float[torch.Tensor, "batch head query d_v"], scores: Float[torch.Tensor, "batch head query key"]
+    ) -> Float[torch.Tensor, "batch head query d_v"]:
+        """The heads' outputs after pattern @ v, given the masked scores; a sink applied to the output rather
+        than inside the softmax (GraniteMoeSWA) scales them here."""
+        return z
 
     @staticmethod
     def cached_per_token(cfg: MoeConfig) -> int:

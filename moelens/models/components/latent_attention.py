@@ -143,6 +143,9 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
 
+    def rescale_heads(self, z: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return z  # no sink on the output
+
     def new_state(self, reserve: int = 0) -> KVState:
         return KVState(reserve)
 
