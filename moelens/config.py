@@ -369,6 +369,18 @@ SIZE_BOUNDS = {
 }
 
 
+def refuse_unread_fields(raw: dict, spellings: dict[str, str], config_class: str) -> None:
+    """Refuse, naming the name to use, each field that config.json gives under moelens's name where the family's
+    transformers config class reads only its own spelling ({its name: moelens's}): transformers would leave the
+    value unread, so reading it would make a model transformers does not."""
+    for name in sorted(set(spellings.values()) & set(raw)):
+        theirs = next(other for other, field in spellings.items() if field == name)
+        raise ValueError(
+            f"config.json gives {name}, which transformers' {config_class} does not read (it reads {theirs}); "
+            f"spell it {theirs}"
+        )
+
+
 def canonical_spellings(raw: dict, spellings: dict[str, str]) -> tuple[dict, dict[str, str]]:
     """raw with each other spelling ({other name: field}, as transformers' attribute_map) renamed to its field, and
     {field: the other name} for those renamed. A config.json giving both names different values is refused,

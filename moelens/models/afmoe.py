@@ -35,7 +35,9 @@ from moelens.models.components.sandwich_block import SandwichBlock
 from moelens.models.components.sliding_window_attention import SlidingWindowAttention
 from moelens.models.context import LayerInputs
 from moelens.models.recipe import Dense, LayerSpec, Mixture, Recipe
-from moelens.models.sites import Entry, attention_projections, dense_mlp, gated_mlp, router_references, routed_experts
+from moelens.models.sites import (
+    Entry, attention_projections, dense_mlp, gated_mlp, own_blocks_site_map, router_references, routed_experts,
+)
 from moelens.models.terms import ParamTerm, linear, under
 from moelens.sitemap import Reference, SiteMap, Weight
 
@@ -141,17 +143,7 @@ class HookedAfmoe(HookedTransformer):
 
     @classmethod
     def site_map(cls, cfg: AfmoeConfig) -> SiteMap:
-        entries: list[Entry] = [
-            Weight("embed.weight", ("model.embed_tokens.weight",)),
-            Weight("ln_final.weight", ("model.norm.weight",)),
-            Weight("unembed.weight", ("lm_head.weight",), required=not cfg.tie_word_embeddings),
-            Reference("ln_final.hook_normalized", "model.norm"),
-            Reference("hook_logits", "lm_head"),
-        ]
-        for layer in range(cfg.n_layers):
-            entries += _layer_sites(cfg, layer, f"model.layers.{layer}", f"blocks.{layer}")
-        return SiteMap(tuple(e for e in entries if not isinstance(e, Reference)),
-                       tuple(e for e in entries if isinstance(e, Reference)))
+        return own_blocks_site_map(cfg, _layer_sites)
 
     # transformers' AfmoeConfig defaults (Trinity-Mini's sizes), for the fields config.json leaves out
     defaults = dict(

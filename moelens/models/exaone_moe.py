@@ -17,7 +17,7 @@ is not part of it, and loading passes over its keys.
 
 from __future__ import annotations
 
-from moelens.config import HFConfig, common_fields
+from moelens.config import HFConfig, common_fields, refuse_unread_fields
 from moelens.models.components import SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.qk_norm_attention import QKNormNoRotaryAttention, QKNormSlidingWindowAttention
 from moelens.models.deepseek_v3 import deepseek_mixture_fields
@@ -61,12 +61,7 @@ class HookedExaoneMoe(HookedDots1):
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> Glm4MoeConfig:
-        for name in sorted(set(SPELLINGS.values()) & set(raw)):
-            theirs = [other for other, field in SPELLINGS.items() if field == name][0]
-            raise ValueError(
-                f"config.json gives {name}, which transformers' ExaoneMoeConfig does not read (it reads {theirs}); "
-                f"spell it {theirs}"
-            )
+        refuse_unread_fields(raw, SPELLINGS, "ExaoneMoeConfig")
         hf = HFConfig.with_spellings(raw, SPELLINGS)
         d = cls.defaults
         fields = common_fields(

@@ -19,7 +19,7 @@ from moelens.models.components.post_norm_block import PostNormBlock
 from moelens.models.components.projection_norm_attention import ClipQKVConfig, ProjectionQKNormAttention
 from moelens.models.components.rotary import Float32Rotary, apply_rotary
 from moelens.models.recipe import LayerSpec, Mixture, Recipe
-from moelens.models.sites import Entry, attention_projections, router_references, routed_experts
+from moelens.models.sites import Entry, attention_projections, own_blocks_site_map, router_references, routed_experts
 from moelens.sitemap import Reference, SiteMap, Weight
 
 # transformers' FlexOlmoConfig defaults (FlexOlmo-7x7B-1T's sizes)
@@ -52,17 +52,7 @@ class HookedFlexOlmo(HookedTransformer):
 
     @classmethod
     def site_map(cls, cfg: ClipQKVConfig) -> SiteMap:
-        entries: list[Entry] = [
-            Weight("embed.weight", ("model.embed_tokens.weight",)),
-            Weight("ln_final.weight", ("model.norm.weight",)),
-            Weight("unembed.weight", ("lm_head.weight",), required=not cfg.tie_word_embeddings),
-            Reference("ln_final.hook_normalized", "model.norm"),
-            Reference("hook_logits", "lm_head"),
-        ]
-        for layer in range(cfg.n_layers):
-            entries += _layer_sites(cfg, f"model.layers.{layer}", f"blocks.{layer}")
-        return SiteMap(tuple(e for e in entries if not isinstance(e, Reference)),
-                       tuple(e for e in entries if isinstance(e, Reference)))
+        return own_blocks_site_map(cfg, _layer_sites)
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> ClipQKVConfig:
@@ -106,7 +96,7 @@ def _canonical_names(raw: dict) -> dict:
     return raw
 
 
-def _layer_sites(cfg: ClipQKVConfig, src: str, dst: str) -> list[Entry]:
+def _layer_sites(cfg: ClipQKVConfig, layer: int, src: str, dst: str) -> list[Entry]:
     attn = f"{src}.self_attn"
     # q_norm / k_norm's outputs are hook_q / hook_k; q_proj's and k_proj's raw outputs have no moelens hook
     projections = [e for e in attention_projections(cfg, src, dst)

@@ -19,7 +19,7 @@ Like transformers, the model is the num_hidden_layers blocks: the Hub checkpoint
 
 from __future__ import annotations
 
-from moelens.config import HFConfig, common_fields
+from moelens.config import HFConfig, common_fields, refuse_unread_fields
 from moelens.models.components import SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
 from moelens.models.deepseek_v3 import deepseek_mixture_fields
@@ -61,12 +61,7 @@ class HookedHYV3(HookedGlm4Moe):
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> Glm4MoeConfig:
-        for name in sorted(set(SPELLINGS.values()) & set(raw)):
-            theirs = [other for other, field in SPELLINGS.items() if field == name][0]
-            raise ValueError(
-                f"config.json gives {name}, which transformers' HYV3Config does not read (it reads {theirs}); "
-                f"spell it {theirs}"
-            )
+        refuse_unread_fields(raw, SPELLINGS, "HYV3Config")
         hf = HFConfig.with_spellings(raw, SPELLINGS)
         d = cls.defaults
         fields = common_fields(

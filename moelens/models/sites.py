@@ -59,6 +59,22 @@ def decoder_site_map(
     )
 
 
+def own_blocks_site_map(cfg: MoeConfig, layer_sites: LayerSites) -> SiteMap:
+    """Embeddings, final norm and head, and each layer's entries from layer_sites alone: for a family whose blocks
+    are not the skeleton's (post-norm, sandwich-norm), whose layer_sites name every norm and stream reference."""
+    entries: list[Entry] = [
+        Weight("embed.weight", ("model.embed_tokens.weight",)),
+        Weight("ln_final.weight", ("model.norm.weight",)),
+        Weight("unembed.weight", ("lm_head.weight",), required=not cfg.tie_word_embeddings),
+        Reference("ln_final.hook_normalized", "model.norm"),
+        Reference("hook_logits", "lm_head"),
+    ]
+    for layer in range(cfg.n_layers):
+        entries += layer_sites(cfg, layer, f"model.layers.{layer}", f"blocks.{layer}")
+    return SiteMap(tuple(e for e in entries if not isinstance(e, Reference)),
+                   tuple(e for e in entries if isinstance(e, Reference)))
+
+
 def attention_projections(cfg: MoeConfig, src: str, dst: str) -> list[Entry]:
     """q, k, v, o projections (biases where the config has them) and the q, k, v hooks' references."""
     entries: list[Entry] = []
