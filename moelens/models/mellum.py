@@ -21,8 +21,9 @@ from moelens.models.components import SoftmaxTopK, SparseMoe
 from moelens.models.components.qk_norm_attention import QKNormSlidingWindowAttention
 from moelens.models.components.rotary import Rotary
 from moelens.models.recipe import Recipe, decoder_recipe
-from moelens.models.sites import Entry, attention_projections, decoder_site_map, dense_mlp, router_references, routed_experts
-from moelens.sitemap import Reference, SiteMap, Weight
+from moelens.models.qwen3_moe import qk_norm_layer_sites
+from moelens.models.sites import decoder_site_map
+from moelens.sitemap import SiteMap
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MLP_LAYER_TYPES = {"dense": False, "sparse": True}
@@ -70,7 +71,7 @@ class HookedMellum(HookedTransformer):
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:
-        return decoder_site_map(cfg, _layer_sites, ignored_prefixes=("mtp.",))
+        return decoder_site_map(cfg, qk_norm_layer_sites, ignored_prefixes=("mtp.",))
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> MellumConfig:
@@ -141,20 +142,3 @@ def _type_ropes(hf: HFConfig, types: list[str]) -> dict[str, RopeConfig]:
 def _shape(value) -> str:
     """What a rope_parameters value is, briefly (its keys, not a whole nested config)."""
     return f"an object with keys {sorted(value)[:6]}" if isinstance(value, dict) else type(value).__name__
-
-
-def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
-    attn = f"{src}.self_attn"
-    entries = attention_projections(cfg, src, dst) + [
-        Weight(f"{dst}.attn.q_norm.weight", (f"{attn}.q_norm.weight",)),
-        Weight(f"{dst}.attn.k_norm.weight", (f"{attn}.k_norm.weight",)),
-        Reference(f"{dst}.attn.hook_z", f"{attn}.o_proj", "in"),
-    ]
-    if not cfg.moe_layers[layer]:
-        return entries + dense_mlp(src, dst)
-    return entries + [
-        Weight(f"{dst}.mlp.router.weight", (f"{src}.mlp.gate.weight",)),
-        routed_experts(cfg, (f"{src}.mlp.experts",), dst),
-        *router_references(dst, f"{src}.mlp.gate"),
-        Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts"),
-    ]

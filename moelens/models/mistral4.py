@@ -33,7 +33,7 @@ from jaxtyping import Float, Int
 from moelens.config import HFConfig, MoeConfig
 from moelens.models.components import SharedExpertMoe
 from moelens.models.components.latent_attention import MultiHeadLatentAttention
-from moelens.models.components.router import TopKRouter
+from moelens.models.components.router import GroupedTopK
 from moelens.models.deepseek_v3 import DeepseekV3Config, HookedDeepseekV3, _attention_sites, latent_decoder_fields
 from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import Entry, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts
@@ -78,48 +78,20 @@ class Mistral4Config(DeepseekV3Config):
     key_prefix: str = ""
 
 
-class SoftmaxGroupedTopK(TopKRouter):
+class SoftmaxGroupedTopK(GroupedTopK):
     """Mistral Small 4's router: logits and softmax in the weight's dtype (the model's); the top-k scores among the
     topk_group of n_group groups whose two best scores sum highest (the other groups' scores set to 0 for the
     choice); weights the chosen scores, renormalised when norm_topk_prob, times routed_scaling_factor, in the
     logits' dtype."""
 
     scoring = "softmax"
-
-    def __init__(self, cfg: MoeConfig, top_k: int) -> None:
-        super().__init__(cfg, top_k)
-        self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+    masked_group_score = 0.0
 
     def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
         return F.linear(x.to(self.weight.dtype), self.weight)
 
     def scores(self, logits: torch.Tensor) -> Float[torch.Tensor, "... n_experts"]:
         return logits.softmax(dim=-1)  # in the logits' dtype, as the reference (no float32 upcast)
-
-    def choose(self, choice_scores: Float[torch.Tensor, "... n_experts"]) -> Int[torch.Tensor, "... top_k"]:
-        if self.n_group > 1:
-            grouped = choice_scores.unflatten(-1, (self.n_group, self.n_experts // self.n_group))
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            best = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
-            choice_scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).flatten(-2)
-        # sorted=False as the reference: slot order then follows the kernel, as it does there
-        return torch.topk(choice_scores, self.top_k, dim=-1, sorted=False).indices
-
-    def weights(
-        self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype
-    ) -> Float[torch.Tensor, "... top_k"]:
-        w = scores.gather(-1, indices)
-        if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return (w * self.routed_scaling_factor).to(logits_dtype)
-
-    def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, n_group={self.n_group}, topk_group={self.topk_group}, "
-            f"routed_scaling_factor={self.routed_scaling_factor}"
-        )
 
 
 class PositionScaledLatentAttention(MultiHeadLatentAttention):
@@ -158,7 +130,7 @@ class HookedMistral4(HookedDeepseekV3):
     @classmethod
     def config_from_hf(cls, raw: dict) -> Mistral4Config:
         outer, hf, nested = text_config_of(raw)
-        # the groups are checked there as SigmoidGroupedTopK's (the same rule: each group scored by its two best)
+        # the groups are checked there as GroupedTopK's (the same rule: each group scored by its two best)
         fields = latent_decoder_fields(hf, hf.raw, MISTRAL4_DEFAULTS, rotary_of_head=True)
         if fields["rope"].kind == "default" and fields["qk_nope_head_dim"]:
             raise ValueError(

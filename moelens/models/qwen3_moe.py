@@ -29,7 +29,7 @@ class HookedQwen3Moe(HookedTransformer):
 
     @classmethod
     def site_map(cls, cfg: MoeConfig) -> SiteMap:
-        return decoder_site_map(cfg, _layer_sites)
+        return decoder_site_map(cfg, qk_norm_layer_sites)
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> MoeConfig:
@@ -55,7 +55,9 @@ class HookedQwen3Moe(HookedTransformer):
         )
 
 
-def _layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+def qk_norm_layer_sites(cfg: MoeConfig, layer: int, src: str, dst: str) -> list[Entry]:
+    """A layer of q/k-normed attention (q_norm, k_norm) and a dense MLP or a softmax-routed mixture (mlp.gate,
+    mlp.experts), in transformers' module names (Qwen3-MoE, Mellum)."""
     attn = f"{src}.self_attn"
     entries = attention_projections(cfg, src, dst) + [
         Weight(f"{dst}.attn.q_norm.weight", (f"{attn}.q_norm.weight",)),

@@ -139,27 +139,19 @@ class Float32SoftmaxTopK(SoftmaxTopK):
     float32_weight = True
 
 
-class SigmoidGroupedTopK(TopKRouter):
-    """Sigmoid scores from float32 logits; the choice is taken on scores + e_score_correction_bias, among
-    the topk_group best of n_group expert groups (a group scores as its two best experts); the weights are
-    the unbiased scores of the chosen experts, renormalised when norm_topk_prob, times
-    routed_scaling_factor, float32 (Solar-Open, DeepSeek-V3)."""
+class GroupedTopK(TopKRouter):
+    """The top-k of the choice scores among the topk_group best of n_group expert groups (a group scores as its two
+    best experts; the other groups' scores set to masked_group_score for the choice); the weights the chosen
+    experts' scores, renormalised (+ 1e-20) when norm_topk_prob, times routed_scaling_factor, in the logits'
+    dtype. A subclass says how logits, scores and choice scores are made."""
 
-    float32_weight = True
-    choice_bias = True
-    scoring = "sigmoid"
-    scores_form = probs_form = "sigmoid"
-
-    @classmethod
-    def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
-        bias = ParamTerm("e_score_correction_bias", (cfg.n_experts,), "routers", cls.float32_weight, buffer=True)
-        return (*super().param_terms(cfg), bias)
+    # what a group left out scores for the choice (-inf: DeepSeek-V3's; Mistral Small 4's is 0)
+    masked_group_score: ClassVar[float] = float("-inf")
 
     def __init__(self, cfg: MoeConfig, top_k: int) -> None:
         super().__init__(cfg, top_k)
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
 
     @staticmethod
     def check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
@@ -182,15 +174,6 @@ class SigmoidGroupedTopK(TopKRouter):
                 f"({topk_group}) groups of {per_group} (n_routed_experts {n_experts} / n_group {n_group}) kept per token"
             )
 
-    def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
-        return F.linear(x.float(), self.weight.float())
-
-    def scores(self, logits: torch.Tensor) -> Float[torch.Tensor, "... n_experts"]:
-        return logits.float().sigmoid()
-
-    def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        return scores + self.e_score_correction_bias
-
     def choose(self, choice_scores: Float[torch.Tensor, "... n_experts"]) -> Int[torch.Tensor, "... top_k"]:
         if self.n_group > 1:
             choice_scores = self._mask_groups(choice_scores)
@@ -198,12 +181,12 @@ class SigmoidGroupedTopK(TopKRouter):
         return torch.topk(choice_scores, self.top_k, dim=-1, sorted=False).indices
 
     def _mask_groups(self, choice_scores: torch.Tensor) -> torch.Tensor:
-        """Keep the topk_group groups whose two best scores sum highest; the rest get -inf."""
+        """Keep the topk_group groups whose two best scores sum highest; the rest get masked_group_score."""
         grouped = choice_scores.unflatten(-1, (self.n_group, self.n_experts // self.n_group))
         group_scores = grouped.topk(2, dim=-1).values.sum(-1)
         best = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
-        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+        return grouped.masked_fill(~keep.unsqueeze(-1), self.masked_group_score).flatten(-2)
 
     def weights(
         self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype
@@ -219,6 +202,35 @@ class SigmoidGroupedTopK(TopKRouter):
             f"routed_scaling_factor={self.routed_scaling_factor}"
         )
 
+
+class SigmoidGroupedTopK(GroupedTopK):
+    """Sigmoid scores from float32 logits; the choice is taken on scores + e_score_correction_bias, among
+    the topk_group best of n_group expert groups (a group scores as its two best experts); the weights are
+    the unbiased scores of the chosen experts, renormalised when norm_topk_prob, times
+    routed_scaling_factor, float32 (Solar-Open, DeepSeek-V3)."""
+
+    float32_weight = True
+    choice_bias = True
+    scoring = "sigmoid"
+    scores_form = probs_form = "sigmoid"
+
+    @classmethod
+    def param_terms(cls, cfg: MoeConfig) -> tuple[ParamTerm, ...]:
+        bias = ParamTerm("e_score_correction_bias", (cfg.n_experts,), "routers", cls.float32_weight, buffer=True)
+        return (*super().param_terms(cfg), bias)
+
+    def __init__(self, cfg: MoeConfig, top_k: int) -> None:
+        super().__init__(cfg, top_k)
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts))
+
+    def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
+        return F.linear(x.float(), self.weight.float())
+
+    def scores(self, logits: torch.Tensor) -> Float[torch.Tensor, "... n_experts"]:
+        return logits.float().sigmoid()
+
+    def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores + self.e_score_correction_bias
 
 
 class SparseMixer(TopKRouter):
