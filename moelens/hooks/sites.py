@@ -170,14 +170,17 @@ SITES: tuple[Site, ...] = (
     # Token mixers other than softmax attention, blocks.L.mixer.*, in forward order: Gated DeltaNet (Qwen3-Next,
     # Qwen3.5-MoE; moelens.models.mixers.gated_deltanet: linear attention with a recurrent state [d_k d_v] per value
     # head; each key head serves v_head / k_head consecutive value heads) is each shared site's default form,
-    # Mamba-2 (Nemotron-H; moelens.models.mixers.mamba2, the state-space scan) its "mamba2" form.
+    # Mamba-2 (Nemotron-H; moelens.models.mixers.mamba2, the state-space scan) its "mamba2" form, Kimi Delta Attention
+    # (Kimi-Linear; moelens.models.mixers.kimi_delta_attention: the delta rule with a decay per key channel, as many
+    # key heads as value heads) its "kda" form.
     _site("blocks.L.mixer.hook_q", "batch pos k_head d_k",
           "query per key head after the causal convolution and its SiLU, before the L2 norm"),
     _site("blocks.L.mixer.hook_k", "batch pos k_head d_k",
           "key per key head after the causal convolution and its SiLU, before the L2 norm"),
     _site("blocks.L.mixer.hook_v", "batch pos v_head d_v", "value per value head after the causal convolution and its SiLU"),
     _site("blocks.L.mixer.hook_gate", "batch pos v_head d_v", "output gate per value head (transformers' z), before its SiLU",
-          variants={"mamba2": (_MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm")}),
+          variants={"mamba2": (_MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm"),
+                    "kda": ("batch pos v_head d_v", "output gate per head (the g projection), before its sigmoid")}),
     _site("blocks.L.mixer.hook_x", _MAMBA_HEADS,
           "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)"),
     _site("blocks.L.mixer.hook_B", _MAMBA_GROUPS,
@@ -188,7 +191,10 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.mixer.hook_beta", "batch pos v_head", "write strength of each token's update: sigmoid(b)"),
     _site("blocks.L.mixer.hook_log_decay", "batch pos v_head",
           "log decay g = -exp(A_log) * softplus(a + dt_bias), float32: the state is multiplied by exp(g) before each "
-          + "token's update"),
+          + "token's update", variants={
+              "kda": ("batch pos v_head d_k", "log decay per key channel, from the forget gate (float32 in Kimi-Linear): "
+                      + "row c of each head's state is multiplied by exp(g[c]) before the token's update"),
+          }),
     _site("blocks.L.mixer.hook_state_in", "batch v_head d_k d_v",
           "recurrent state the new tokens start from, float32 (zeros without a cached state)", variants={
               "mamba2": (_MAMBA_STATE, "recurrent state the forward starts from (cached, or zeros), float32; an edit "
@@ -202,7 +208,10 @@ SITES: tuple[Site, ...] = (
                          + "later forwards only"),
           }, handed_on=True),
     _site("blocks.L.mixer.hook_z", "batch pos v_head d_v",
-          "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)"),
+          "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)", variants={
+              "kda": ("batch pos v_head d_v", "per-head outputs before o_proj: the RMSNorm of the read-out (in float32), "
+                      + "times sigmoid(gate)"),
+          }),
     _site("blocks.L.mixer.hook_normed", _MAMBA_HEADS, "gated norm's output per head: out_proj's input"),
     _site("blocks.L.hook_attn_out", _RESID, "what the token mixer (attention or another kind) adds to the residual stream",
           standard="attention_output",

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from moelens.config import REQUIRED, HFConfig, MoeConfig, common_fields, routed_fields
+from moelens.config import REQUIRED, HFConfig, MoeConfig, RopeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.latent_attention import MultiHeadLatentAttention
@@ -87,6 +87,7 @@ DEEPSEEK_V3_DEFAULTS = dict(
 def latent_decoder_fields(
     hf: HFConfig, raw: dict, defaults: dict, rope_interleave: bool | None = None,
     moe_layers: Callable[[int], tuple[bool, ...]] | None = None, rotary_of_head: bool = False,
+    rope: RopeConfig | None = None,
 ) -> dict:
     """DeepseekV3Config's fields (all but family and the bookkeeping) from config.json, which DeepSeek-V3.2 and
     GLM-5 spell the same way; `defaults`: the family's transformers defaults (DEEPSEEK_V3_DEFAULTS' keys).
@@ -94,8 +95,10 @@ def latent_decoder_fields(
     layout, and a config.json saying otherwise is refused (transformers would not read it). moe_layers: the
     family's reading of which blocks are mixtures from n_layers (GLM-4.7-Flash's mlp_layer_types); None:
     first_k_dense_replace dense blocks, then mixtures. rotary_of_head: partial_rotary_factor is the rotated share of
-    the whole query head, which must come to qk_rope_head_dim (Mistral 4's config); else it must be 1."""
-    if rotary_of_head:  # transformers' rotary turns partial_rotary_factor of head_dim (nope + rope) dims
+    the whole query head, which must come to qk_rope_head_dim (Mistral 4's config); else it must be 1. rope: the
+    family's fixed rotary where its transformers config reads none (Kimi-Linear's attention has no positions); the
+    rotary fields of config.json are then not read."""
+    if rope is None and rotary_of_head:  # transformers' rotary turns partial_rotary_factor of head_dim (nope + rope) dims
         d_nope = hf.integer("qk_nope_head_dim", defaults["qk_nope_head_dim"], at_least=0)
         d_rope = hf.integer("qk_rope_head_dim", defaults["qk_rope_head_dim"], at_least=2)
         rope = hf.rope(partial_rotary_factor=d_rope / (d_nope + d_rope))
@@ -106,7 +109,7 @@ def latent_decoder_fields(
                 f"{d_rope}/{d_nope + d_rope} (absent, it is)"
             )
         rope = dataclasses.replace(rope, partial_rotary_factor=1.0)  # of the rotated dims, d_rot
-    else:
+    elif rope is None:
         rope = hf.rope()
         if rope.partial_rotary_factor != 1.0:  # transformers' MLA would fail on the cos / sin width
             raise ValueError(

@@ -43,6 +43,7 @@ from torch import nn
 from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
 from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.mixers.causal_conv import silu_causal_conv
 from moelens.models.mixers.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from moelens.models.mixers.gated_norm import GatedRMSNorm
 from moelens.models.terms import ParamTerm, depthwise_conv, linear, under, vector
@@ -188,7 +189,8 @@ class GatedDeltaNet(nn.Module):
 
         mixed_qkv, gate, b, a = self.project(x)
         window = None if state is None else state.conv
-        conv_out, new_window = self.convolve(mixed_qkv.transpose(1, 2), window, caching=state is not None)
+        conv_out, new_window = silu_causal_conv(self.conv1d.weight, mixed_qkv.transpose(1, 2), window,
+                                                 caching=state is not None)
         q, k, v = torch.split(conv_out.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = self.hook_q(q.reshape(batch, n_pos, self.n_k_heads, self.d_k))
         k = self.hook_k(k.reshape(batch, n_pos, self.n_k_heads, self.d_k))
@@ -214,35 +216,6 @@ class GatedDeltaNet(nn.Module):
 
         z = self.hook_z(self.norm(core, gate))
         return self.out_proj(z.reshape(batch, n_pos, self.value_dim))
-
-    def convolve(
-        self,
-        new: Float[torch.Tensor, "batch conv_dim pos"],
-        window: Float[torch.Tensor, "batch conv_dim kernel"] | None,
-        caching: bool,
-    ) -> tuple[Float[torch.Tensor, "batch conv_dim pos"], Float[torch.Tensor, "batch conv_dim kernel"] | None]:
-        """SiLU of the causal depthwise convolution of the new inputs, preceded by the cached window's inputs (or
-        zeros), and with `caching` the window to cache: the last `kernel` inputs, zeros where there were fewer.
-
-        Computed as transformers does in each case (a decode step, a forward with a cache, one without): the
-        sums are the same, but SiLU rounds its last bit by where an element falls in memory."""
-        n_pos, kernel, weight = new.shape[-1], self.conv_kernel, self.conv1d.weight
-        if window is not None and n_pos == 1:  # a decode step: the window and the token, unpadded
-            seen = torch.cat([window, new], dim=-1)
-            out = F.silu(F.conv1d(seen.to(weight.dtype), weight, groups=self.conv_dim)[..., -1:])
-        elif not caching:
-            seen = None
-            out = F.silu(F.conv1d(new.to(weight.dtype), weight, padding=kernel - 1, groups=self.conv_dim)[..., :n_pos])
-        else:
-            if window is not None:
-                seen = torch.cat([window, new], dim=-1)
-            else:
-                seen = F.pad(new, (kernel - n_pos, 0)) if n_pos < kernel else new
-            out = F.conv1d(seen.to(weight.dtype), weight, padding=kernel - 1, groups=self.conv_dim)
-            out = F.silu(out[..., : seen.shape[-1]])[..., -n_pos:]
-        # a copy: a view would keep the whole input alive in the cache
-        kept = None if seen is None else seen[..., -kernel:].clone(memory_format=torch.contiguous_format)
-        return out.to(new.dtype), kept
 
     def _check_inputs(self, x: torch.Tensor, inputs: LayerInputs) -> None:
         if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] == 0:

@@ -39,3 +39,32 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """weight * x / sqrt(mean(x^2) + eps) * sigmoid(gate), over the last axis, all in float32 and cast back to x's
+    dtype at the end (Kimi Delta Attention's output norm, transformers' KimiLinearRMSNormGated: the weight is
+    upcast rather than the normed input cast down)."""
+
+    @staticmethod
+    def param_terms(d: int, component: str) -> tuple[ParamTerm, ...]:
+        return vector("weight", d, component)
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(
+        self, x: Float[torch.Tensor, "... d"], gate: Float[torch.Tensor, "... d"]
+    ) -> Float[torch.Tensor, "... d"]:
+        if gate.shape != x.shape:
+            raise ValueError(f"SigmoidGatedRMSNorm: gate shape {tuple(gate.shape)} differs from input shape {tuple(x.shape)}")
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        normed = self.weight.to(torch.float32) * (x * torch.rsqrt(variance + self.eps))
+        return (normed * torch.sigmoid(gate.to(torch.float32))).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
