@@ -389,10 +389,11 @@ def canonical_spellings(raw: dict, spellings: dict[str, str]) -> tuple[dict, dic
     for other, name in spellings.items():
         if raw.get(other) is None:
             continue
-        if raw.get(name) is not None and raw[name] != raw[other]:
+        given = spelled.get(name, name)  # the field itself, or another spelling of it read before
+        if canonical.get(name) is not None and canonical[name] != raw[other]:
             raise ValueError(
-                f"config.json gives both {other} = {raw[other]!r} and {name} = {raw[name]!r}: they are two names "
-                "of one field; keep one"
+                f"config.json gives both {other} = {raw[other]!r} and {given} = {canonical[name]!r}: they are two "
+                "names of one field; keep one"
             )
         canonical[name] = canonical.pop(other)
         spelled[name] = other

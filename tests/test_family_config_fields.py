@@ -286,6 +286,35 @@ CASES = {
             "vocab_size"],
         ignored=("first_k_dense_replace",),
     ),
+    "kimi_linear": Case(
+        # Kimi's spellings (num_experts, num_experts_per_token, moe_renormalize, num_expert_group, num_shared_experts,
+        # model_max_length) and the linear layers' sizes both in linear_attn_config and at the top level, as
+        # transformers writes them; no rotary field at all (the latent attention has no positions)
+        raw={"attention_bias": False, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 64,
+            "intermediate_size": 80, "kv_lora_rank": 16, "layer_types": ["linear_attention", "linear_attention",
+            "linear_attention", "full_attention"], "linear_attn_config": {"full_attn_layers": [4], "head_dim": 8,
+            "kda_layers": [1, 2, 3], "num_heads": 3, "short_conv_kernel_size": 4}, "linear_conv_kernel_dim": 4,
+            "linear_head_dim": 8, "linear_num_heads": 3, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "model_max_length": 256, "moe_intermediate_size": 24, "moe_renormalize": True, "num_attention_heads": 4,
+            "num_expert_group": 1, "num_experts": 8, "num_experts_per_token": 3, "num_hidden_layers": 4,
+            "num_key_value_heads": 4, "num_shared_experts": 2, "q_lora_rank": None, "qk_nope_head_dim": 12,
+            "qk_rope_head_dim": 8, "rms_norm_eps": 1e-05, "routed_scaling_factor": 2.5, "tie_word_embeddings": False,
+            "topk_group": 1, "v_head_dim": 10, "vocab_size": 96, "mla_use_nope": True},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=4, d_head=20, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, d_mlp=80, moe_layers=(False, True, True, True),
+            n_experts=8, top_k_per_layer=(0, 3, 3, 3), d_expert=24, d_shared=2 * 24, norm_topk_prob=True,
+            routed_scaling_factor=2.5, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+            first_k_dense_replace=1, layer_types=("linear_attention",) * 3 + ("full_attention",), linear_n_heads=3,
+            linear_d_head=8, linear_conv_kernel=4),
+        read=["attention_bias", "first_k_dense_replace", "hidden_act", "hidden_size", "intermediate_size",
+            "kv_lora_rank", "layer_types", "linear_attn_config", "linear_conv_kernel_dim", "linear_head_dim",
+            "linear_num_heads", "max_position_embeddings", "mlp_layer_types", "moe_intermediate_size", "n_group",
+            "n_routed_experts", "n_shared_experts", "norm_topk_prob", "num_attention_heads", "num_experts_per_tok",
+            "num_hidden_layers", "num_key_value_heads", "num_nextn_predict_layers", "q_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "rms_norm_eps", "rope_interleave", "routed_scaling_factor", "tie_word_embeddings",
+            "topk_group", "v_head_dim", "vocab_size"],
+        ignored=("mla_use_nope",),
+    ),
     "deepseek_v2": Case(
         # as transformers writes it: head_dim (its qk_rope_head_dim), null groups (greedy routing reads none)
         raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size":
@@ -962,6 +991,17 @@ MINIMAL = {
             norm_topk_prob=True, routed_scaling_factor=1.8, n_group=1, topk_group=1, q_lora_rank=768, kv_lora_rank=512,
             qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, first_k_dense_replace=1),
     ),
+    "kimi_linear": (
+        # transformers' defaults: the first block dense, full attention on layers 4, 8, ... (from 0), no group limit
+        {"num_attention_heads": 4, "num_hidden_layers": 6, "vocab_size": 96},
+        dict(d_model=2304, n_layers=6, n_heads=4, n_kv_heads=4, d_head=128 + 64, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=1048576, d_mlp=9216,
+            moe_layers=(False,) + (True,) * 5, n_experts=256, top_k_per_layer=(0,) + (8,) * 5, d_expert=1024,
+            d_shared=1024, norm_topk_prob=True, routed_scaling_factor=2.446, n_group=1, topk_group=1, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1,
+            layer_types=("linear_attention",) * 4 + ("full_attention", "linear_attention"), linear_n_heads=32,
+            linear_d_head=128, linear_conv_kernel=4),
+    ),
     "deepseek_v2": (
         # num_experts_per_tok has no default in transformers; first_k_dense_replace 0: every block a mixture
         {"num_attention_heads": 4, "num_experts_per_tok": 6, "num_hidden_layers": 2, "vocab_size": 96},
@@ -1157,6 +1197,7 @@ CONFIG_CLASSES = {
     "ernie4_5_moe": "Ernie4_5MoeConfig",
     "flex_olmo": "ClipQKVConfig",
     "glm4_moe_lite": "DeepseekV3Config",
+    "kimi_linear": "KimiLinearConfig",
     "mistral4": "Mistral4Config",
     "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig",

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float
 from torch import nn
 
