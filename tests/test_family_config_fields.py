@@ -315,6 +315,38 @@ CASES = {
             "topk_group", "v_head_dim", "vocab_size"],
         ignored=("mla_use_nope",),
     ),
+    "bailing_hybrid": Case(
+        # as transformers writes it: Ling's mixture spellings, the KDA sizes under the names its loading does not
+        # read (linear_*) agreeing with those it does, head_dim the rotated part (equal here to the KDA width)
+        raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size": 64,
+            "intermediate_size": 80, "kda_lower_bound": -5.0, "kda_safe_gate": True, "kv_lora_rank": 16,
+            "layer_group_size": 4, "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+            "full_attention"], "linear_conv_kernel_dim": 4, "linear_head_dim": 8, "linear_num_heads": 4,
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "model_max_length": 256,
+            "moe_intermediate_size": 24, "moe_renormalize": True, "mtp_loss_scaling_factor": 0.0,
+            "num_attention_heads": 4, "num_expert_group": 2, "num_experts": 8, "num_experts_per_token": 3,
+            "num_hidden_layers": 4, "num_key_value_heads": 4, "num_nextn_predict_layers": 1, "num_shared_experts": 1,
+            "q_lora_rank": None, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "rms_norm_eps": 1e-06,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "routed_scaling_factor": 2.5,
+            "short_conv_kernel_size": 4, "tie_word_embeddings": False, "topk_group": 2, "v_head_dim": 10,
+            "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=4, d_head=20, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0, interleaved=True), max_position_embeddings=256, d_mlp=80,
+            moe_layers=(False, True, True, True), n_experts=8, top_k_per_layer=(0, 3, 3, 3), d_expert=24, d_shared=24,
+            norm_topk_prob=True, routed_scaling_factor=2.5, n_group=2, topk_group=2, kv_lora_rank=16,
+            qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1, mtp_layers=1,
+            layer_types=("linear_attention",) * 3 + ("full_attention",), linear_n_heads=4, linear_d_head=8,
+            linear_conv_kernel=4),
+        read=["attention_bias", "first_k_dense_replace", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "kda_lower_bound", "kda_safe_gate", "kv_lora_rank", "layer_types", "linear_conv_kernel_dim",
+            "linear_head_dim", "linear_num_heads", "max_position_embeddings", "mlp_layer_types", "moe_intermediate_size",
+            "n_group", "n_routed_experts", "n_shared_experts", "norm_topk_prob", "num_attention_heads",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "num_nextn_predict_layers",
+            "partial_rotary_factor", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps",
+            "rope_interleave", "rope_parameters", "rope_scaling", "rope_theta", "routed_scaling_factor",
+            "short_conv_kernel_size", "tie_word_embeddings", "topk_group", "v_head_dim", "vocab_size"],
+        ignored=("mtp_loss_scaling_factor",),
+    ),
     "deepseek_v2": Case(
         # as transformers writes it: head_dim (its qk_rope_head_dim), null groups (greedy routing reads none)
         raw={"attention_bias": False, "first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size":
@@ -1002,6 +1034,17 @@ MINIMAL = {
             layer_types=("linear_attention",) * 4 + ("full_attention", "linear_attention"), linear_n_heads=32,
             linear_d_head=128, linear_conv_kernel=4),
     ),
+    "bailing_hybrid": (
+        # transformers' defaults: two dense blocks first, full attention on the last of every six layers
+        {"num_attention_heads": 4, "num_hidden_layers": 6, "vocab_size": 96},
+        dict(d_model=2560, n_layers=6, n_heads=4, n_kv_heads=4, d_head=128 + 64, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=6000000.0, interleaved=True), max_position_embeddings=262144, d_mlp=6144,
+            moe_layers=(False, False) + (True,) * 4, n_experts=512, top_k_per_layer=(0, 0) + (8,) * 4, d_expert=768,
+            d_shared=768, norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=2, mtp_layers=1,
+            layer_types=("linear_attention",) * 5 + ("full_attention",), linear_n_heads=4, linear_d_head=128,
+            linear_conv_kernel=4),
+    ),
     "deepseek_v2": (
         # num_experts_per_tok has no default in transformers; first_k_dense_replace 0: every block a mixture
         {"num_attention_heads": 4, "num_experts_per_tok": 6, "num_hidden_layers": 2, "vocab_size": 96},
@@ -1198,6 +1241,7 @@ CONFIG_CLASSES = {
     "flex_olmo": "ClipQKVConfig",
     "glm4_moe_lite": "DeepseekV3Config",
     "kimi_linear": "KimiLinearConfig",
+    "bailing_hybrid": "BailingHybridConfig",
     "mistral4": "Mistral4Config",
     "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig",

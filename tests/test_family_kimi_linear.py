@@ -16,7 +16,7 @@ from moelens import HookedTransformer
 from moelens.kv_cache import KVCache
 from moelens.models.kimi_linear import HookedKimiLinear, NoRotaryLatentAttention
 from moelens.models.mixers.kda_rule import chunked_kda_rule, recurrent_kda_rule
-from moelens.models.mixers.kimi_delta_attention import KimiDeltaAttention
+from moelens.models.mixers.kimi_delta_attention import KimiLinearDeltaAttention
 from moelens.plan import plan
 from moelens.state import RecurrentState
 from moelens.verify import compare
@@ -87,7 +87,7 @@ def test_float32_every_site(ckpts, refs, variant):
 
 def test_the_layers_are_what_the_config_says(ckpts):
     base = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
-    assert [type(b.token_mixer) for b in base.blocks] == [KimiDeltaAttention] * 3 + [NoRotaryLatentAttention]
+    assert [type(b.token_mixer) for b in base.blocks] == [KimiLinearDeltaAttention] * 3 + [NoRotaryLatentAttention]
     assert [b.mixer_attribute for b in base.blocks] == ["mixer", "mixer", "mixer", "attn"]
     assert base.cfg.moe_layers == (False, True, True, True)
     assert (base.cfg.linear_n_heads, base.cfg.linear_d_head, base.cfg.linear_conv_kernel) == (3, 8, 4)

@@ -144,6 +144,8 @@ OWN_FIELDS = {
     "deepseek_v3": {"n_group": 1, "topk_group": 1},
     "deepseek_v32": {"n_group": 1, "topk_group": 1},
     "longcat_flash": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "head_dim": 8},
+    # Ling's head_dim is its linear layers' head width, and transformers' config sets it to qk_rope_head_dim
+    "bailing_hybrid": {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "head_dim": 8},
     # transformers' Mistral 4 cannot run the unscaled rotary (it turns all of head_dim), and reads the queries'
     # scaling by position from the rotary's settings
     "mistral4": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,

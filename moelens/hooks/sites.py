@@ -158,12 +158,16 @@ SITES: tuple[Site, ...] = (
                        + "the sink's share (hook_sink_scores)"),
           }),
     _site("blocks.L.attn.hook_attn_gate", "batch pos head d_head",
-          "each head's output gate (the second half of q_proj), before its sigmoid", short="attn_gate"),
+          "each head's output gate (the second half of q_proj), before its sigmoid", short="attn_gate", variants={
+              "per_head": ("batch pos head", "each head's output gate, one value per head (g_proj), before its sigmoid"),
+          }),
     _site("blocks.L.attn.hook_z", "batch pos head d_head", "per-head outputs before the output projection",
           standard="attention_head_outputs", short="z", variants={
               "latent": ("batch pos head v_head_dim", "per-head outputs before the output projection"),
               "gated": ("batch pos head d_head", "per-head outputs times sigmoid(hook_attn_gate), what the "
                         + "output projection reads"),
+              "gated_latent": ("batch pos head v_head_dim", "per-head outputs times sigmoid(hook_attn_gate) of their "
+                               + "head, what the output projection reads"),
           }),
     _site("blocks.L.attn.hook_result", "batch pos head d_model", "each head's output after W_O (without b_O)",
           short="result", switch="set_use_attn_result"),

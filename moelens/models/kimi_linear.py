@@ -27,7 +27,7 @@ from moelens.models.components.latent_attention import MultiHeadLatentAttention
 from moelens.models.components.norm import RMSNorm
 from moelens.models.deepseek_v3 import DeepseekV3Config, HookedDeepseekV3, _attention_sites, latent_decoder_fields
 from moelens.models.glm4_moe_lite import MLP_LAYER_TYPES
-from moelens.models.mixers.kimi_delta_attention import KimiDeltaAttention
+from moelens.models.mixers.kimi_delta_attention import KimiDeltaAttention, KimiLinearDeltaAttention
 from moelens.models.mixtral import block_sparse_experts
 from moelens.models.recipe import Dense, LayerSpec, Mixture, Recipe
 from moelens.models.sites import Entry, decoder_site_map, gated_mlp, router_references
@@ -86,12 +86,14 @@ class NoRotaryLatentAttention(MultiHeadLatentAttention):
 
 class HookedKimiLinear(HookedDeepseekV3):
     model_type = "kimi_linear"
+    linear_mixer: type[KimiDeltaAttention] = KimiLinearDeltaAttention  # the linear_attention layers' mixer
+    full_attention: type[MultiHeadLatentAttention] = NoRotaryLatentAttention  # the full_attention layers'
 
     @classmethod
     def recipe(cls, cfg: KimiLinearConfig) -> Recipe:
         mixture, dense = Mixture(SharedExpertMoe, SigmoidGroupedTopK), Dense()
         layers = tuple(
-            LayerSpec(KimiDeltaAttention if kind == "linear_attention" else NoRotaryLatentAttention,
+            LayerSpec(cls.linear_mixer if kind == "linear_attention" else cls.full_attention,
                       mixture if is_moe else dense, RMSNorm)
             for kind, is_moe in zip(cfg.layer_types, cfg.moe_layers, strict=True)
         )
@@ -169,13 +171,17 @@ def layer_types(hf: HFConfig, n_layers: int) -> tuple[str, ...]:
     return tuple("full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n_layers))
 
 
-def mlp_layer_types(hf: HFConfig, n_layers: int) -> tuple[bool, ...]:
-    """Per block, whether it is a mixture: mlp_layer_types where given, else first_k_dense_replace (1) dense
-    blocks then mixtures; both given and disagreeing is refused (transformers would read mlp_layer_types)."""
+def mlp_layer_types(hf: HFConfig, n_layers: int, first_dense_default: int = 1) -> tuple[bool, ...]:
+    """Per block, whether it is a mixture: mlp_layer_types where given, else first_k_dense_replace (the family's
+    default where absent) dense blocks then mixtures; both given and disagreeing is refused (transformers would
+    read mlp_layer_types)."""
     first_dense = hf.integer("first_k_dense_replace", None, at_least=0)
     types = hf.opt("mlp_layer_types")
     if types is None:
-        first_dense = 1 if first_dense is None else first_dense
+        first_dense = first_dense_default if first_dense is None else first_dense
+        if first_dense >= n_layers:
+            raise ValueError(f"first_k_dense_replace = {first_dense} makes all {n_layers} blocks (num_hidden_layers) "
+                             "dense MLPs, leaving no mixture block")
         return tuple(i >= first_dense for i in range(n_layers))
     if not isinstance(types, list) or len(types) != n_layers or not set(types) <= set(MLP_LAYER_TYPES):
         raise ValueError(f"mlp_layer_types must list {n_layers} entries (num_hidden_layers), each one of "

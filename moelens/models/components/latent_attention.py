@@ -130,7 +130,7 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
         # laid out as transformers' (q and k [batch head pos d] row by row, v a view): the same matmuls, bit for bit
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = (t if rows_contiguous(t) else t.contiguous() for t in (q, k))
-        return project_out(self, self.hook_z(attend(self, q, k, v, allowed)))
+        return project_out(self, self.hook_z(self.gate_heads(x, attend(self, q, k, v, allowed))))
 
     def allowed(
         self, x: Float[torch.Tensor, "batch pos d_model"], q_latent: Float[torch.Tensor, "batch pos q_lora_rank"] | None,
@@ -142,6 +142,12 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
 
     def softmax(self, scores: Float[torch.Tensor, "batch head query key"]) -> Float[torch.Tensor, "batch head query key"]:
         return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+
+    def gate_heads(
+        self, x: Float[torch.Tensor, "batch pos d_model"], z: Float[torch.Tensor, "batch pos head v_head_dim"]
+    ) -> Float[torch.Tensor, "batch pos head v_head_dim"]:
+        """The heads' outputs as o_proj reads them: unchanged here; a subclass gates them by the stream (Ling)."""
+        return z
 
     def rescale_heads(self, z: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         return z  # no sink on the output

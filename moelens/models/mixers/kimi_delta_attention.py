@@ -10,9 +10,12 @@ heads as value heads, all linear_d_head wide.
          (hook_core_out) and the state after the last token (hook_state_out)
       -> RMSNorm of the read-out times sigmoid of the output gate (hook_gate; the product hook_z) -> o_proj
 
-Kimi-Linear's forget gate and output gate go through a rank-d_head bottleneck (f_a_proj -> f_b_proj,
-g_a_proj -> g_b_proj); the log decay is -exp(A_log) * softplus(f + dt_bias) per channel, in float32, with dt_bias
-kept float32 in any model dtype (transformers' _keep_in_fp32_modules_strict).
+The families differ in their gates (a subclass's): Kimi-Linear's forget and output gates go through a rank-d_head
+bottleneck (f_a_proj -> f_b_proj, g_a_proj -> g_b_proj) and its log decay is -exp(A_log) * softplus(f + dt_bias)
+per channel, in float32, with dt_bias kept float32 in any model dtype (KimiLinearDeltaAttention); Ling's
+(bailing_hybrid) are full-rank (f_proj, g_proj), its log decay bounded, lower_bound * sigmoid(exp(A_log) * (f +
+dt_bias)), and cast to the model's dtype, with A_log, dt_bias and the convolution kept float32
+(BailingDeltaAttention). Both as transformers keeps them (its _keep_in_fp32_modules_strict).
 
 The state (moelens.state.RecurrentState) and the padding rule are Gated DeltaNet's (moelens.models.mixers.
 gated_deltanet): the convolution window [batch 3*n_heads*d_head kernel] in the model's dtype and the recurrent
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float
 from torch import nn
 
@@ -81,10 +85,11 @@ class Float32Vector(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    """The mixer with Kimi-Linear's low-rank forget and output gates. Built as Cls(cfg, layer) from any object
-    with KimiDeltaSizes' attributes."""
+    """The mixer less its gates (a subclass's: gate_terms, the gate modules, log_decay, output_gate,
+    gate_projections). Built as Cls(cfg, layer) from any object with KimiDeltaSizes' attributes."""
 
     block_attribute: ClassVar[str] = "mixer"
+    float32_conv: ClassVar[bool] = False  # the convolution's weight kept float32 in any model dtype
 
     @classmethod
     def param_terms(cls, cfg: object, layer: int) -> tuple[ParamTerm, ...]:
@@ -92,14 +97,16 @@ class KimiDeltaAttention(nn.Module):
         return (linear("q_proj", cfg.d_model, width, False, "attention")
                 + linear("k_proj", cfg.d_model, width, False, "attention")
                 + linear("v_proj", cfg.d_model, width, False, "attention")
-                + depthwise_conv("conv1d", 3 * width, cfg.linear_conv_kernel, False, "attention")
-                + linear("f_a_proj", cfg.d_model, d, False, "attention") + linear("f_b_proj", d, width, False, "attention")
-                + (ParamTerm("A_log", (1, 1, n, 1), "attention"),)
-                + kept_float32(under("dt_bias", vector("weight", width, "attention")), True)
+                + kept_float32(depthwise_conv("conv1d", 3 * width, cfg.linear_conv_kernel, False, "attention"),
+                               cls.float32_conv)
+                + cls.gate_terms(cfg)
                 + linear("b_proj", cfg.d_model, n, False, "attention")
-                + linear("g_a_proj", cfg.d_model, d, False, "attention") + linear("g_b_proj", d, width, False, "attention")
                 + under("o_norm", SigmoidGatedRMSNorm.param_terms(d, "attention"))
                 + linear("o_proj", width, cfg.d_model, False, "attention"))
+
+    @classmethod
+    def gate_terms(cls, cfg: object) -> tuple[ParamTerm, ...]:
+        raise NotImplementedError
 
     def __init__(self, cfg: object, layer: int) -> None:
         super().__init__()
@@ -116,13 +123,8 @@ class KimiDeltaAttention(nn.Module):
         # depthwise over q|k|v; an nn.Conv1d only to hold the weight [conv_dim 1 kernel]
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False,
                                 padding=self.conv_kernel - 1)
-        self.f_a_proj = nn.Linear(self.d_model, self.d_head, bias=False)
-        self.f_b_proj = nn.Linear(self.d_head, self.width, bias=False)
-        self.A_log = nn.Parameter(torch.zeros(1, 1, self.n_heads, 1))
-        self.dt_bias = Float32Vector(self.width)
+        self.conv1d.float32_weight = self.float32_conv  # keep_float32 reads it
         self.b_proj = nn.Linear(self.d_model, self.n_heads, bias=False)
-        self.g_a_proj = nn.Linear(self.d_model, self.d_head, bias=False)
-        self.g_b_proj = nn.Linear(self.d_head, self.width, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(self.d_head, cfg.norm_eps)
         self.o_proj = nn.Linear(self.width, self.d_model, bias=False)
         self.hook_q = site_hook("blocks.L.mixer.hook_q")
@@ -136,20 +138,22 @@ class KimiDeltaAttention(nn.Module):
         self.hook_gate = site_hook("blocks.L.mixer.hook_gate", "kda")
         self.hook_z = site_hook("blocks.L.mixer.hook_z", "kda")
 
+    # ---- what a subclass provides -------------------------------------------------------------------------
     def log_decay(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos head d_head"]:
-        """-exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias) per key channel, float32 (transformers'
-        KimiLinearForgetGate: its softplus is log(1 + exp(f)), f itself above 20)."""
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.weight.float().view(1, 1, -1)
-        f = f.view(*x.shape[:2], self.n_heads, self.d_head)
-        softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
-        return -self.A_log.float().exp() * softplus
+        """The forget gate's log decay per key channel (<= 0)."""
+        raise NotImplementedError
 
     def output_gate(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos head d_head"]:
-        return self.g_b_proj(self.g_a_proj(x)).view(*x.shape[:2], self.n_heads, self.d_head)
+        """The output gate before its sigmoid."""
+        raise NotImplementedError
+
+    def gate_projections(self) -> list[nn.Linear]:
+        """The gates' linear maps that read the normed stream."""
+        raise NotImplementedError
 
     def input_projections(self) -> list[nn.Linear]:
         """The linear maps that read the normed stream (what fold_ln scales)."""
-        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_a_proj]
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections()]
 
     # ---- the Mixer protocol -------------------------------------------------------------------------------
     def new_state(self, reserve: int = 0) -> RecurrentState:
@@ -232,3 +236,77 @@ class KimiDeltaAttention(nn.Module):
         if (state.conv is None) != (state.recurrent is None):
             raise ValueError(f"Kimi Delta Attention (layer {self.layer}): cached state has a "
                              f"{'conv' if state.recurrent is None else 'recurrent'} tensor without the other")
+
+
+class KimiLinearDeltaAttention(KimiDeltaAttention):
+    """Kimi-Linear's gates: low-rank forget and output gates (f_a_proj -> f_b_proj, g_a_proj -> g_b_proj), the log
+    decay -exp(A_log) * softplus(f + dt_bias) in float32, dt_bias kept float32."""
+
+    @classmethod
+    def gate_terms(cls, cfg: object) -> tuple[ParamTerm, ...]:
+        n, d, width = cfg.linear_n_heads, cfg.linear_d_head, cfg.linear_n_heads * cfg.linear_d_head
+        return (linear("f_a_proj", cfg.d_model, d, False, "attention") + linear("f_b_proj", d, width, False, "attention")
+                + (ParamTerm("A_log", (1, 1, n, 1), "attention"),)
+                + kept_float32(under("dt_bias", vector("weight", width, "attention")), True)
+                + linear("g_a_proj", cfg.d_model, d, False, "attention") + linear("g_b_proj", d, width, False, "attention"))
+
+    def __init__(self, cfg: object, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.f_a_proj = nn.Linear(self.d_model, self.d_head, bias=False)
+        self.f_b_proj = nn.Linear(self.d_head, self.width, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, self.n_heads, 1))
+        self.dt_bias = Float32Vector(self.width)
+        self.g_a_proj = nn.Linear(self.d_model, self.d_head, bias=False)
+        self.g_b_proj = nn.Linear(self.d_head, self.width, bias=False)
+
+    def log_decay(self, x):
+        """-exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias) per key channel, float32 (transformers'
+        KimiLinearForgetGate: its softplus is log(1 + exp(f)), f itself above 20)."""
+        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.weight.float().view(1, 1, -1)
+        f = f.view(*x.shape[:2], self.n_heads, self.d_head)
+        softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
+        return -self.A_log.float().exp() * softplus
+
+    def output_gate(self, x):
+        return self.g_b_proj(self.g_a_proj(x)).view(*x.shape[:2], self.n_heads, self.d_head)
+
+    def gate_projections(self) -> list[nn.Linear]:
+        return [self.f_a_proj, self.g_a_proj]
+
+
+class BailingDeltaAttention(KimiDeltaAttention):
+    """Ling's gates (bailing_hybrid): full-rank f_proj and g_proj; the log decay lower_bound * sigmoid(exp(A_log) *
+    (f + dt_bias)) with kda_safe_gate (bounded below by lower_bound), else -exp(A_log) * softplus(f + dt_bias),
+    computed in float32 and cast to the model's dtype; A_log [head], dt_bias and the convolution kept float32. The
+    config supplies kda_safe_gate and kda_lower_bound besides KimiDeltaSizes'."""
+
+    float32_conv: ClassVar[bool] = True
+
+    @classmethod
+    def gate_terms(cls, cfg: object) -> tuple[ParamTerm, ...]:
+        n, width = cfg.linear_n_heads, cfg.linear_n_heads * cfg.linear_d_head
+        return (linear("f_proj", cfg.d_model, width, False, "attention")
+                + kept_float32(under("A_log", vector("weight", n, "attention")), True)
+                + kept_float32(under("dt_bias", vector("weight", width, "attention")), True)
+                + linear("g_proj", cfg.d_model, width, False, "attention"))
+
+    def __init__(self, cfg: object, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.safe_gate, self.lower_bound = cfg.kda_safe_gate, cfg.kda_lower_bound
+        self.f_proj = nn.Linear(self.d_model, self.width, bias=False)
+        self.A_log = Float32Vector(self.n_heads)
+        self.dt_bias = Float32Vector(self.width)
+        self.g_proj = nn.Linear(self.d_model, self.width, bias=False)
+
+    def log_decay(self, x):
+        f = self.f_proj(x).float().view(*x.shape[:2], self.n_heads, self.d_head)
+        f = f + self.dt_bias.weight.view(1, 1, self.n_heads, self.d_head)
+        rate = self.A_log.weight.exp().view(1, 1, self.n_heads, 1)
+        decay = self.lower_bound * torch.sigmoid(rate * f) if self.safe_gate else -rate * F.softplus(f)
+        return decay.to(x.dtype)
+
+    def output_gate(self, x):
+        return self.g_proj(x).view(*x.shape[:2], self.n_heads, self.d_head)
+
+    def gate_projections(self) -> list[nn.Linear]:
+        return [self.f_proj, self.g_proj]
