@@ -44,6 +44,7 @@ from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
 from moelens.models.mixers.base import StateBytes, StateTensor, values_of
 from moelens.models.mixers.causal_conv import silu_causal_conv
+from moelens.models.mixers.recurrent_checks import check_recurrent_inputs, state_entering
 from moelens.models.mixers.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from moelens.models.mixers.gated_norm import GatedRMSNorm
 from moelens.models.terms import ParamTerm, depthwise_conv, linear, under, vector
@@ -201,11 +202,7 @@ class GatedDeltaNet(nn.Module):
         log_decay = self.hook_log_decay(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))
 
         cached = None if state is None else state.recurrent
-        if cached is None:
-            state_in = x.new_zeros(batch, self.n_v_heads, self.d_k, self.d_v, dtype=torch.float32)
-        else:  # the cache's tensor is never edited in place (snapshots hold it): a hook edits a copy
-            state_in = cached.clone() if self.hook_state_in.has_hooks else cached
-        state_in = self.hook_state_in(state_in)
+        state_in = state_entering(cached, self.hook_state_in, (batch, self.n_v_heads, self.d_k, self.d_v), x)
         # transformers' choice of form: token by token for one token after a cached state, else chunked
         rule = recurrent_delta_rule if cached is not None and n_pos == 1 else chunked_delta_rule
         core, state_out = rule(q, k, v, log_decay, beta, state_in)
@@ -218,30 +215,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(z.reshape(batch, n_pos, self.value_dim))
 
     def _check_inputs(self, x: torch.Tensor, inputs: LayerInputs) -> None:
-        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] == 0:
-            raise ValueError(f"Gated DeltaNet (layer {self.layer}): input of shape {tuple(x.shape)}, expected "
-                             f"[batch pos d_model={self.d_model}] with at least one position")
-        if inputs.mask is not None and inputs.mask.shape != x.shape[:2]:
-            raise ValueError(f"Gated DeltaNet (layer {self.layer}): inputs.mask of shape {tuple(inputs.mask.shape)}, "
-                             f"expected [batch pos] = {tuple(x.shape[:2])}")
-        state = inputs.state
-        if state is None:
-            return
-        if not isinstance(state, RecurrentState):
-            raise TypeError(f"Gated DeltaNet (layer {self.layer}): inputs.state is a {type(state).__name__}, expected "
-                            "the RecurrentState this mixer's new_state() makes")
-        expected = {
-            "conv": (x.shape[0], self.conv_dim, self.conv_kernel),
-            "recurrent": (x.shape[0], self.n_v_heads, self.d_k, self.d_v),
-        }
-        for name, shape in expected.items():
-            held = getattr(state, name)
-            if held is not None and tuple(held.shape) != shape:
-                raise ValueError(f"Gated DeltaNet (layer {self.layer}): cached state.{name} has shape "
-                                 f"{tuple(held.shape)}, expected {shape} for this batch of {x.shape[0]}")
-        if (state.conv is None) != (state.recurrent is None):
-            raise ValueError(f"Gated DeltaNet (layer {self.layer}): cached state has a "
-                             f"{'conv' if state.recurrent is None else 'recurrent'} tensor without the other")
+        check_recurrent_inputs("Gated DeltaNet", self.layer, self.d_model, x, inputs,
+                               {"conv": (x.shape[0], self.conv_dim, self.conv_kernel),
+                                "recurrent": (x.shape[0], self.n_v_heads, self.d_k, self.d_v)})
 
 
 class SeparateProjectionsGatedDeltaNet(GatedDeltaNet):

@@ -37,6 +37,7 @@ from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
 from moelens.models.mixers.base import StateBytes, StateTensor, values_of
 from moelens.models.mixers.causal_conv import silu_causal_conv
+from moelens.models.mixers.recurrent_checks import check_recurrent_inputs, state_entering
 from moelens.models.mixers.gated_norm import SigmoidGatedRMSNorm
 from moelens.models.mixers.kda_rule import chunked_kda_rule, recurrent_kda_rule
 from moelens.models.terms import ParamTerm, depthwise_conv, kept_float32, linear, under, vector
@@ -194,11 +195,7 @@ class KimiDeltaAttention(nn.Module):
         beta = self.hook_beta(torch.sigmoid(self.b_proj(x)))
 
         cached = None if state is None else state.recurrent
-        if cached is None:
-            state_in = x.new_zeros(batch, self.n_heads, self.d_head, self.d_head, dtype=torch.float32)
-        else:  # the cache's tensor is never edited in place (snapshots hold it): a hook edits a copy
-            state_in = cached.clone() if self.hook_state_in.has_hooks else cached
-        state_in = self.hook_state_in(state_in)
+        state_in = state_entering(cached, self.hook_state_in, (batch, self.n_heads, self.d_head, self.d_head), x)
         # transformers' choice of form: token by token for one token after a cached state, else chunked
         rule = recurrent_kda_rule if cached is not None and n_pos == 1 else chunked_kda_rule
         core, state_out = rule(q, k, v, log_decay, beta, state_in)
@@ -212,30 +209,9 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(z.reshape(batch, n_pos, self.width))
 
     def _check_inputs(self, x: torch.Tensor, inputs: LayerInputs) -> None:
-        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] == 0:
-            raise ValueError(f"Kimi Delta Attention (layer {self.layer}): input of shape {tuple(x.shape)}, expected "
-                             f"[batch pos d_model={self.d_model}] with at least one position")
-        if inputs.mask is not None and inputs.mask.shape != x.shape[:2]:
-            raise ValueError(f"Kimi Delta Attention (layer {self.layer}): inputs.mask of shape "
-                             f"{tuple(inputs.mask.shape)}, expected [batch pos] = {tuple(x.shape[:2])}")
-        state = inputs.state
-        if state is None:
-            return
-        if not isinstance(state, RecurrentState):
-            raise TypeError(f"Kimi Delta Attention (layer {self.layer}): inputs.state is a {type(state).__name__}, "
-                            "expected the RecurrentState this mixer's new_state() makes")
-        expected = {
-            "conv": (x.shape[0], self.conv_dim, self.conv_kernel),
-            "recurrent": (x.shape[0], self.n_heads, self.d_head, self.d_head),
-        }
-        for name, shape in expected.items():
-            held = getattr(state, name)
-            if held is not None and tuple(held.shape) != shape:
-                raise ValueError(f"Kimi Delta Attention (layer {self.layer}): cached state.{name} has shape "
-                                 f"{tuple(held.shape)}, expected {shape} for this batch of {x.shape[0]}")
-        if (state.conv is None) != (state.recurrent is None):
-            raise ValueError(f"Kimi Delta Attention (layer {self.layer}): cached state has a "
-                             f"{'conv' if state.recurrent is None else 'recurrent'} tensor without the other")
+        check_recurrent_inputs("Kimi Delta Attention", self.layer, self.d_model, x, inputs,
+                               {"conv": (x.shape[0], self.conv_dim, self.conv_kernel),
+                                "recurrent": (x.shape[0], self.n_heads, self.d_head, self.d_head)})
 
 
 class KimiLinearDeltaAttention(KimiDeltaAttention):
