@@ -35,8 +35,6 @@ from moelens.sitemap import PerExpertKeys, Reference, SiteMap, Weight
 
 LAYER_TYPES = ("conv", "full_attention")
 W1_W3_W2 = PerExpertKeys("{e}.w1.weight", "{e}.w3.weight", "{e}.w2.weight")  # gate, up, down
-# config.json fields transformers' Lfm2MoeConfig has and its model does not compute with
-IGNORED_FIELDS = ("output_router_logits",)
 
 
 @dataclass(frozen=True)
@@ -151,7 +149,7 @@ class HookedLfm2Moe(HookedTransformer):
             raise ValueError(f"partial_rotary_factor = {rope.partial_rotary_factor}: transformers' Lfm2Moe rotary "
                              "turns every dimension of the head (it reads no partial_rotary_factor)")
         # the Hub's first configs spell tie_word_embeddings tie_embedding, which wins where given (as in transformers)
-        tie = hf.flag("tie_embedding") if "tie_embedding" in raw else hf.flag("tie_word_embeddings", True)
+        tie = hf.flag("tie_embedding") if hf.opt("tie_embedding") is not None else hf.flag("tie_word_embeddings", True)
         return Lfm2MoeConfig(
             family=cls.model_type,
             d_model=hf.integer("hidden_size", 2048, at_least=1),
@@ -174,7 +172,6 @@ class HookedLfm2Moe(HookedTransformer):
             conv_kernel=hf.integer("conv_L_cache", 3, at_least=1) if "conv" in kinds else 3,
             conv_bias=hf.flag("conv_bias", False) if "conv" in kinds else False,
             fields_read=tuple(hf.read),
-            fields_ignored=tuple(f for f in IGNORED_FIELDS if f in raw),
         )
 
     @classmethod
