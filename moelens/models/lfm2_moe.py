@@ -150,13 +150,18 @@ class HookedLfm2Moe(HookedTransformer):
                              "turns every dimension of the head (it reads no partial_rotary_factor)")
         # the Hub's first configs spell tie_word_embeddings tie_embedding, which wins where given (as in transformers)
         tie = hf.flag("tie_embedding") if hf.opt("tie_embedding") is not None else hf.flag("tie_word_embeddings", True)
+        d_model, n_heads = hf.integer("hidden_size", 2048, at_least=1), hf.integer("num_attention_heads", 32, at_least=1)
+        # transformers reads a head_dim config.json gives, else hidden_size // num_attention_heads
+        d_head = hf.integer("head_dim", None, at_least=1) or d_model // n_heads
+        if d_head < 1:
+            raise ValueError(f"hidden_size ({d_model}) / num_attention_heads ({n_heads}) leaves no dimension per head")
         return Lfm2MoeConfig(
             family=cls.model_type,
-            d_model=hf.integer("hidden_size", 2048, at_least=1),
+            d_model=d_model,
             n_layers=n_layers,
-            n_heads=hf.integer("num_attention_heads", 32, at_least=1),
+            n_heads=n_heads,
             n_kv_heads=hf.integer("num_key_value_heads", 8, at_least=1),
-            d_head=hf.head_dim(hidden_size=2048),
+            d_head=d_head,
             d_vocab=hf.integer("vocab_size", 65536, at_least=1),
             norm_eps=hf.number("norm_eps", 1e-5, at_least=0),
             rope=rope,
