@@ -270,3 +270,17 @@ def test_plan_counts_attention_keys_and_the_convolution_windows():
     per_token = 6 * 2 * 8 * 64
     window = 18 * 2048 * 3
     assert p.kv_cache["bytes"] == (2048 * per_token + window) * 2
+
+
+def test_state_tensors_are_the_window_a_forward_leaves(models):
+    """What plan counts per convolution layer (ShortConvMixer.state_tensors) is what a bfloat16 forward leaves in the
+    cache: the window, d_model x conv_L_cache values per sequence, in the model's dtype, whatever the length."""
+    model = models("base", torch.bfloat16)
+    cache = KVCache.for_model(model)
+    model(tokens(shape=(2, 13)), past_kv_cache=cache)
+    (window,) = ShortConvMixer.state_tensors(model.cfg)
+    for layer, kind in enumerate(model.cfg.layer_types):
+        if kind == "conv":
+            state = cache.layers[layer]
+            assert state.conv.dtype == torch.bfloat16
+            assert state.nbytes == 2 * window.nbytes(torch.bfloat16, 13) == 2 * 64 * 3 * 2
