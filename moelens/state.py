@@ -1,5 +1,6 @@
 """What a layer hands from one forward to the next (its state), by kind: keys and values of softmax attention,
-or the convolution window and recurrent state of a linear-attention or state-space mixer.
+the convolution window and recurrent state of a linear-attention or state-space mixer, or the convolution window
+alone of a short-convolution mixer.
 
 Every kind answers the same three questions, so the model's cache (moelens.kv_cache.KVCache) holds one state
 per layer without knowing what is in it:
@@ -178,3 +179,31 @@ class RecurrentState:
     def __repr__(self) -> str:
         shapes = {name: None if t is None else tuple(t.shape) for name, t in (("conv", self.conv), ("recurrent", self.recurrent))}
         return f"RecurrentState(length={self.length}, {shapes})"
+
+
+class ConvWindowState:
+    """A short-convolution layer's state: the last inputs of its causal convolution (`conv`, [batch channels
+    kernel], as transformers' conv cache keeps them), None before the first forward; no recurrent state.
+
+    The mixer replaces the tensor, never edits it in place, so a snapshot is the reference."""
+
+    def __init__(self) -> None:
+        self.conv: torch.Tensor | None = None
+        self.length = 0  # positions seen (padding included)
+
+    def update(self, conv: torch.Tensor, new_positions: int) -> None:
+        self.conv = conv
+        self.length += new_positions
+
+    def snapshot(self) -> tuple[torch.Tensor | None, int]:
+        return self.conv, self.length
+
+    def rollback(self, snapshot: tuple[torch.Tensor | None, int]) -> None:
+        self.conv, self.length = snapshot
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.conv is None else self.conv.numel() * self.conv.element_size()
+
+    def __repr__(self) -> str:
+        return f"ConvWindowState(length={self.length}, conv={None if self.conv is None else tuple(self.conv.shape)})"

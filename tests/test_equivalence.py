@@ -85,8 +85,9 @@ def reference_router_weight(ref_layer) -> torch.Tensor:
         gate = ref_layer.mixer.gate
     elif hasattr(ref_layer, "block_sparse_moe"):  # Granite
         gate = ref_layer.block_sparse_moe.router
-    else:  # Llama 4
-        gate = ref_layer.feed_forward.router
+    else:  # Llama 4: feed_forward.router; LFM2-MoE: feed_forward.gate
+        feed_forward = ref_layer.feed_forward
+        gate = feed_forward.router if hasattr(feed_forward, "router") else feed_forward.gate
     return gate.wg.weight if hasattr(gate, "wg") else gate.weight
 
 

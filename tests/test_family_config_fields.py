@@ -884,6 +884,24 @@ CASES = {
             "shared_intermediate_size", "tie_word_embeddings", "time_step_limit", "vocab_size"],
         ignored=("normalization_function",),
     ),
+    "lfm2_moe": Case(
+        raw={"conv_L_cache": 3, "conv_bias": False, "hidden_size": 64, "intermediate_size": 80,
+            "layer_types": ["conv", "full_attention", "conv", "conv"], "max_position_embeddings": 256,
+            "moe_intermediate_size": 32, "norm_eps": 1e-05, "norm_topk_prob": True, "num_attention_heads": 4,
+            "num_dense_layers": 1, "num_experts": 8, "num_experts_per_tok": 3, "num_hidden_layers": 4,
+            "num_key_value_heads": 2, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "routed_scaling_factor": 1.0, "tie_word_embeddings": True, "use_expert_bias": True, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, d_mlp=80,
+            moe_layers=(False, True, True, True), n_experts=8, top_k_per_layer=(0, 3, 3, 3), d_expert=32,
+            norm_topk_prob=True, tie_word_embeddings=True, layer_types=("conv", "full_attention", "conv", "conv")),
+        read=["conv_L_cache", "conv_bias", "head_dim", "hidden_size", "intermediate_size", "layer_types",
+            "max_position_embeddings", "moe_intermediate_size", "norm_eps", "norm_topk_prob", "num_attention_heads",
+            "num_dense_layers", "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "partial_rotary_factor", "rope_parameters", "rope_scaling", "rope_theta", "routed_scaling_factor",
+            "tie_embedding", "tie_word_embeddings", "use_expert_bias", "vocab_size"],
+        ignored=(),
+    ),
 }
 
 # config.json with only what the family requires (and what its defaults would contradict): transformers' defaults
@@ -1222,6 +1240,15 @@ MINIMAL = {
             mamba_n_heads=128, mamba_d_head=1, mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4,
             mamba_chunk_size=256),
     ),
+    "lfm2_moe": (
+        # transformers' Lfm2MoeConfig defaults (LFM2-8B-A1B's sizes) for all but layer_types, which it needs given
+        {"layer_types": ["conv", "conv", "full_attention"] * 10 + ["conv", "full_attention"]},
+        dict(d_model=2048, n_layers=32, n_heads=32, n_kv_heads=8, d_head=64, d_vocab=65536, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000000.0), max_position_embeddings=128000, d_mlp=7168,
+            moe_layers=(False, False) + (True,) * 30, n_experts=32, top_k_per_layer=(0, 0) + (4,) * 30,
+            d_expert=1792, norm_topk_prob=True, tie_word_embeddings=True,
+            layer_types=("conv", "conv", "full_attention") * 10 + ("conv", "full_attention")),
+    ),
 }
 
 CONFIG_CLASSES = {
@@ -1265,6 +1292,7 @@ CONFIG_CLASSES = {
     "kolibri1": "MoeConfig",
     "aria_text": "AriaTextConfig",
     "mellum": "MellumConfig",
+    "lfm2_moe": "Lfm2MoeConfig",
 }
 # Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's
 # rope_parameters is keyed by layer type, which has no Hub spelling (transformers reads no other)

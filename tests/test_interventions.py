@@ -25,6 +25,7 @@ from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, 
 from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.llama4_text import SigmoidOfChosenLogits
 from moelens.models.kolibri1 import BiasedLogitsSigmoidTopK
+from moelens.models.lfm2_moe import Lfm2SigmoidTopK
 from moelens.models.minimax_m2 import SigmoidTopKFloat32Weights
 from moelens.models.mixtral import SoftmaxTopKFloat32Weights
 
@@ -95,7 +96,15 @@ def test_router_rules(family_models, family, tokens):
         logits, w, idx = cache["router_logits", layer], cache["expert_weights", layer], cache["expert_indices", layer]
         k = model.cfg.top_k_per_layer[layer]
         router = model.blocks[layer].mlp.router
-        if router.scoring == "sigmoid":  # MiniMax-M2's is one group of all experts, unscaled
+        if isinstance(router, Lfm2SigmoidTopK):  # LFM2: sorted top-k of sigmoid (+ float32 bias), + 1e-6, scaled
+            scores = logits.sigmoid()
+            choice = scores + router.e_score_correction_bias if router.choice_bias else scores
+            assert torch.equal(choice.topk(k, -1).indices, idx)
+            expected = scores.gather(-1, idx)
+            if model.cfg.norm_topk_prob:
+                expected = expected / (expected.sum(-1, keepdim=True) + 1e-6)
+            expected = expected * model.cfg.routed_scaling_factor
+        elif router.scoring == "sigmoid":  # MiniMax-M2's is one group of all experts, unscaled
             scores = logits.float().sigmoid()
             bias = model.blocks[layer].mlp.router.e_score_correction_bias
             biased = (scores + bias).unflatten(-1, (model.cfg.n_group, -1))
@@ -256,6 +265,9 @@ def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
     elif isinstance(model.blocks[layer].mlp.router, BiasedLogitsSigmoidTopK):  # the same, renormalised where asked
         expected = scores.float().sigmoid()
         expected = expected / expected.sum(-1, keepdim=True) if model.cfg.norm_topk_prob else expected
+    elif isinstance(model.blocks[layer].mlp.router, Lfm2SigmoidTopK):  # renormalised over the sum + 1e-6
+        expected = scores / (scores.sum(-1, keepdim=True) + 1e-6) if model.cfg.norm_topk_prob else scores
+        expected = expected * model.cfg.routed_scaling_factor
     elif model.blocks[layer].mlp.router.scoring == SparseMixer.scoring:  # from every logit near the new experts'
         logits = cache[f"blocks.{layer}.mlp.hook_router_scores"]
         expected = sparsemixer_by_hand(logits, new.expand(*logits.shape[:-1], k), model.cfg.router_jitter_noise)

@@ -60,7 +60,10 @@ def hf_weights(config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     finally:
         torch.set_default_dtype(default)
     keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
-    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "rotary_emb" not in n}
+    # the rotary's buffers (under rotary_emb, or LFM2's pos_emb: inv_freq, original_inv_freq) are no checkpoint's
+    tensors = dict(model.named_parameters()) | {
+        n: b for n, b in model.named_buffers() if "rotary_emb" not in n and not n.endswith("inv_freq")
+    }
     return {n: t.float() if any(k in n for k in keep) else t for n, t in tensors.items()}
 
 

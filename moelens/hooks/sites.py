@@ -176,7 +176,8 @@ SITES: tuple[Site, ...] = (
     # head; each key head serves v_head / k_head consecutive value heads) is each shared site's default form,
     # Mamba-2 (Nemotron-H; moelens.models.mixers.mamba2, the state-space scan) its "mamba2" form, Kimi Delta Attention
     # (Kimi-Linear; moelens.models.mixers.kimi_delta_attention: the delta rule with a decay per key channel, as many
-    # key heads as value heads) its "kda" form.
+    # key heads as value heads) its "kda" form; LFM2's gated short convolution (moelens.models.mixers.short_conv:
+    # y = C * conv(B * x)) its "short_conv" form.
     _site("blocks.L.mixer.hook_q", "batch pos k_head d_k",
           "query per key head after the causal convolution and its SiLU, before the L2 norm"),
     _site("blocks.L.mixer.hook_k", "batch pos k_head d_k",
@@ -186,11 +187,19 @@ SITES: tuple[Site, ...] = (
           variants={"mamba2": (_MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm"),
                     "kda": ("batch pos v_head d_v", "output gate per head (the g projection), before its sigmoid")}),
     _site("blocks.L.mixer.hook_x", _MAMBA_HEADS,
-          "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)"),
+          "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)",
+          variants={"short_conv": (_RESID, "x: in_proj's last third, what the input gate B multiplies")}),
     _site("blocks.L.mixer.hook_B", _MAMBA_GROUPS,
-          "B per group (what the state takes in): after the causal conv and SiLU (0 at padding)"),
+          "B per group (what the state takes in): after the causal conv and SiLU (0 at padding)",
+          variants={"short_conv": (_RESID, "input gate B: in_proj's first third, multiplies x before the convolution")}),
     _site("blocks.L.mixer.hook_C", _MAMBA_GROUPS,
-          "C per group (what the output reads of the state): after the causal conv and SiLU (0 at padding)"),
+          "C per group (what the output reads of the state): after the causal conv and SiLU (0 at padding)",
+          variants={"short_conv": (_RESID, "output gate C: in_proj's second third, multiplies the convolution's output")}),
+    _site("blocks.L.mixer.hook_conv_in", _RESID,
+          "B * x: what the causal convolution reads, and what its cached window keeps for later positions"),
+    _site("blocks.L.mixer.hook_conv_out", _RESID,
+          "causal depthwise convolution of B * x over the last conv_L_cache positions (cached window first), "
+          + "before the output gate"),
     _site("blocks.L.mixer.hook_dt", "batch pos mamba_head", "time step per head: softplus(dt + dt_bias), clamped"),
     _site("blocks.L.mixer.hook_beta", "batch pos v_head", "write strength of each token's update: sigmoid(b)"),
     _site("blocks.L.mixer.hook_log_decay", "batch pos v_head",
@@ -205,7 +214,8 @@ SITES: tuple[Site, ...] = (
                          + "changes this and later forwards"),
           }),
     _site("blocks.L.mixer.hook_core_out", "batch pos v_head d_v", "read-out of the state per value head, before the gated norm"),
-    _site("blocks.L.mixer.hook_y", _MAMBA_HEADS, "scan output per head, state read by C plus D * x, before the norm"),
+    _site("blocks.L.mixer.hook_y", _MAMBA_HEADS, "scan output per head, state read by C plus D * x, before the norm",
+          variants={"short_conv": (_RESID, "C * the convolution's output: out_proj's input")}),
     _site("blocks.L.mixer.hook_state_out", "batch v_head d_k d_v",
           "recurrent state after the last new token, float32: what the cache keeps for the next forward", variants={
               "mamba2": (_MAMBA_STATE, "recurrent state after the last position, as cached, float32; an edit changes "
@@ -254,6 +264,8 @@ SITES: tuple[Site, ...] = (
           short="router_scores", variants={
               "sigmoid": ("batch pos n_experts", "sigmoid of each logit (float32): each expert's own score in (0, 1), "
                           "not a distribution over the experts (hook_router_probs is)"),
+              "sigmoid_model_dtype": ("batch pos n_experts", "sigmoid of each logit, in the model's dtype: each "
+                                      "expert's own score in (0, 1), not a distribution (hook_router_probs is)"),
               "top_k_logits": ("batch pos n_experts",
                                "the logits the top-k is taken on (a softmax over the chosen k gives the weights)"),
               "top_k_logits_sigmoid": ("batch pos n_experts",
