@@ -119,6 +119,12 @@ class CacheAnalysis:
         """(block, sublayer) of every sublayer output in the stream entering `layer` (a bound), block by block
         in each block's order; mlp_input adds block `layer`'s sublayers before its first feed-forward (the
         stream its ln2 reads)."""
+        for l in range(min(layer + mlp_input, self.model.cfg.n_layers)):
+            if not self.model.blocks[l].stream_is_sum:
+                raise ValueError(
+                    f"block {l} ({type(self.model.blocks[l]).__name__}) rescales the stream it carries, so the stream is "
+                    "not the sum of the sublayer outputs: decomposing it into them is not supported for this family"
+                )
         terms = [(l, s) for l in range(layer) for s in self.model.blocks[l].sublayers()]
         if mlp_input:
             for sub in self.model.blocks[layer].sublayers():
