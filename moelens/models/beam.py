@@ -11,8 +11,8 @@ What is special about the family:
   RMSNorm of queries and keys on every layer, and an output gate sigmoid(gate_proj(x) + gate_bias[head]);
 - the first three blocks (mlp_layer_types) dense SwiGLU MLPs, the rest mixtures without a shared expert: a float32
   sigmoid router choosing on scores + e_score_correction_bias among the topk_group best of n_group groups, in
-  sorted top-k order, the weights renormalised (+ 1e-20) and times routed_scaling_factor (which transformers applies
-  to the experts' sum instead: the same in float32 up to rounding, not bit for bit in bfloat16); every SwiGLU's
+  sorted top-k order, the weights renormalised (+ 1e-20), float32; the experts' weighted sum times
+  routed_scaling_factor in the stream's dtype (hook_routed_out holds the product; ScaledSumMoe); every SwiGLU's
   activation and product in float32;
 - the logits softcapped in float32, cap * tanh(logits / cap) (final_logit_softcapping; null: none).
 """
@@ -32,9 +32,10 @@ from moelens.experts.spec import GLU, ExpertSpec
 from moelens.hooks.sites import site_hook
 from moelens.models.afmoe import AfmoeAttention
 from moelens.models.base import HookedTransformer
-from moelens.models.components import SigmoidGroupedTopK, SparseMoe
+from moelens.models.components import SigmoidGroupedTopK
 from moelens.models.components.attention import SplitInputs, linear_per_head, project_out, split_inputs
 from moelens.models.components.mlp import GatedMLP
+from moelens.models.components.moe import ScaledSumMoe
 from moelens.models.components.norm import CastAfterWeightRMSNorm
 from moelens.models.components.rotary import Float32Rotary, apply_rotary
 from moelens.models.components.sandwich_block import SandwichBlock
@@ -147,7 +148,16 @@ class BeamAttention(AfmoeAttention):
 
 
 class BeamRouter(SigmoidGroupedTopK):
-    """DeepSeek-V3's grouped sigmoid rule, the experts taken in sorted top-k order (transformers' BeamTopKRouter)."""
+    """DeepSeek-V3's grouped sigmoid rule, the experts taken in sorted top-k order, the weights renormalised without
+    routed_scaling_factor (the mixture scales the experts' sum: transformers' BeamTopKRouter and BeamMoE)."""
+
+    def weights(
+        self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype
+    ) -> Float[torch.Tensor, "... top_k"]:
+        w = scores.gather(-1, indices)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w.to(logits_dtype)
 
     def choose(self, choice_scores: Float[torch.Tensor, "... n_experts"]) -> Int[torch.Tensor, "... top_k"]:
         if self.n_group > 1:
@@ -164,6 +174,9 @@ class DepthScaledSandwichBlock(SandwichBlock):
     def __init__(self, cfg: MoeConfig, layer: int, spec: LayerSpec) -> None:
         super().__init__(cfg, layer, spec)
         self.adds = tuple(_depth_scales(2 * (layer + 1) + i) for i in range(2))
+
+    def output_multiplier(self, kind: str) -> float:
+        return self.adds[kind == "ffn"][0]
 
     def forward(
         self, resid: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
@@ -192,7 +205,7 @@ class HookedBeam(HookedTransformer):
     @classmethod
     def recipe(cls, cfg: BeamConfig) -> Recipe:
         norm = CastAfterWeightRMSNorm
-        mixture, dense = Mixture(SparseMoe, BeamRouter), Dense(Float32GatedMLP)
+        mixture, dense = Mixture(ScaledSumMoe, BeamRouter), Dense(Float32GatedMLP)
         layers = tuple(LayerSpec(BeamAttention, mixture if moe else dense, norm, block=DepthScaledSandwichBlock)
                        for moe in cfg.moe_layers)
         return Recipe(layers, norm, logits_softcap=cfg.final_logit_softcapping)
@@ -330,8 +343,7 @@ def _layer_sites(cfg: BeamConfig, layer: int, src: str, dst: str) -> list[Entry]
         Weight(f"{dst}.mlp.router.e_score_correction_bias", (f"{gate}.e_score_correction_bias",)),
         routed_experts(cfg, (f"{src}.mlp.experts",), dst),
         Reference(f"{dst}.mlp.hook_router_logits", gate, "out.0"),
-        # transformers scales the experts' sum by routed_scaling_factor; moelens scales each weight
-        Reference(f"{dst}.mlp.hook_expert_weights", gate, "out.1", multiplier=scale),
+        Reference(f"{dst}.mlp.hook_expert_weights", gate, "out.1"),
         Reference(f"{dst}.mlp.hook_expert_indices", gate, "out.2"),
         Reference(f"{dst}.mlp.hook_routed_out", f"{src}.mlp.experts", multiplier=scale),
     ]
