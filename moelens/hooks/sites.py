@@ -325,7 +325,10 @@ SITES: tuple[Site, ...] = (
                            + "to an identity expert); they sum to hook_routed_out"),
           }),
     _site("blocks.L.mlp.hook_routed_out", _RESID, "routed experts' combined output", standard="routed_output",
-          short="routed_out"),
+          short="routed_out", variants={
+              "scaled": (_RESID, "routed experts' combined output times routed_scaling_factor, applied after the sum "
+                         "(the slots' outputs times it sum to this)"),
+          }),
     # the shared expert
     _site("blocks.L.mlp.shared_expert.hook_pre", "batch pos d_shared", "gate pre-activation", short="shared_pre",
           variants={"ungated": ("batch pos d_shared", "up projection, what the activation reads (no gate)")}),

@@ -401,6 +401,7 @@ class ScaledSum:
     def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
         super().__init__(cfg, layer, router)
         self.routed_scale = cfg.routed_scaling_factor
+        self.hook_routed_out = site_hook("blocks.L.mlp.hook_routed_out", "scaled")
 
     def expert_output(self, routed: torch.Tensor) -> Float[torch.Tensor, "batch pos d_model"]:
         return super().expert_output(routed) * self.routed_scale
