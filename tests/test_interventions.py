@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 from conftest import (BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, as_added, attention_layers, has_shared_expert,
-                      routable_experts, shared_expert_gated, sublayer_input)
+                      routable_experts, routed_scale, shared_expert_gated, sublayer_input)
 
 from moelens import HookedTransformer
 from moelens.models.deepseek_v2 import SoftmaxGroupLimitedTopK
@@ -58,8 +58,7 @@ def moe_layers(model):
 def weights_scale(model, layer: int) -> float:
     """What the routing weights carry of routed_scaling_factor: all of it, unless the mixture scales the experts'
     sum instead (its routed part's scale, Beam's)."""
-    routed = next(p for p in model.blocks[layer].mlp.parts() if p.kind == "routed")
-    return model.cfg.routed_scaling_factor / routed.scale
+    return model.cfg.routed_scaling_factor / routed_scale(model, layer)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -84,7 +83,8 @@ def test_identities(family_models, family, tokens):
             torch.testing.assert_close(gated, cache[f"{mlp}.hook_shared_out"], rtol=0, atol=0)
         elif has_shared_expert(model, layer):
             assert torch.equal(cache[f"{mlp}.hook_shared_out"], cache[f"{mlp}.shared_expert.hook_out"])
-        torch.testing.assert_close(cache[f"{mlp}.hook_expert_outputs"].sum(2).to(cache["mlp_out", layer].dtype),
+        scale = routed_scale(model, layer)  # Beam's mixture scales its slots' sum
+        torch.testing.assert_close((cache[f"{mlp}.hook_expert_outputs"].sum(2) * scale).to(cache["mlp_out", layer].dtype),
                                    cache[f"{mlp}.hook_routed_out"], rtol=0, atol=1e-6)
 
 
@@ -211,7 +211,7 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     if model.blocks[layer].mlp.router.scoring == "sigmoid":  # (the bias is small next to the forced gap)
         expected = torch.sigmoid(new_logits)
         expected = expected / expected.sum() if model.cfg.norm_topk_prob else expected
-        expected = expected * model.cfg.routed_scaling_factor
+        expected = expected * weights_scale(model, layer)
     elif model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:  # a softmax over the chosen k only
         expected = torch.softmax(new_logits, -1)
     elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # each chosen logit's sigmoid
