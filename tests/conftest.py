@@ -78,6 +78,13 @@ def decomposition_refused(cases):
     return refused_for(cases, STREAM_NOT_SUM_FAMILIES, "the stream is not the sum of the sublayer outputs")
 
 
+def uncapped(model, logits: torch.Tensor) -> torch.Tensor:
+    """The unembedding's output before a family's logit softcap (Beam's cap * tanh(x / cap)), by inverting the cap:
+    what the direct logit attributions sum to; the logits themselves elsewhere."""
+    cap = model.unembed.softcap
+    return logits if cap is None else cap * torch.atanh(logits.double() / cap).to(logits.dtype)
+
+
 def routed_scale(model, layer: int) -> float:
     """The routed part's scale: what the mixture multiplies its slots' summed outputs by (Beam's
     routed_scaling_factor, applied after the sum; 1 elsewhere)."""

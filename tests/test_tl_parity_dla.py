@@ -11,7 +11,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import FAMILIES, decomposition_refused, families_applying_norms, norm_factor
+from conftest import FAMILIES, decomposition_refused, families_applying_norms, norm_factor, uncapped
 
 from moelens import HookedTransformer
 from moelens.cache_analysis import MissingHooksError
@@ -96,6 +96,7 @@ def test_accumulated_resid_final_entry_gives_logit(runs, family):
     model, toks, logits, cache = runs[family]
     acc, labels = cache.accumulated_resid(pos_slice=-1, return_labels=True)
     assert labels[-1] == "final_post"
+    logits = uncapped(model, logits)  # the attributions are to the unembedding's output, before a softcap (Beam's)
     close(cache.logit_attrs(acc, 11, pos_slice=-1)[-1], logits[:, -1, 11])
     # the full decomposition with experts / heads also sums to it
     stack = cache.get_full_resid_decomposition(pos_slice=-1, return_labels=False)
