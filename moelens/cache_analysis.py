@@ -119,6 +119,7 @@ class CacheAnalysis:
         """(block, sublayer) of every sublayer output in the stream entering `layer` (a bound), block by block
         in each block's order; mlp_input adds block `layer`'s sublayers before its first feed-forward (the
         stream its ln2 reads)."""
+        self._check_stream_is_sum(min(layer + mlp_input, self.model.cfg.n_layers))
         terms = [(l, s) for l in range(layer) for s in self.model.blocks[l].sublayers()]
         if mlp_input:
             for sub in self.model.blocks[layer].sublayers():
@@ -126,6 +127,16 @@ class CacheAnalysis:
                     break
                 terms.append((layer, sub))
         return terms
+
+    def _check_stream_is_sum(self, n_blocks: int) -> None:
+        """Refuse a decomposition through a block that rescales the stream it carries (Beam's depth-scaled adds):
+        the stream is then not the sum of the sublayer outputs."""
+        for l in range(n_blocks):
+            if not self.model.blocks[l].stream_is_sum:
+                raise ValueError(
+                    f"block {l} ({type(self.model.blocks[l]).__name__}) rescales the stream it carries, so the stream is "
+                    "not the sum of the sublayer outputs: decomposing it into them is not supported for this family"
+                )
 
     def _resid_name(self, layer: int) -> str:
         n = self.model.cfg.n_layers
@@ -374,10 +385,11 @@ class CacheAnalysis:
         """(block, attribute name) of the softmax-attention sublayers among terms (the ones with heads)."""
         return [(l, sub.name) for l, sub in terms if sub.is_attention]
 
-    def _multiplier(self, layer: int) -> float:
-        """Block `layer`'s residual multiplier: what its sublayers' own outputs are multiplied by as the stream
-        receives them (Granite's; 1 elsewhere). Components of the stream carry it; hook_result does not."""
-        return self.model.blocks[layer].residual_multiplier
+    def _multiplier(self, layer: int, kind: str) -> float:
+        """What block `layer`'s `kind` sublayer ("mixer" / "ffn") output is multiplied by as the stream receives it
+        (Granite's residual multiplier, Beam's depth scale; 1 elsewhere). Components of the stream carry it;
+        hook_result does not."""
+        return self.model.blocks[layer].output_multiplier(kind)
 
     def _z_missing(self, attentions: list[tuple[int, str]]) -> list[str]:
         """The hook_z names the heads of these attentions need (none where hook_result is cached)."""
@@ -385,7 +397,7 @@ class CacheAnalysis:
 
     def _head_result(self, layer: int, attn: str = "attn") -> Float[torch.Tensor, "batch pos head d_model"]:
         """Each head's output as the stream receives it (times the block's residual multiplier)."""
-        result, multiplier = self._head_output(layer, attn), self._multiplier(layer)
+        result, multiplier = self._head_output(layer, attn), self._multiplier(layer, "mixer")
         return result if multiplier == 1.0 else result * multiplier
 
     def _head_output(self, layer: int, attn: str = "attn") -> Float[torch.Tensor, "batch pos head d_model"]:
@@ -484,8 +496,8 @@ class CacheAnalysis:
         post = self._get(part.neurons.name, pos_slice)
         if part.gate is not None:  # the gate scales the whole part, so each neuron
             post = post * part.gate.scale(self._get(part.gate.hook.name, pos_slice))
-        if self._multiplier(l) != 1.0:  # as the stream receives it
-            post = post * self._multiplier(l)
+        if self._multiplier(l, "ffn") != 1.0:  # as the stream receives it
+            post = post * self._multiplier(l, "ffn")
         W = part.write_weight()
         idx = self._neuron_index(neuron_slice, post.shape[-1], post.device)
         if idx is not None:
@@ -514,8 +526,8 @@ class CacheAnalysis:
             W_rows = W_rows @ project.to(post.device, dtype)
         weighted_input = part.module.spec.weight_at == "input"
         coef = post.to(dtype) if weighted_input else weights.to(dtype)[..., None] * post.to(dtype)  # [*rest, k, n]
-        if self._multiplier(l) != 1.0:  # as the stream receives it
-            coef = coef * self._multiplier(l)
+        if self._multiplier(l, "ffn") * part.scale != 1.0:  # as the stream receives it
+            coef = coef * (self._multiplier(l, "ffn") * part.scale)
         # a slot routed to an identity expert (index >= the real experts) has zero neurons: any row will do
         writes = coef[..., None] * W_rows[indices.clamp(max=W_rows.shape[0] - 1)]
         if factor is not None:  # per token: applied to the d_model writes, then the projection
@@ -595,12 +607,12 @@ class CacheAnalysis:
             bias_slots = down_bias.to(slots.device, slots.dtype)[indices]  # [*rest, k, d]
             if part.module.spec.weight_at == "output":  # an input weight does not reach the output bias
                 bias_slots = self._get(part.weights.name, pos_slice).to(slots.dtype)[..., None] * bias_slots
-            bias_slots = _times(bias_slots * self._multiplier(l), _per_slot(self._post_norm_factor(l, "ffn", pos_slice)))
+            bias_slots = _times(bias_slots * (self._multiplier(l, "ffn") * part.scale), _per_slot(self._post_norm_factor(l, "ffn", pos_slice)))
             stacks.append(torch.einsum("...kd,...ke->e...d", bias_slots, onehot))
             labels += [f"L{l}.E{e}.bias" for e in range(n_experts)]
         if n_identity:
             self._require(f"the identity experts of block {l}", [part.slot_outputs.name])
-            outputs = self._get(part.slot_outputs.name, pos_slice)
+            outputs = self._get(part.slot_outputs.name, pos_slice) * part.scale
             identity = torch.einsum("...kd,...ke->e...d", outputs, every[..., n_experts:].to(outputs.dtype))
             stacks.append(_project(identity, project))
             labels += [f"L{l}.E{e}" for e in range(n_experts, n_experts + n_identity)]
@@ -664,7 +676,7 @@ class CacheAnalysis:
                 self._require(what, [part.indices.name, part.slot_outputs.name])
                 n_experts = part.module.n_experts + part.module.spec.n_identity  # identity experts too
                 onehot = torch.nn.functional.one_hot(self._get(part.indices.name, pos_slice), n_experts)
-                outputs = self._get(part.slot_outputs.name, pos_slice) * self._multiplier(l)  # as the stream gets it
+                outputs = self._get(part.slot_outputs.name, pos_slice) * (self._multiplier(l, "ffn") * part.scale)  # as added
                 outputs = _times(outputs, _per_slot(factor))
                 stacks.append(torch.einsum("...kd,...ke->e...d", outputs, onehot.to(outputs.dtype)))
                 labels += [f"L{l}.E{e}" for e in range(n_experts)]
@@ -675,7 +687,7 @@ class CacheAnalysis:
                 stacks.append(self._get(out.name, pos_slice)[None])
             else:
                 self._require(what, [part.out.name])
-                stacks.append(_times(self._get(part.out.name, pos_slice) * self._multiplier(l), factor)[None])
+                stacks.append(_times(self._get(part.out.name, pos_slice) * self._multiplier(l, "ffn"), factor)[None])
             labels.append(f"{l}_{sub.name}_out" if part.kind == "dense" else f"L{l}.{part.label}")
         return stacks, labels
 
@@ -687,7 +699,7 @@ class CacheAnalysis:
         for l, a in attentions:
             b = getattr(self.model.blocks[l], a).o_proj.bias
             if b is not None:
-                b = b.detach().to(like.device, like.dtype) * self._multiplier(l)
+                b = b.detach().to(like.device, like.dtype) * self._multiplier(l, "ffn")
                 bias = bias + _times(b, self._post_norm_factor(l, "mixer", pos_slice))
         return bias.expand(like[:1].shape)
 
@@ -896,6 +908,7 @@ class CacheAnalysis:
         experts (LongCat-Flash's) follow the real ones, n_experts .. n_experts + n_identity - 1. The
         shared expert is not in it (see get_full_resid_decomposition, "L{l}.shared"). Computed in float32."""
         cfg = self.model.cfg
+        self._check_stream_is_sum(cfg.n_layers)
         routed = [(l, p) for l, block in enumerate(self.model.blocks) if block.has_ffn
                   for p in block.mlp.parts() if p.kind == "routed"]
         names = ["ln_final.hook_scale"]
@@ -909,7 +922,7 @@ class CacheAnalysis:
         n_experts = max((p.module.n_experts + p.module.spec.n_identity for _, p in routed), default=cfg.n_experts)
         out = scale.new_zeros(cfg.n_layers, n_experts, *rest)
         for l, part in routed:
-            outputs = self._get(part.slot_outputs.name, pos_slice).float() * self._multiplier(l)  # [*rest, k, d]
+            outputs = self._get(part.slot_outputs.name, pos_slice).float() * (self._multiplier(l, "ffn") * part.scale)  # [*rest, k, d]
             outputs = _times(outputs, _per_slot(self._post_norm_factor(l, "ffn", pos_slice)))
             indices = self._get(part.indices.name, pos_slice)
             per_slot = (outputs * dirs.to(outputs.device).unsqueeze(-2)).sum(-1) / scale  # [*rest, k]

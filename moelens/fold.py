@@ -143,6 +143,9 @@ def _readers(sub) -> list[torch.Tensor]:
 @torch.no_grad()
 def center_unembed(model: HookedTransformer) -> None:
     """Subtract the mean over the vocabulary from W_U (each logit moves by a per-position constant)."""
+    if model.unembed.softcap is not None:  # a constant shift before the cap is no constant shift after it
+        raise ValueError(f"center_unembed: the logits are softcapped (cap {model.unembed.softcap}): shifting the "
+                         "unembedding's output by a per-position constant would change the probabilities")
     untie(model)
     W = model.unembed.weight  # [d_vocab, d_model]: the mean row over the vocabulary
     W.copy_(W.float() - W.float().mean(0, keepdim=True))

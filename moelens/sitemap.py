@@ -199,6 +199,8 @@ class Reference:
     # times `multiplier`, then divided by `divisor` (Granite's residual_multiplier, logits_scaling)
     multiplier: float = 1.0
     divisor: float = 1.0
+    # then softcapped in float32, cap * tanh(value / cap) (Beam's final logits), where given
+    softcap: float | None = None
     # another module whose output the reference adds to this one's (before the multiplier), as Granite's layer
     # adds its shared_mlp's output to its block_sparse_moe's
     added: str | None = None

@@ -55,7 +55,7 @@ _EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts", "moe_nu
 _TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk", "moe_top_k")
 _EXPERT_WIDTH = ("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size")
 _DENSE_WIDTH = ("intermediate_size", "ffn_hidden_size")  # the dense MLPs' (and Mixtral-style experts') width
-_LAYER_PATTERNS = ("layer_types", "hybrid_override_pattern", "layer_rope_theta")  # one entry per layer: repeated to n_layers
+_LAYER_PATTERNS = ("layer_types", "hybrid_override_pattern", "layer_rope_theta", "mlp_layer_types")  # one entry per layer: repeated to n_layers
 _LAYER_COUNT = ("num_hidden_layers", "num_layers")
 
 

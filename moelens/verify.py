@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moelens.models.base import HookedTransformer
+from moelens.models.components.softcap import softcap
 from moelens.positions import positions_from_mask
 from moelens.pretrained import resolve
 from moelens.reference_copy import fp8_blocks, write_dequantized_copy
@@ -58,7 +59,7 @@ def _capture(hf_model: torch.nn.Module, reference: Reference, store: dict) -> Ca
         last = hf_model.get_submodule(reference.added)
         handles.append(last.register_forward_hook(
             lambda m, args, out: store.__setitem__(reference.hook, store[reference.hook] + out)).remove)
-    if reference.multiplier != 1.0 or reference.divisor != 1.0:
+    if reference.multiplier != 1.0 or reference.divisor != 1.0 or reference.softcap is not None:
         handles.append(last.register_forward_hook(lambda m, args, out: _rescale(store, reference)).remove)
 
     def remove_all() -> None:
@@ -74,6 +75,8 @@ def _rescale(store: dict, reference: Reference) -> None:
         value = value * reference.multiplier
     if reference.divisor != 1.0:
         value = value / reference.divisor
+    if reference.softcap is not None:
+        value = softcap(value.float(), reference.softcap)
     store[reference.hook] = value
 
 

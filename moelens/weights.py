@@ -147,6 +147,9 @@ class WeightViews:
             if not self.blocks[l].has_attention:  # other token mixers' output projections have no bias
                 continue
             bias = self.blocks[l].attn.o_proj.bias
+            if bias is not None and not self.blocks[l].stream_is_sum:
+                raise ValueError(f"accumulated_bias: block {l} rescales the stream it carries (Beam's depth-scaled "
+                                 "adds): its o_proj bias reaches the stream rescaled by every later block")
             if bias is not None:  # as the stream receives it: times the block's residual multiplier
                 total = total + bias.to(total.device, total.dtype) * self.blocks[l].residual_multiplier
         return total

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import FAMILIES, routable_experts
+from conftest import FAMILIES, routable_experts, routed_scale
 
 from moelens import HookedTransformer
 from moelens.analysis import (
@@ -278,7 +278,8 @@ def test_mean_ablation_uses_the_reference_mean(family_models, family, tokens):
     assert torch.equal(out_ablated[~hit], out_clean[~hit])
     for e in experts:
         torch.testing.assert_close(out_ablated[idx == e], means[e].expand_as(out_ablated[idx == e]), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(ablated["routed_out", layer], out_ablated.sum(2), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ablated["routed_out", layer], out_ablated.sum(2) * routed_scale(model, layer), rtol=0,
+                               atol=1e-6)
     result = ablate_experts(model, tokens, {layer: experts}, mode="mean")  # reference defaults to the input
     assert result.loss is not None and result.logits.shape == result.baseline_logits.shape
 

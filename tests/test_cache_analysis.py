@@ -5,7 +5,7 @@ Each check is against something computed another way: cached streams, the model'
 
 import pytest
 import torch
-from conftest import (FAMILIES, attentions, families_applying_norms, ffn_stream, has_shared_expert, mixer_labels,
+from conftest import (FAMILIES, attentions, decomposition_refused, families_applying_norms, ffn_stream, has_shared_expert, mixer_labels,
                       norm_factor, routable_experts, stream_factor, sublayer_input)
 
 from moelens import HookedTransformer
@@ -81,7 +81,7 @@ def decomposition_labels(model, layer, expand=False, mlp_input=False):
 
 
 # ---- the full decomposition --------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", decomposition_refused(FAMILIES))
 def test_full_decomposition_sums_to_final_stream(runs, family):
     model, _, cache = runs[family]
     stack, labels = cache.get_full_resid_decomposition(expand_neurons=False, return_labels=True)
@@ -108,7 +108,7 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
             assert (experts[e][~chosen.any(-1)] == 0).all()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", decomposition_refused(FAMILIES))
 def test_full_decomposition_expanded_into_neurons(runs, family):
     model, _, cache = runs[family]
     stack, labels = cache.get_full_resid_decomposition(return_labels=True)  # expand_neurons=True: TL's default
@@ -153,7 +153,7 @@ def test_full_decomposition_dense_block_and_o_bias(variant_runs, key, expand):
     close(stack.sum(0), cache["resid_post", -1])
 
 
-@pytest.mark.parametrize("family", families_applying_norms())
+@pytest.mark.parametrize("family", decomposition_refused(families_applying_norms()))
 def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
     model, _, cache = runs[family]
     stack, labels = cache.get_full_resid_decomposition(layer=2, expand_neurons=False, return_labels=True)
@@ -201,7 +201,7 @@ def test_accumulated_resid(runs, family):
     close(stack[-1], sublayer_input(model, cache, 2, model.blocks[2].sublayers()[0].kind))
 
 
-@pytest.mark.parametrize("family", families_applying_norms())
+@pytest.mark.parametrize("family", decomposition_refused(families_applying_norms()))
 def test_decompose_resid(runs, family):
     model, _, cache = runs[family]
     n = model.cfg.n_layers
@@ -250,7 +250,7 @@ def test_stack_activation(runs, family):
 
 
 # ---- heads ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", families_applying_norms())
+@pytest.mark.parametrize("family", decomposition_refused(families_applying_norms()))
 def test_head_results(runs, family):
     model, _, cache = runs[family]
     cfg = model.cfg
@@ -288,7 +288,7 @@ def test_head_results(runs, family):
 
 
 # ---- logit attribution ------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", families_applying_norms())
+@pytest.mark.parametrize("family", decomposition_refused(families_applying_norms()))
 def test_logit_attrs_sum_to_logits(runs, toks, family):
     model, logits, cache = runs[family]
     # as TransformerLens, logit_attrs applies the final norm's cached scale itself: the stack is un-normalised
@@ -321,7 +321,7 @@ def test_logit_attrs_sum_to_logits(runs, toks, family):
     close(twice, (stack / scale**2 * weight**2 * W_U).sum(-1))
 
 
-@pytest.mark.parametrize("family", families_applying_norms())
+@pytest.mark.parametrize("family", decomposition_refused(families_applying_norms()))
 def test_expert_logit_attribution(runs, toks, family):
     model, logits, cache = runs[family]
     cfg = model.cfg
@@ -382,7 +382,7 @@ def test_missing_hooks_are_named(runs, toks):
         cache.decompose_resid(layer=7)
 
 
-@pytest.mark.parametrize("family", families_applying_norms())
+@pytest.mark.parametrize("family", decomposition_refused(families_applying_norms()))
 def test_without_batch_dim(runs, toks, family):
     """The analyses of a cache without its batch axis are those of the same one-row run with it (a one-row run:
     a batch of two rounds a chunked linear-attention layer differently, as transformers' own does)."""

@@ -262,6 +262,28 @@ CASES = {
             "sliding_window", "tie_word_embeddings", "vocab_size"],
         ignored=("global_attn_every_n_layers",),
     ),
+    "beam": Case(
+        raw={"attention_bias": False, "attention_dropout": 0.0, "final_logit_softcapping": 3.0, "head_dim": 16,
+            "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 80, "layer_types": ["sliding_attention",
+            "full_attention", "sliding_attention", "full_attention"], "max_position_embeddings": 256,
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "moe_intermediate_size": 24, "n_group": 4,
+            "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 3,
+            "num_hidden_layers": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_parameters":
+            {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None},
+            "routed_scaling_factor": 2.5, "sliding_window": 5, "tie_word_embeddings": False, "topk_group": 2,
+            "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, attention_windows=(5, None, 5, None), d_mlp=80,
+            moe_layers=(False, True, True, True), n_experts=8, top_k_per_layer=(0, 3, 3, 3), d_expert=24,
+            norm_topk_prob=True, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+            layer_ropes=(RopeConfig(theta=10000.0), None, RopeConfig(theta=10000.0), None), final_logit_softcapping=3.0),
+        read=["attention_bias", "final_logit_softcapping", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "layer_types", "max_position_embeddings", "mlp_layer_types", "moe_intermediate_size", "n_group",
+            "norm_topk_prob", "num_attention_heads", "num_experts", "num_experts_per_tok", "num_hidden_layers",
+            "num_key_value_heads", "rms_norm_eps", "rope_parameters", "routed_scaling_factor", "sliding_window",
+            "tie_word_embeddings", "topk_group", "vocab_size"],
+        ignored=("attention_dropout",),
+    ),
     "glm4_moe_lite": Case(
         # transformers 5's spelling (mlp_layer_types) beside the Hub's first_k_dense_replace, which agrees
         raw={"attention_bias": False, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 64,
@@ -1001,6 +1023,16 @@ MINIMAL = {
             d_mlp=6144, moe_layers=(False, True, True, True), n_experts=64, top_k_per_layer=(0, 6, 6, 6), d_expert=1408,
             d_shared=2816, norm_topk_prob=True, rotary_layers=(True, True, True, False)),
     ),
+    "beam": (
+        # transformers' BeamConfig defaults: three dense blocks, every sixth layer full (NoPE) and the last, logits
+        # capped at 30
+        {"num_attention_heads": 8, "num_hidden_layers": 4, "vocab_size": 96},
+        dict(d_model=5120, n_layers=4, n_heads=8, n_kv_heads=8, d_head=128, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=8192, attention_windows=(512, 512, 512, None),
+            d_mlp=20480, moe_layers=(False, False, False, True), n_experts=256, top_k_per_layer=(0, 0, 0, 8),
+            d_expert=2560, norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+            layer_ropes=(RopeConfig(theta=10000.0),) * 3 + (None,), final_logit_softcapping=30.0),
+    ),
     "axk1": (
         # transformers' defaults are A.X K1's sizes; the blocks from the legacy first_k_dense_replace 1
         {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
@@ -1293,10 +1325,11 @@ CONFIG_CLASSES = {
     "aria_text": "AriaTextConfig",
     "mellum": "MellumConfig",
     "lfm2_moe": "Lfm2MoeConfig",
+    "beam": "BeamConfig",
 }
 # Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's
-# rope_parameters is keyed by layer type, which has no Hub spelling (transformers reads no other)
-ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw and family != "mellum"]
+# and Beam's rope_parameters are keyed by layer type, which has no Hub spelling (transformers reads no other)
+ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw and family not in ("mellum", "beam")]
 
 
 def identity(cfg) -> dict:

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 from conftest import (BACKEND_CASES, FAMILIES, KERNEL_FAMILIES, as_added, attention_layers, has_shared_expert,
-                      routable_experts, shared_expert_gated, sublayer_input)
+                      routable_experts, routed_scale, shared_expert_gated, sublayer_input)
 
 from moelens import HookedTransformer
 from moelens.models.deepseek_v2 import SoftmaxGroupLimitedTopK
@@ -56,13 +56,20 @@ def moe_layers(model):
     return [i for i, m in enumerate(model.cfg.moe_layers) if m]
 
 
+def weights_scale(model, layer: int) -> float:
+    """What the routing weights carry of routed_scaling_factor: all of it, unless the mixture scales the experts'
+    sum instead (its routed part's scale, Beam's)."""
+    return model.cfg.routed_scaling_factor / routed_scale(model, layer)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_identities(family_models, family, tokens):
     model = family_models[family]
     _, cache = model.run_with_cache(tokens)
     for layer in range(model.cfg.n_layers):
         added = [cache[f"blocks.{layer}.{sub.out_hook}"] for sub in model.blocks[layer].sublayers()]
-        torch.testing.assert_close(sum(added, cache["resid_pre", layer]), cache["resid_post", layer], rtol=0, atol=1e-6)
+        if model.blocks[layer].stream_is_sum:  # a block that rescales its stream (Beam's) checks its own rule
+            torch.testing.assert_close(sum(added, cache["resid_pre", layer]), cache["resid_post", layer], rtol=0, atol=1e-6)
         mlp, block = f"blocks.{layer}.mlp", model.blocks[layer]
         if not block.is_moe:
             continue
@@ -77,7 +84,8 @@ def test_identities(family_models, family, tokens):
             torch.testing.assert_close(gated, cache[f"{mlp}.hook_shared_out"], rtol=0, atol=0)
         elif has_shared_expert(model, layer):
             assert torch.equal(cache[f"{mlp}.hook_shared_out"], cache[f"{mlp}.shared_expert.hook_out"])
-        torch.testing.assert_close(cache[f"{mlp}.hook_expert_outputs"].sum(2).to(cache["mlp_out", layer].dtype),
+        scale = routed_scale(model, layer)  # Beam's mixture scales its slots' sum
+        torch.testing.assert_close((cache[f"{mlp}.hook_expert_outputs"].sum(2) * scale).to(cache["mlp_out", layer].dtype),
                                    cache[f"{mlp}.hook_routed_out"], rtol=0, atol=1e-6)
 
 
@@ -115,7 +123,7 @@ def test_router_rules(family_models, family, tokens):
             expected = scores.gather(-1, idx)
             if model.cfg.norm_topk_prob:
                 expected = expected / (expected.sum(-1, keepdim=True) + 1e-20)
-            expected = expected * model.cfg.routed_scaling_factor
+            expected = expected * weights_scale(model, layer)
         elif router.scoring == LogitTopKSoftmax.scoring:  # top-k of the logits, a softmax over the chosen k
             top = logits.topk(k, dim=-1)
             assert torch.equal(top.indices, idx)
@@ -212,7 +220,7 @@ def test_replacing_router_logits_reroutes_and_reweights(family_models, family, t
     if model.blocks[layer].mlp.router.scoring == "sigmoid":  # (the bias is small next to the forced gap)
         expected = torch.sigmoid(new_logits)
         expected = expected / expected.sum() if model.cfg.norm_topk_prob else expected
-        expected = expected * model.cfg.routed_scaling_factor
+        expected = expected * weights_scale(model, layer)
     elif model.blocks[layer].mlp.router.scoring == LogitTopKSoftmax.scoring:  # a softmax over the chosen k only
         expected = torch.softmax(new_logits, -1)
     elif model.blocks[layer].mlp.router.scoring == SigmoidOfChosenLogits.scoring:  # each chosen logit's sigmoid
@@ -274,7 +282,7 @@ def test_new_indices_reroute_and_weights_follow(family_models, family, tokens):
     else:
         if model.cfg.norm_topk_prob:
             scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-        expected = p_normalised(model, scores) * model.cfg.routed_scaling_factor
+        expected = p_normalised(model, scores) * weights_scale(model, layer)
     torch.testing.assert_close(w, expected.to(w.dtype), rtol=0, atol=1e-7)
 
 

@@ -151,6 +151,9 @@ OWN_FIELDS = {
     "mistral4": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                      "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
                                      "llama_4_scaling_beta": 0.1}},
+    # Beam's rotary settings are keyed by layer type (null: NoPE); four experts make one group
+    "beam": {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": None}, "n_group": 1, "topk_group": 1},
     # Mellum's rotary settings are keyed by layer type
     "mellum": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},

@@ -41,6 +41,7 @@ DEFINITION = {
     "mellum": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
     "dbrx": softmax,  # in the model's dtype; hook_router_probs is float32
     "lfm2_moe": normalised_sigmoid,  # its scores in the model's dtype; hook_router_probs is float32
+    "beam": normalised_sigmoid,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

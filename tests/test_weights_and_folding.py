@@ -6,8 +6,9 @@ comparing logits (and routing) with the unprocessed model.
 
 import pytest
 import torch
-from conftest import (FAMILIES, LAYER_NORM_FAMILIES, as_added, attention_layers, fold_ln_refused, has_shared_expert,
-                      families_applying_norms, norm_factor, routable_experts, shared_expert_gated, sublayer_input)
+from conftest import (FAMILIES, LAYER_NORM_FAMILIES, SOFTCAPPED_LOGITS_FAMILIES, as_added, attention_layers, fold_ln_refused, has_shared_expert,
+                      decomposition_refused, families_applying_norms, norm_factor, refused_for, routable_experts, uncapped,
+                      shared_expert_gated, sublayer_input)
 
 from moelens import HookedTransformer
 from moelens.factored_matrix import FactoredMatrix
@@ -82,7 +83,9 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
         else:
             check_qkv_views(model, cache, attn)
         close(model.W_E[toks], cache["hook_embed"], 0)
-        close(cache["ln_final.hook_normalized"] @ model.W_U + model.b_U, logits)  # b_U: Phi-3.5-MoE's head bias
+        unembedded = cache["ln_final.hook_normalized"] @ model.W_U + model.b_U  # b_U: Phi-3.5-MoE's head bias
+        cap = model.unembed.softcap  # Beam's logits: the map's output softcapped, cap * tanh(x / cap)
+        close(unembedded if cap is None else cap * torch.tanh(unembedded / cap), logits)
         # the token direction is TransformerLens's W_U column: the final norm's output . direction (+ b_U) is the logit
         close(model.tokens_to_residual_directions(toks), model.W_U.T[toks], 0)
         if family in LAYER_NORM_FAMILIES:  # a LayerNorm centres (and may add a bias): its output as cached
@@ -90,7 +93,7 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
         else:
             normed = cache["resid_post", -1] / cache["ln_final.hook_scale"] * norm_factor(model.ln_final)
         direct = (normed * model.tokens_to_residual_directions(toks)).sum(-1) + model.b_U[toks]
-        close(direct, logits.gather(-1, toks[..., None])[..., 0])
+        close(direct, uncapped(model, logits).gather(-1, toks[..., None])[..., 0])  # the attribution is before a cap
 
 
 
@@ -312,7 +315,7 @@ def test_fold_ln_in_bfloat16_keeps_dtypes(checkpoints, toks, family):
     assert err_folded < max(2 * err_ref, 5e-4), (err_folded, err_ref)
 
 
-@pytest.mark.parametrize("family", fold_ln_refused(FAMILIES))
+@pytest.mark.parametrize("family", refused_for(fold_ln_refused(FAMILIES), SOFTCAPPED_LOGITS_FAMILIES, "softcapped logits"))
 def test_center_unembed(checkpoints, toks, family):
     ref = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False)
     centered = HookedTransformer.from_pretrained(checkpoints[family, "base"], progress=False, center_unembed=True)
@@ -352,7 +355,7 @@ def test_process_weights_in_place_is_the_folding_written_out(checkpoints, toks):
         close(model(toks).softmax(-1), ref(toks).softmax(-1))
 
 
-@pytest.mark.parametrize("family", families_applying_norms())  # DBRX folds, but its LayerNorms centre: refused
+@pytest.mark.parametrize("family", decomposition_refused(families_applying_norms()))  # DBRX folds, but its LayerNorms centre: refused
 def test_folded_model_logit_attribution(checkpoints, family_models, toks, family):
     """After fold_ln the norm weights are 1: the direct logit attribution is the same as before folding."""
     require_foldable(checkpoints[family, "base"], family_models[family])

@@ -127,6 +127,8 @@ SITES: tuple[Site, ...] = (
               "latent": ("batch pos head d_head", "queries entering attention (rotary on the rope dims)"),
               "nope_temperature": ("batch pos head d_head", "queries entering attention: no rotary on this layer, "
                                    "scaled by the attention temperature of the query's index in the input and cache"),
+              "nope_scalable_softmax": ("batch pos head d_head", "queries entering attention: q-normed, no rotary on "
+                                        "this layer, times (1 + (position + 1) / 2048) ** 0.1 (scalable softmax)"),
           }),
     _site("blocks.L.attn.hook_rot_k", "batch pos kv_head d_head",
           "keys entering attention (after rotary, and k norm where the family has one)",
@@ -160,6 +162,8 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.attn.hook_attn_gate", "batch pos head d_head",
           "each head's output gate (the second half of q_proj), before its sigmoid", short="attn_gate", variants={
               "per_head": ("batch pos head", "each head's output gate, one value per head (g_proj), before its sigmoid"),
+              "biased": ("batch pos head d_head", "each head's output gate, gate_proj(x) plus the head's gate_bias, "
+                         "before its sigmoid"),
           }),
     _site("blocks.L.attn.hook_z", "batch pos head d_head", "per-head outputs before the output projection",
           standard="attention_head_outputs", short="z", variants={
@@ -345,7 +349,10 @@ SITES: tuple[Site, ...] = (
                            + "to an identity expert); they sum to hook_routed_out"),
           }),
     _site("blocks.L.mlp.hook_routed_out", _RESID, "routed experts' combined output", standard="routed_output",
-          short="routed_out"),
+          short="routed_out", variants={
+              "scaled": (_RESID, "routed experts' combined output times routed_scaling_factor, applied after the sum "
+                         "(the slots' outputs times it sum to this)"),
+          }),
     # the shared expert
     _site("blocks.L.mlp.shared_expert.hook_pre", "batch pos d_shared", "gate pre-activation", short="shared_pre",
           variants={"ungated": ("batch pos d_shared", "up projection, what the activation reads (no gate)")}),
@@ -368,7 +375,9 @@ SITES: tuple[Site, ...] = (
     _site("ln_final.hook_scale", *_SCALE),
     _site("ln_final.hook_normalized", _RESID, "normed stream entering the unembedding", standard="final_norm_output",
           aliases=("ln_final_normalized",)),
-    _site("hook_logits", "batch pos d_vocab", "logits", standard="logits", short="logits"),
+    _site("hook_logits", "batch pos d_vocab", "logits", standard="logits", short="logits", variants={
+              "softcapped": ("batch pos d_vocab", "logits softcapped in float32: cap * tanh(unembedding / cap)"),
+          }),
 )
 
 # Sites of TransformerLens's vocabulary that no moelens model has (get_act_name still names them, as TL does).

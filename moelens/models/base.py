@@ -114,8 +114,8 @@ class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass
         self.rotary = self.rotary_class(cfg)
         self.blocks = nn.ModuleList((spec.block or Block)(cfg, layer, spec) for layer, spec in enumerate(recipe.layers))
         self.ln_final = recipe.final_norm(cfg.d_model, cfg.norm_eps)
-        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, cfg.unembed_bias, recipe.logits_divisor)
-        self.hook_logits = site_hook("hook_logits")
+        self.unembed = Unembed(cfg.d_model, cfg.d_vocab, cfg.unembed_bias, recipe.logits_divisor, recipe.logits_softcap)
+        self.hook_logits = site_hook("hook_logits", "default" if recipe.logits_softcap is None else "softcapped")
         self.tie_weights()
         self.setup()
         self._warned_too_long = False

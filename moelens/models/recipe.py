@@ -26,6 +26,7 @@ from moelens.models.components.mlp import GatedMLP
 from moelens.models.components.moe import SparseMoe
 from moelens.models.components.norm import RMSNorm
 from moelens.models.components.router import TopKRouter
+from moelens.models.components.softcap import check_cap
 from moelens.models.mixers.base import StateTensor
 from moelens.models.terms import ParamTerm, under
 
@@ -101,10 +102,15 @@ class Recipe:
     final_norm: type[nn.Module] = RMSNorm
     embedding_multiplier: float = 1.0
     logits_divisor: float = 1.0
+    # the logits then softcapped in float32, cap * tanh(logits / cap) (Beam's final_logit_softcapping; hook_logits
+    # holds the capped logits); None: none
+    logits_softcap: float | None = None
 
     def __post_init__(self) -> None:
         _check_multiplier("embedding_multiplier", self.embedding_multiplier)
         _check_multiplier("logits_divisor", self.logits_divisor)
+        if self.logits_softcap is not None:
+            check_cap("logits_softcap", self.logits_softcap)
 
     def check(self, cfg: MoeConfig) -> None:
         if len(self.layers) != cfg.n_layers:

@@ -9,7 +9,7 @@ module's own tensors, before m (the decompositions read it as block.residual_mul
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from jaxtyping import Float
@@ -110,6 +110,15 @@ class Block(nn.Module):
     def token_mixer(self) -> nn.Module | None:
         """The layer's token mixer (softmax attention as block.attn, another kind as block.mixer), or None."""
         return None if self.mixer_attribute is None else getattr(self, self.mixer_attribute)
+
+    def output_multiplier(self, kind: str) -> float:
+        """What the `kind` sublayer's ("mixer" / "ffn") output is multiplied by as the stream receives it, after
+        its post-norm where it has one (the residual multiplier)."""
+        return self.residual_multiplier
+
+    # resid_post = resid_pre + the sublayers' outputs (False: the block also rescales the stream it carries, as
+    # Beam's depth-scaled residual adds, and the decompositions into sublayer outputs refuse it)
+    stream_is_sum: ClassVar[bool] = True
 
     def sublayers(self) -> list[Sublayer]:
         """What the block adds to its stream, in order: resid_post = resid_pre + the sublayers' outputs."""

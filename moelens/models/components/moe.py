@@ -393,6 +393,30 @@ class SparseMoe(nn.Module):
         return routed
 
 
+class ScaledSum:
+    """A mixin for a SparseMoe: the routed experts' weighted sum times cfg.routed_scaling_factor, in the stream's
+    dtype (Beam: the routing weights exclude the factor); hook_routed_out holds the product, and the routed part
+    says so (RoutedPart.scale), so the slots' outputs times it sum to what the mixture adds."""
+
+    def __init__(self, cfg: MoeConfig, layer: int, router: type[TopKRouter]) -> None:
+        super().__init__(cfg, layer, router)
+        self.routed_scale = cfg.routed_scaling_factor
+        self.hook_routed_out = site_hook("blocks.L.mlp.hook_routed_out", "scaled")
+
+    def expert_output(self, routed: torch.Tensor) -> Float[torch.Tensor, "batch pos d_model"]:
+        return super().expert_output(routed) * self.routed_scale
+
+    def _routed_part(self) -> RoutedPart:
+        return dataclasses.replace(super()._routed_part(), scale=self.routed_scale)
+
+    def extra_repr(self) -> str:
+        return f"routed_scale={self.routed_scale}"
+
+
+class ScaledSumMoe(ScaledSum, SparseMoe):
+    """Routed experts alone, their sum scaled (Beam)."""
+
+
 class SharedExpertMoe(SparseMoe):
     """Routed experts, then a shared expert (d_shared wide) that every token goes through, added ungated
     (Solar-Open, DeepSeek-V3)."""

@@ -102,6 +102,8 @@ class RoutedPart:
     weights: HookPoint
     kind: Literal["routed"] = "routed"
     gate: None = None  # the routing weights are the experts' gates; no part-wide factor
+    # out = scale * the slots' outputs summed (a routed_scaling_factor applied to the experts' sum, Beam's)
+    scale: float = 1.0
 
     @property
     def neurons(self) -> HookPoint:
