@@ -65,6 +65,9 @@ class Block(nn.Module):
     use_split_qkv_input = False
     use_attn_in = False
     use_hook_mlp_in = False
+    # resid_post = resid_pre + the sublayers' outputs (what the decompositions rely on); a block that keeps
+    # another stream (MiniMax's scaled normed one) says False
+    adds_to_stream = True
 
     def __init__(self, cfg: MoeConfig, layer: int, spec: LayerSpec) -> None:
         super().__init__()
