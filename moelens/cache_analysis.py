@@ -74,6 +74,11 @@ class NormNotDecomposable(ValueError):
     """An analysis that applies a norm to a stack of components, asked of a norm it cannot apply that way."""
 
 
+class StreamNotDecomposable(ValueError):
+    """An analysis that writes the residual stream as the sum of the sublayers' outputs, asked of a model whose
+    blocks keep another stream (MiniMax's: each sublayer's normed input, scaled, plus its output)."""
+
+
 class CacheAnalysis:
     """Mixin for ActivationCache (see the module docstring for the conventions)."""
 
@@ -119,6 +124,13 @@ class CacheAnalysis:
         """(block, sublayer) of every sublayer output in the stream entering `layer` (a bound), block by block
         in each block's order; mlp_input adds block `layer`'s sublayers before its first feed-forward (the
         stream its ln2 reads)."""
+        kept = [l for l in range(min(layer + mlp_input, self.model.cfg.n_layers)) if not self.model.blocks[l].adds_to_stream]
+        if kept:
+            raise StreamNotDecomposable(
+                f"block {kept[0]} ({type(self.model.blocks[kept[0]]).__name__}) does not add its sublayers' outputs to "
+                "its input stream (resid_post is not resid_pre + attn_out + mlp_out), so the stream is no sum of "
+                "components; use the cached streams (accumulated_resid) instead"
+            )
         terms = [(l, s) for l in range(layer) for s in self.model.blocks[l].sublayers()]
         if mlp_input:
             for sub in self.model.blocks[layer].sublayers():

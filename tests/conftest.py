@@ -232,8 +232,8 @@ def sublayer_input(model, cache, layer: int, kind: str) -> torch.Tensor:
 def as_added(model, layer: int, kind: str, x: torch.Tensor) -> torch.Tensor:
     """A sublayer output x as block `layer` adds it to the stream: through its post-norm where the block has one
     (the model's own norm module, whose arithmetic the equivalence suites check against transformers), times the
-    block's residual multiplier (Granite's; 1 elsewhere)."""
-    norm, m = model.blocks[layer].post_norm(kind), model.blocks[layer].residual_multiplier
+    block's multiplier of that sublayer (Granite's residual multiplier, MiniMax's betas; 1 elsewhere)."""
+    norm, m = model.blocks[layer].post_norm(kind), model.blocks[layer].multiplier(kind)
     x = x if norm is None else norm(x)
     return x if m == 1.0 else x * m
 
@@ -242,5 +242,5 @@ def stream_factor(model, cache, layer: int, kind: str):
     """What block `layer` multiplies each part of its `kind` sublayer's output by before the add, written out:
     its residual multiplier (Granite's; 1 elsewhere) times, where the block has a post-norm, the norm's weight over
     the scale it computed on the whole output (cached, [batch pos d_model]); 1.0 where the output is added as is."""
-    norm, m = model.blocks[layer].post_norm(kind), model.blocks[layer].residual_multiplier
+    norm, m = model.blocks[layer].post_norm(kind), model.blocks[layer].multiplier(kind)
     return m if norm is None else m * norm_factor(norm) / cache[norm.hook_scale.name]

@@ -112,6 +112,9 @@ class MiniMaxBlock(Block):
         self.attn_alpha, self.attn_beta = cfg.attn_factors(layer)
         self.mlp_alpha, self.mlp_beta = cfg.mlp_alpha_factor, cfg.mlp_beta_factor
 
+    def multiplier(self, kind: str) -> float:
+        return self.attn_beta if kind == "mixer" else self.mlp_beta
+
     def forward(
         self, resid: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
     ) -> Float[torch.Tensor, "batch pos d_model"]:

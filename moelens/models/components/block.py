@@ -171,6 +171,11 @@ class Block(nn.Module):
         mlp_out = self.hook_mlp_out(self.scaled(self.mlp(self.ln2(mlp_in))))
         return self.hook_resid_post(resid + mlp_out)
 
+    def multiplier(self, kind: str) -> float:
+        """What the block multiplies its `kind` sublayer's ("mixer" / "ffn") own output by as the stream receives
+        it (hook_attn_out / hook_mlp_out hold the product): the residual multiplier, the same for both here."""
+        return self.residual_multiplier
+
     def scaled(self, out: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos d_model"]:
         """A sublayer's output as the stream receives it: times the residual multiplier (in the output's dtype,
         as the reference multiplies); untouched where it is 1."""
