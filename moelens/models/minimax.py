@@ -75,6 +75,9 @@ class MiniMaxConfig(MixtralConfig):
         unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
         if unknown:
             raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(LAYER_TYPES)}")
+        if "linear_attention" in self.layer_types and self.act_fn != "silu":
+            raise ValueError(f"hidden_act {self.act_fn!r}: the lightning layers' activation of q, k and v is implemented "
+                             "for 'silu' only")
         for name in FACTORS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
