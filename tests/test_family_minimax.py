@@ -82,8 +82,8 @@ def test_the_block_keeps_the_scaled_normed_stream(ckpts):
     model = HookedTransformer.from_pretrained(ckpts["base"], progress=False)
     _, cache = model.run_with_cache(tokens(shape=(1, 12)))
     for layer, block in enumerate(model.blocks):
-        mid = block.attn_alpha * cache["ln1.hook_normalized", layer] + cache["attn_out", layer]
-        post = block.mlp_alpha * cache["ln2.hook_normalized", layer] + cache["mlp_out", layer]
+        mid = block.attn_alpha * cache[f"blocks.{layer}.ln1.hook_normalized"] + cache["attn_out", layer]
+        post = block.mlp_alpha * cache[f"blocks.{layer}.ln2.hook_normalized"] + cache["mlp_out", layer]
         torch.testing.assert_close(mid, cache["resid_mid", layer], rtol=0, atol=0)
         torch.testing.assert_close(post, cache["resid_post", layer], rtol=0, atol=0)
         torch.testing.assert_close(cache[f"blocks.{layer}.mlp.hook_routed_out"] * block.mlp_beta,
@@ -125,15 +125,19 @@ def test_left_padded_batch_matches_transformers_padded_run(ckpts, refs):
 
 
 def test_block_prompt_then_token_by_token_decode_matches_transformers(ckpts, refs):
-    """A 30-token forward (the block form), a 12-token prompt then 18 one-token steps, and a 12-token prompt then
-    one 18-token forward (both token by token after the cached state, as transformers): each equals transformers'
-    run with its own cache within 1e-5."""
+    """A 30-token forward (the block form) and a 12-token prompt then 18 one-token steps each equal transformers'
+    run with its own cache within 1e-5. transformers is given the positions (as its generate does): its
+    MiniMaxCache counts the cached tokens in layer 0's keys, which a lightning layer 0 never fills, so it cannot
+    run an 18-token forward after the prompt either (its softmax layer's mask is built for no cached keys);
+    moelens's (token by token in the lightning layers after a cached state, as transformers' form) equals the
+    stepped run within 1e-5."""
     model, ref = HookedTransformer.from_pretrained(ckpts["base"], progress=False), refs("base")
     toks = tokens(11, (2, 30))
 
     def hf_run(chunks):
         cache = transformers.models.minimax.modeling_minimax.MiniMaxCache()
-        return torch.cat([ref(toks[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in chunks], dim=1)
+        return torch.cat([ref(toks[:, a:b], position_ids=torch.arange(a, b)[None], past_key_values=cache,
+                              use_cache=True).logits for a, b in chunks], dim=1)
 
     def our_run(chunks):
         cache = KVCache.for_model(model)
@@ -144,16 +148,36 @@ def test_block_prompt_then_token_by_token_decode_matches_transformers(ckpts, ref
     stepped = [(0, 12)] + [(i, i + 1) for i in range(12, 30)]
     with torch.no_grad():
         assert (model(toks) - ref(toks).logits).abs().max() <= 1e-5
-        assert (our_run(stepped) - hf_run(stepped)).abs().max() <= 1e-5
-        assert (our_run([(0, 12), (12, 30)]) - hf_run([(0, 12), (12, 30)])).abs().max() <= 1e-5
+        theirs = hf_run(stepped)
+        assert (our_run(stepped) - theirs).abs().max() <= 1e-5
+        assert (our_run([(0, 12), (12, 30)]) - theirs).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_generation_equals_transformers(ckpts, refs, dtype):
+    """A prompt crossing a block boundary, then 24 tokens; a left-padded batch on the variant whose layer 0 is
+    softmax attention."""
     model = HookedTransformer.from_pretrained(ckpts["base"], dtype=dtype, progress=False)
     check_greedy_generation(model, refs("base", dtype), tokens(4, (1, 12)), new=24)
+    defaults = HookedTransformer.from_pretrained(ckpts["defaults"], dtype=dtype, progress=False)
     toks, mask = left_padded(8, (2, 10), (0, 3))
-    check_greedy_generation(model, refs("base", dtype), toks, mask, new=12)
+    check_greedy_generation(defaults, refs("defaults", dtype), toks, mask, new=12)
+
+
+def test_left_padded_generation_equals_each_row_generated_alone(ckpts, refs):
+    """With lightning attention on layer 0, transformers' MiniMaxCache reports no cached tokens (it counts layer 0's
+    keys), so its decode steps build the softmax layers' mask without the cached padding: a left-padded row then
+    sees its padding, and its tokens depart from the row's own (here from the second new token). moelens's padded
+    batch gives each row what transformers gives the row alone."""
+    model, ref = HookedTransformer.from_pretrained(ckpts["base"], progress=False), refs("base")
+    ref.generation_config.eos_token_id = None
+    toks, mask = left_padded(8, (2, 10), (0, 3))
+    got = model.generate(toks, attention_mask=mask, max_new_tokens=12, stop_at_eos=False, do_sample=False)
+    for row in range(2):
+        alone = toks[row : row + 1, mask[row].bool()]
+        with torch.no_grad():
+            expected = ref.generate(alone, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(got[row, -expected.shape[1]:], expected[0]), row
 
 
 def test_the_state_handed_on_is_a_site_and_an_edit_there_is_what_later_tokens_see(ckpts):

@@ -195,6 +195,8 @@ def read_layer_types(hf: HFConfig, n_layers: int) -> tuple[str, ...]:
         return tuple("full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n_layers))
     if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
         raise ValueError(f"layer_types = {kinds!r}; expected a list of layer kinds ({', '.join(LAYER_TYPES)})")
+    if len(kinds) != n_layers:
+        raise ValueError(f"layer_types has {len(kinds)} entries, expected one per layer ({n_layers})")
     return tuple(kinds)
 
 
