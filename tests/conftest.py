@@ -54,12 +54,34 @@ LAYER_NORM_FAMILIES = {"phimoe", "dbrx"}
 BIASED_NORM_FAMILIES = {"phimoe"}
 
 
-def families_applying_norms():
-    """FAMILIES as parameters, a LayerNorm family's marked to raise NormNotDecomposable (strict: passing fails)."""
+# Families whose blocks keep another stream than resid_pre plus the sublayers' outputs (MiniMax's: each sublayer's
+# normed input, scaled, plus its output; block.adds_to_stream False): the cache's decompositions of the stream into
+# components refuse them (StreamNotDecomposable), and the tests of those decompositions expect it, strictly.
+STREAM_KEEPING_FAMILIES = {"minimax"}
+# Families whose transformers cache (5.24) miscounts the cached tokens when layer 0 holds no keys (MiniMax's
+# MiniMaxCache with a lightning layer 0): a left-padded decode or a multi-token forward after a cached prefix is
+# wrong or fails there; their own suites check moelens against each row alone and against given positions.
+CACHE_MISCOUNTING_FAMILIES = {"minimax"}
+
+
+def families_decomposing_the_stream():
+    """FAMILIES as parameters, a stream-keeping family's marked to raise StreamNotDecomposable (strict)."""
+    from moelens.cache_analysis import StreamNotDecomposable
+
+    refused = pytest.mark.xfail(raises=StreamNotDecomposable, strict=True, reason="the stream is no sum of components")
+    return [pytest.param(f, marks=refused) if f in STREAM_KEEPING_FAMILIES else f for f in FAMILIES]
+
+
+def families_applying_norms(decomposing: bool = True):
+    """FAMILIES as parameters, a LayerNorm family's marked to raise NormNotDecomposable and, where the test
+    decomposes the stream into components, a stream-keeping family's StreamNotDecomposable (strict: passing
+    fails)."""
     from moelens.cache_analysis import NormNotDecomposable
 
     refused = pytest.mark.xfail(raises=NormNotDecomposable, strict=True, reason="a LayerNorm (centring) is refused")
-    return [pytest.param(f, marks=refused) if f in LAYER_NORM_FAMILIES else f for f in FAMILIES]
+    stream = {f if isinstance(f, str) else f.values[0]: f for f in families_decomposing_the_stream()} if decomposing else {
+        f: f for f in FAMILIES}
+    return [pytest.param(f, marks=refused) if f in LAYER_NORM_FAMILIES else stream[f] for f in FAMILIES]
 
 
 # Families whose checkpoints store the routed experts flat, all experts in one tensor (DBRX's w1 / v1 / w2): they are

@@ -5,8 +5,8 @@ Each check is against something computed another way: cached streams, the model'
 
 import pytest
 import torch
-from conftest import (FAMILIES, attentions, families_applying_norms, ffn_stream, has_shared_expert, mixer_labels,
-                      norm_factor, routable_experts, stream_factor, sublayer_input)
+from conftest import (FAMILIES, attentions, families_applying_norms, families_decomposing_the_stream, ffn_stream,
+                      has_shared_expert, mixer_labels, norm_factor, routable_experts, stream_factor, sublayer_input)
 
 from moelens import HookedTransformer
 from moelens.cache_analysis import MissingHooksError
@@ -81,7 +81,7 @@ def decomposition_labels(model, layer, expand=False, mlp_input=False):
 
 
 # ---- the full decomposition --------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_decomposing_the_stream())
 def test_full_decomposition_sums_to_final_stream(runs, family):
     model, _, cache = runs[family]
     stack, labels = cache.get_full_resid_decomposition(expand_neurons=False, return_labels=True)
@@ -108,7 +108,7 @@ def test_full_decomposition_sums_to_final_stream(runs, family):
             assert (experts[e][~chosen.any(-1)] == 0).all()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", families_decomposing_the_stream())
 def test_full_decomposition_expanded_into_neurons(runs, family):
     model, _, cache = runs[family]
     stack, labels = cache.get_full_resid_decomposition(return_labels=True)  # expand_neurons=True: TL's default
@@ -174,7 +174,7 @@ def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
 
 
 # ---- accumulated and decomposed streams --------------------------------------------------------------
-@pytest.mark.parametrize("family", families_applying_norms())
+@pytest.mark.parametrize("family", families_applying_norms(decomposing=False))  # the cached streams themselves
 def test_accumulated_resid(runs, family):
     model, _, cache = runs[family]
     n = model.cfg.n_layers
