@@ -74,6 +74,12 @@ class NormNotDecomposable(ValueError):
     """An analysis that applies a norm to a stack of components, asked of a norm it cannot apply that way."""
 
 
+class StreamNotDecomposable(ValueError):
+    """An analysis that writes the residual stream as the sum of the sublayers' outputs, asked of a model whose
+    blocks carry another stream (Beam's rescaled one; MiniMax's: each sublayer's normed input, scaled, plus its
+    output)."""
+
+
 class CacheAnalysis:
     """Mixin for ActivationCache (see the module docstring for the conventions)."""
 
@@ -129,13 +135,14 @@ class CacheAnalysis:
         return terms
 
     def _check_stream_is_sum(self, n_blocks: int) -> None:
-        """Refuse a decomposition through a block that rescales the stream it carries (Beam's depth-scaled adds):
-        the stream is then not the sum of the sublayer outputs."""
+        """Refuse a decomposition through a block whose resid_post is not resid_pre plus its sublayers' outputs
+        (Beam's depth-scaled adds rescale the stream; MiniMax's blocks keep each sublayer's normed input, scaled)."""
         for l in range(n_blocks):
             if not self.model.blocks[l].stream_is_sum:
-                raise ValueError(
-                    f"block {l} ({type(self.model.blocks[l]).__name__}) rescales the stream it carries, so the stream is "
-                    "not the sum of the sublayer outputs: decomposing it into them is not supported for this family"
+                raise StreamNotDecomposable(
+                    f"block {l} ({type(self.model.blocks[l]).__name__}) does not add its sublayers' outputs to its input "
+                    "stream (resid_post is not resid_pre + attn_out + mlp_out), so the stream is no sum of components: "
+                    "decomposing it into them is refused; use the cached streams (accumulated_resid) instead"
                 )
 
     def _resid_name(self, layer: int) -> str:

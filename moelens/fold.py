@@ -87,6 +87,10 @@ def fold_ln_refusal(model: HookedTransformer) -> str | None:
     if identity is not None:  # weight * ln2(x) reads the normed stream itself: no weight to fold ln2's into
         return (f"fold_ln cannot fold the mixtures' norms: their experts include identity experts ({identity.describe()}), "
                 "whose output is the normed stream itself; load with fold_ln=False")
+    kept = next((layer for layer, block in enumerate(model.blocks) if block.keeps_normed_stream), None)
+    if kept is not None:  # the block keeps its norms' outputs (weight included) as its stream: nothing to fold into
+        return (f"fold_ln cannot fold block {kept}'s norms: {type(model.blocks[kept]).__name__} keeps their outputs, "
+                "weights included, as its residual stream; load with fold_ln=False")
     stored = next((experts.spec.storage for experts in routed if experts.spec.storage), None)
     if stored is not None:  # their tensors() are dequantized copies: scaling those would fold nothing
         return (f"fold_ln rewrites the routed experts' gate and up rows, which this model keeps stored as {stored!r} "

@@ -174,7 +174,7 @@ def test_full_decomposition_at_a_layer_with_pos_slice_and_ln(runs, family):
 
 
 # ---- accumulated and decomposed streams --------------------------------------------------------------
-@pytest.mark.parametrize("family", families_applying_norms())
+@pytest.mark.parametrize("family", families_applying_norms())  # the cached streams themselves
 def test_accumulated_resid(runs, family):
     model, _, cache = runs[family]
     n = model.cfg.n_layers

@@ -922,6 +922,25 @@ CASES = {
             "num_dense_layers", "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
             "partial_rotary_factor", "rope_parameters", "rope_scaling", "rope_theta", "routed_scaling_factor",
             "tie_embedding", "tie_word_embeddings", "use_expert_bias", "vocab_size"],
+    "minimax": Case(
+        raw={"block_size": 8, "full_attn_alpha_factor": 1.5, "full_attn_beta_factor": 0.75, "head_dim": 16,
+            "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32, "layer_types": ["linear_attention",
+            "full_attention", "linear_attention", "linear_attention"], "linear_attn_alpha_factor": 1.25,
+            "linear_attn_beta_factor": 0.8, "max_position_embeddings": 256, "mlp_alpha_factor": 1.1,
+            "mlp_beta_factor": 1.3, "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+            "num_key_value_heads": 2, "num_local_experts": 8, "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta":
+            1000.0, "rope_type": "default"}, "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 96},
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, attention_windows=(None, None, None, None),
+            moe_layers=(True, True, True, True), n_experts=8, top_k_per_layer=(2, 2, 2, 2), d_expert=32,
+            norm_topk_prob=True, layer_types=("linear_attention", "full_attention", "linear_attention",
+            "linear_attention"), lightning_block_size=8, full_attn_alpha_factor=1.5, full_attn_beta_factor=0.75,
+            linear_attn_alpha_factor=1.25, linear_attn_beta_factor=0.8, mlp_alpha_factor=1.1, mlp_beta_factor=1.3),
+        read=["block_size", "full_attn_alpha_factor", "full_attn_beta_factor", "head_dim", "hidden_act", "hidden_size",
+            "intermediate_size", "layer_types", "linear_attn_alpha_factor", "linear_attn_beta_factor",
+            "max_position_embeddings", "mlp_alpha_factor", "mlp_beta_factor", "num_attention_heads",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "num_local_experts",
+            "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta", "sliding_window",
+            "tie_word_embeddings", "vocab_size"],
         ignored=(),
     ),
 }
@@ -1280,6 +1299,14 @@ MINIMAL = {
             moe_layers=(False, False) + (True,) * 30, n_experts=32, top_k_per_layer=(0, 0) + (4,) * 30,
             d_expert=1792, norm_topk_prob=True, tie_word_embeddings=True,
             layer_types=("conv", "conv", "full_attention") * 10 + ("conv", "full_attention")),
+    "minimax": (
+        # transformers' defaults (Mixtral's sizes, head_dim hidden_size / heads); softmax attention on the even
+        # layers, lightning attention on the odd ones; block_size 256, every residual factor 1
+        {"num_attention_heads": 4, "num_hidden_layers": 4, "vocab_size": 96},
+        dict(d_model=4096, n_layers=4, n_heads=4, n_kv_heads=4, d_head=1024, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000000.0), max_position_embeddings=131072, attention_windows=(None,) * 4,
+            moe_layers=(True,) * 4, n_experts=8, top_k_per_layer=(2,) * 4, d_expert=14336, norm_topk_prob=True,
+            layer_types=("full_attention", "linear_attention") * 2),
     ),
 }
 
@@ -1326,6 +1353,7 @@ CONFIG_CLASSES = {
     "mellum": "MellumConfig",
     "lfm2_moe": "Lfm2MoeConfig",
     "beam": "BeamConfig",
+    "minimax": "MiniMaxConfig",
 }
 # Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's
 # and Beam's rope_parameters are keyed by layer type, which has no Hub spelling (transformers reads no other)

@@ -26,10 +26,14 @@ WITHOUT_FLAGSHIP = {"granitemoeshared": "no published GraniteMoeShared config.js
 # the sparse attention's indexer, Phi-3.5-MoE's norms with bias): their plan's components against transformers'.
 BY_COMPONENT = {"deepseek_v2", "deepseek_v3", "ernie4_5_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite",
                 "hunyuan_v1_moe", "minimax_m2", "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open"}
-# Weights transformers allocates that no checkpoint stores, per layer: LongCat-Flash's fused gate_up_proj has
-# gate / up rows for its identity ("zero") experts too, which nothing reads.
+# Tensors transformers allocates that moelens's parameters do not hold, per (config, layer): LongCat-Flash's fused
+# gate_up_proj has gate / up rows for its identity ("zero") experts too, which nothing reads; MiniMax's lightning
+# layers keep their decay tables as buffers (slope_rate, query_decay, key_decay, diagonal_decay), which moelens
+# derives from the config.
 TRANSFORMERS_ONLY_PER_LAYER = {
-    "longcat_flash": lambda c: c["zero_expert_num"] * 2 * c["expert_ffn_hidden_size"] * c["hidden_size"],
+    "longcat_flash": lambda c, layer: c["zero_expert_num"] * 2 * c["expert_ffn_hidden_size"] * c["hidden_size"],
+    "minimax": lambda c, layer: (c["num_attention_heads"] * (1 + 2 * c["block_size"] + c["block_size"] ** 2)
+                                 if c["layer_types"][layer] == "linear_attention" else 0),
 }
 LAYER = re.compile(r"^(?:(?:model\.|backbone\.)?layers|transformer\.blocks)\.(\d+)\.")  # DBRX: transformer.blocks
 
@@ -70,14 +74,14 @@ def test_counts_match_transformers_at_full_size(name, entry):
     hf = hf_weights(dict(config), torch.bfloat16)
     p = plan(dict(config), dtype="bfloat16", cpu_memory="2TB")
     layers = len(p.per_layer)
-    extra = TRANSFORMERS_ONLY_PER_LAYER.get(name, lambda c: 0)(config)
-    assert p.parameters == sum(t.numel() for t in hf.values()) - layers * extra
-    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values()) - layers * extra * 2  # bfloat16
+    extra = [TRANSFORMERS_ONLY_PER_LAYER.get(name, lambda c, layer: 0)(config, i) for i in range(layers)]
+    assert p.parameters == sum(t.numel() for t in hf.values()) - sum(extra)
+    assert p.bytes == sum(t.numel() * t.element_size() for t in hf.values()) - sum(extra) * 2  # bfloat16
     by_layer = dict.fromkeys(range(layers), 0)
     for n, t in hf.items():
         if match := LAYER.match(n):
             by_layer[int(match.group(1))] += t.numel()
-    assert [layer.parameters for layer in p.per_layer] == [by_layer[i] - extra for i in range(layers)]
+    assert [layer.parameters for layer in p.per_layer] == [by_layer[i] - extra[i] for i in range(layers)]
     if "published_billions" in entry:
         assert abs(p.parameters / 1e9 - entry["published_billions"]) <= entry["published_within_billions"], (
             f"{p.parameters / 1e9:.3f}B counted, published {entry['published_billions']}B")

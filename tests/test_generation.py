@@ -3,7 +3,7 @@ hooks active at every step, sampling and eos handling, for every family."""
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import CACHE_MISCOUNTING_FAMILIES, FAMILIES
 
 from moelens import HookedTransformer, KVCache
 from moelens.generation import sample_next
@@ -45,6 +45,8 @@ def greedy_by_full_forwards(model, tokens, mask, n, fwd_hooks=()):
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "left_padded"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers(family_models, references, family, padded):
+    if padded and family in CACHE_MISCOUNTING_FAMILIES:
+        pytest.xfail("transformers' cache miscounts the cached tokens: its padded decode sees the padding")
     model = family_models[family]
     tokens, mask = prompt(padded)
     with torch.no_grad():
@@ -74,6 +76,8 @@ def reference_stepping_gap(ref, tokens, mask) -> float:
 def test_cached_steps_match_the_uncached_forward(family_models, references, family, backend):
     """Prompt in chunks of 5, 3 and 1 tokens through one cache = one forward over everything (left padded), to
     1e-5, or to twice transformers' own gap where its mixers have two forms (linear attention)."""
+    if family in CACHE_MISCOUNTING_FAMILIES:
+        pytest.xfail("transformers' cache miscounts the cached tokens: its multi-token forward after a cache fails")
     model = family_models[family]
     recurrent = [l for l, block in enumerate(model.blocks) if block.token_mixer is not None and not block.has_attention]
     tol = max(1e-5, 2 * reference_stepping_gap(references[family], *prompt(padded=True))) if recurrent else 1e-5

@@ -75,6 +75,8 @@ _PROBS = ("the router's distribution over the experts (float32, rows sum to 1): 
 _MAMBA_HEADS = "batch pos mamba_head mamba_d_head"
 _MAMBA_GROUPS = "batch pos mamba_group mamba_d_state"
 _MAMBA_STATE = "batch mamba_head mamba_d_head mamba_d_state"
+_LIGHTNING = "batch pos head d_head"
+_LIGHTNING_STATE = "batch head d_head d_head"
 
 # Every site some family has, in forward order.
 SITES: tuple[Site, ...] = (
@@ -181,15 +183,20 @@ SITES: tuple[Site, ...] = (
     # Mamba-2 (Nemotron-H; moelens.models.mixers.mamba2, the state-space scan) its "mamba2" form, Kimi Delta Attention
     # (Kimi-Linear; moelens.models.mixers.kimi_delta_attention: the delta rule with a decay per key channel, as many
     # key heads as value heads) its "kda" form; LFM2's gated short convolution (moelens.models.mixers.short_conv:
-    # y = C * conv(B * x)) its "short_conv" form.
+    # y = C * conv(B * x)) its "short_conv" form; lightning attention (MiniMax; moelens.models.mixers.lightning:
+    # linear attention with a fixed decay per head) its "lightning" form.
     _site("blocks.L.mixer.hook_q", "batch pos k_head d_k",
-          "query per key head after the causal convolution and its SiLU, before the L2 norm"),
+          "query per key head after the causal convolution and its SiLU, before the L2 norm",
+          variants={"lightning": (_LIGHTNING, "query per head: SiLU of qkv_proj's query part (0 at padding)")}),
     _site("blocks.L.mixer.hook_k", "batch pos k_head d_k",
-          "key per key head after the causal convolution and its SiLU, before the L2 norm"),
-    _site("blocks.L.mixer.hook_v", "batch pos v_head d_v", "value per value head after the causal convolution and its SiLU"),
+          "key per key head after the causal convolution and its SiLU, before the L2 norm",
+          variants={"lightning": (_LIGHTNING, "key per head: SiLU of qkv_proj's key part (0 at padding)")}),
+    _site("blocks.L.mixer.hook_v", "batch pos v_head d_v", "value per value head after the causal convolution and its SiLU",
+          variants={"lightning": (_LIGHTNING, "value per head: SiLU of qkv_proj's value part (0 at padding)")}),
     _site("blocks.L.mixer.hook_gate", "batch pos v_head d_v", "output gate per value head (transformers' z), before its SiLU",
           variants={"mamba2": (_MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm"),
-                    "kda": ("batch pos v_head d_v", "output gate per head (the g projection), before its sigmoid")}),
+                    "kda": ("batch pos v_head d_v", "output gate per head (the g projection), before its sigmoid"),
+                    "lightning": (_LIGHTNING, "output gate per head (output_gate's output), before its sigmoid")}),
     _site("blocks.L.mixer.hook_x", _MAMBA_HEADS,
           "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)",
           variants={"short_conv": (_RESID, "x: in_proj's last third, what the input gate B multiplies")}),
@@ -216,19 +223,27 @@ SITES: tuple[Site, ...] = (
           "recurrent state the new tokens start from, float32 (zeros without a cached state)", variants={
               "mamba2": (_MAMBA_STATE, "recurrent state the forward starts from (cached, or zeros), float32; an edit "
                          + "changes this and later forwards"),
+              "lightning": (_LIGHTNING_STATE, "state sum of decayed k^T v the forward starts from (cached, or zeros), "
+                            + "in the model's dtype; an edit changes this and later forwards"),
           }),
-    _site("blocks.L.mixer.hook_core_out", "batch pos v_head d_v", "read-out of the state per value head, before the gated norm"),
+    _site("blocks.L.mixer.hook_core_out", "batch pos v_head d_v", "read-out of the state per value head, before the gated norm",
+          variants={"lightning": (_LIGHTNING, "per-position read-out per head (within-block plus earlier blocks, or "
+                                  + "the recurrence), before the RMSNorm over all heads")}),
     _site("blocks.L.mixer.hook_y", _MAMBA_HEADS, "scan output per head, state read by C plus D * x, before the norm",
           variants={"short_conv": (_RESID, "C * the convolution's output: out_proj's input")}),
     _site("blocks.L.mixer.hook_state_out", "batch v_head d_k d_v",
           "recurrent state after the last new token, float32: what the cache keeps for the next forward", variants={
               "mamba2": (_MAMBA_STATE, "recurrent state after the last position, as cached, float32; an edit changes "
                          + "later forwards only"),
+              "lightning": (_LIGHTNING_STATE, "state after the last new token, as cached, in the model's dtype; an "
+                            + "edit changes later forwards only"),
           }, handed_on=True),
     _site("blocks.L.mixer.hook_z", "batch pos v_head d_v",
           "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)", variants={
               "kda": ("batch pos v_head d_v", "per-head outputs before o_proj: the RMSNorm of the read-out (in float32), "
                       + "times sigmoid(gate)"),
+              "lightning": (_LIGHTNING, "per-head outputs before out_proj: sigmoid(gate) times the RMSNorm of the "
+                            + "read-out over all heads"),
           }),
     _site("blocks.L.mixer.hook_normed", _MAMBA_HEADS, "gated norm's output per head: out_proj's input"),
     _site("blocks.L.hook_attn_out", _RESID, "what the token mixer (attention or another kind) adds to the residual stream",

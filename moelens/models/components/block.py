@@ -117,8 +117,12 @@ class Block(nn.Module):
         return self.residual_multiplier
 
     # resid_post = resid_pre + the sublayers' outputs (False: the block also rescales the stream it carries, as
-    # Beam's depth-scaled residual adds, and the decompositions into sublayer outputs refuse it)
+    # Beam's depth-scaled residual adds, or keeps another one, as MiniMax's; the decompositions into sublayer
+    # outputs refuse it)
     stream_is_sum: ClassVar[bool] = True
+    # the block's stream is its norms' outputs (weights included), scaled, plus the sublayers' (MiniMax's): fold_ln
+    # has no linear map to fold those norms into
+    keeps_normed_stream: ClassVar[bool] = False
 
     def sublayers(self) -> list[Sublayer]:
         """What the block adds to its stream, in order: resid_post = resid_pre + the sublayers' outputs."""
