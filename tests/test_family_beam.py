@@ -153,9 +153,9 @@ def test_depth_scaled_adds_and_softcapped_logits(models):
     raw = cache["ln_final.hook_normalized"] @ model.unembed.weight.T
     torch.testing.assert_close(logits, 3.0 * torch.tanh(raw / 3.0), rtol=0, atol=1e-6)
     assert logits.abs().max() < 3.0 and raw.abs().max() > 3.0
-    with pytest.raises(ValueError, match="block 0 .*rescales the stream"):
+    with pytest.raises(ValueError, match="block 0 .*does not add its sublayers. outputs"):
         cache.decompose_resid()
-    with pytest.raises(ValueError, match="rescales the stream"):
+    with pytest.raises(ValueError, match="does not add its sublayers. outputs"):
         cache.get_full_resid_decomposition()
 
 

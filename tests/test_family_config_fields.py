@@ -922,6 +922,8 @@ CASES = {
             "num_dense_layers", "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
             "partial_rotary_factor", "rope_parameters", "rope_scaling", "rope_theta", "routed_scaling_factor",
             "tie_embedding", "tie_word_embeddings", "use_expert_bias", "vocab_size"],
+        ignored=(),
+    ),
     "minimax": Case(
         raw={"block_size": 8, "full_attn_alpha_factor": 1.5, "full_attn_beta_factor": 0.75, "head_dim": 16,
             "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32, "layer_types": ["linear_attention",
@@ -930,6 +932,7 @@ CASES = {
             "mlp_beta_factor": 1.3, "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 4,
             "num_key_value_heads": 2, "num_local_experts": 8, "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta":
             1000.0, "rope_type": "default"}, "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
             rope=RopeConfig(theta=1000.0), max_position_embeddings=256, attention_windows=(None, None, None, None),
             moe_layers=(True, True, True, True), n_experts=8, top_k_per_layer=(2, 2, 2, 2), d_expert=32,
             norm_topk_prob=True, layer_types=("linear_attention", "full_attention", "linear_attention",
@@ -1299,6 +1302,7 @@ MINIMAL = {
             moe_layers=(False, False) + (True,) * 30, n_experts=32, top_k_per_layer=(0, 0) + (4,) * 30,
             d_expert=1792, norm_topk_prob=True, tie_word_embeddings=True,
             layer_types=("conv", "conv", "full_attention") * 10 + ("conv", "full_attention")),
+    ),
     "minimax": (
         # transformers' defaults (Mixtral's sizes, head_dim hidden_size / heads); softmax attention on the even
         # layers, lightning attention on the odd ones; block_size 256, every residual factor 1
