@@ -75,6 +75,8 @@ _PROBS = ("the router's distribution over the experts (float32, rows sum to 1): 
 _MAMBA_HEADS = "batch pos mamba_head mamba_d_head"
 _MAMBA_GROUPS = "batch pos mamba_group mamba_d_state"
 _MAMBA_STATE = "batch mamba_head mamba_d_head mamba_d_state"
+_MAMBA1 = "batch pos mamba_d_inner"  # Mamba (v1): one state per channel
+_MAMBA1_STATE = "batch mamba_d_inner mamba_d_state"
 
 # Every site some family has, in forward order.
 SITES: tuple[Site, ...] = (
@@ -170,21 +172,32 @@ SITES: tuple[Site, ...] = (
     # Token mixers other than softmax attention, blocks.L.mixer.*, in forward order: Gated DeltaNet (Qwen3-Next,
     # Qwen3.5-MoE; moelens.models.mixers.gated_deltanet: linear attention with a recurrent state [d_k d_v] per value
     # head; each key head serves v_head / k_head consecutive value heads) is each shared site's default form,
-    # Mamba-2 (Nemotron-H; moelens.models.mixers.mamba2, the state-space scan) its "mamba2" form.
+    # Mamba-2 (Nemotron-H; moelens.models.mixers.mamba2, the state-space scan) its "mamba2" form, Mamba (v1) with
+    # normed time step, B and C (Jamba; moelens.models.mixers.mamba1) its "mamba" form.
     _site("blocks.L.mixer.hook_q", "batch pos k_head d_k",
           "query per key head after the causal convolution and its SiLU, before the L2 norm"),
     _site("blocks.L.mixer.hook_k", "batch pos k_head d_k",
           "key per key head after the causal convolution and its SiLU, before the L2 norm"),
     _site("blocks.L.mixer.hook_v", "batch pos v_head d_v", "value per value head after the causal convolution and its SiLU"),
     _site("blocks.L.mixer.hook_gate", "batch pos v_head d_v", "output gate per value head (transformers' z), before its SiLU",
-          variants={"mamba2": (_MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm")}),
+          variants={"mamba2": (_MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm"),
+                    "mamba": (_MAMBA1, "gate z per channel (in_proj's second half), before its SiLU")}),
     _site("blocks.L.mixer.hook_x", _MAMBA_HEADS,
-          "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)"),
+          "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)",
+          variants={"mamba": (_MAMBA1, "scan input x per channel: in_proj's first half after the causal conv and "
+                              + "SiLU (0 at padding); x_proj's input")}),
+    _site("blocks.L.mixer.hook_dt_low_rank", "batch pos mamba_dt_rank",
+          "low-rank time step: x_proj's first mamba_dt_rank outputs after their RMSNorm (dt_proj's input)"),
     _site("blocks.L.mixer.hook_B", _MAMBA_GROUPS,
-          "B per group (what the state takes in): after the causal conv and SiLU (0 at padding)"),
+          "B per group (what the state takes in): after the causal conv and SiLU (0 at padding)",
+          variants={"mamba": ("batch pos mamba_d_state", "B (what the state takes in), shared by the channels: "
+                              + "x_proj's output after its RMSNorm")}),
     _site("blocks.L.mixer.hook_C", _MAMBA_GROUPS,
-          "C per group (what the output reads of the state): after the causal conv and SiLU (0 at padding)"),
-    _site("blocks.L.mixer.hook_dt", "batch pos mamba_head", "time step per head: softplus(dt + dt_bias), clamped"),
+          "C per group (what the output reads of the state): after the causal conv and SiLU (0 at padding)",
+          variants={"mamba": ("batch pos mamba_d_state", "C (what the output reads of the state), shared by the "
+                              + "channels: x_proj's output after its RMSNorm")}),
+    _site("blocks.L.mixer.hook_dt", "batch pos mamba_head", "time step per head: softplus(dt + dt_bias), clamped",
+          variants={"mamba": (_MAMBA1, "time step per channel: softplus(dt_proj(hook_dt_low_rank)), the model's dtype")}),
     _site("blocks.L.mixer.hook_beta", "batch pos v_head", "write strength of each token's update: sigmoid(b)"),
     _site("blocks.L.mixer.hook_log_decay", "batch pos v_head",
           "log decay g = -exp(A_log) * softplus(a + dt_bias), float32: the state is multiplied by exp(g) before each "
@@ -193,16 +206,22 @@ SITES: tuple[Site, ...] = (
           "recurrent state the new tokens start from, float32 (zeros without a cached state)", variants={
               "mamba2": (_MAMBA_STATE, "recurrent state the forward starts from (cached, or zeros), float32; an edit "
                          + "changes this and later forwards"),
+              "mamba": (_MAMBA1_STATE, "recurrent state the forward starts from (cached, or zeros), float32; an edit "
+                        + "changes this and later forwards"),
           }),
     _site("blocks.L.mixer.hook_core_out", "batch pos v_head d_v", "read-out of the state per value head, before the gated norm"),
-    _site("blocks.L.mixer.hook_y", _MAMBA_HEADS, "scan output per head, state read by C plus D * x, before the norm"),
+    _site("blocks.L.mixer.hook_y", _MAMBA_HEADS, "scan output per head, state read by C plus D * x, before the norm",
+          variants={"mamba": (_MAMBA1, "scan output per channel, state read by C plus D * x, before the gate")}),
     _site("blocks.L.mixer.hook_state_out", "batch v_head d_k d_v",
           "recurrent state after the last new token, float32: what the cache keeps for the next forward", variants={
               "mamba2": (_MAMBA_STATE, "recurrent state after the last position, as cached, float32; an edit changes "
                          + "later forwards only"),
+              "mamba": (_MAMBA1_STATE, "recurrent state after the last position, as cached, float32; an edit changes "
+                        + "later forwards only"),
           }, handed_on=True),
     _site("blocks.L.mixer.hook_z", "batch pos v_head d_v",
-          "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)"),
+          "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)",
+          variants={"mamba": (_MAMBA1, "hook_y * silu(hook_gate) in the model's dtype: out_proj's input")}),
     _site("blocks.L.mixer.hook_normed", _MAMBA_HEADS, "gated norm's output per head: out_proj's input"),
     _site("blocks.L.hook_attn_out", _RESID, "what the token mixer (attention or another kind) adds to the residual stream",
           standard="attention_output",
