@@ -143,12 +143,13 @@ def test_the_mamba_hooks_hold_what_the_scan_reads_and_gives(models):
     torch.testing.assert_close(cache["attn_out", 0], mixer.out_proj(cache["blocks.0.mixer.hook_z"]), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_then_decode_equals_transformers_cached_run(models, refs, dtype):
-    """A 12-token prefill then one-token steps (the convolution window and the scan's decode step), against
-    transformers' own cached run with the same cuts: within 1e-5 in float32, bit for bit in bfloat16."""
+@pytest.mark.parametrize("dtype, prefill", [(torch.float32, 12), (torch.bfloat16, 12), (torch.float32, 2)])
+def test_prefill_then_decode_equals_transformers_cached_run(models, refs, dtype, prefill):
+    """A prefill then one-token steps (the convolution window and the scan's decode step), against transformers'
+    own cached run with the same cuts: within 1e-5 in float32, bit for bit in bfloat16; a prefill shorter than
+    the convolution's kernel (4) is padded to it before the convolution, as transformers' cache pads it."""
     model, ref, toks = models("base", dtype), refs("base", dtype), tokens(11, (2, 21))
-    cuts = [(0, 12)] + [(i, i + 1) for i in range(12, 21)]
+    cuts = [(0, prefill)] + [(i, i + 1) for i in range(prefill, 21)]
     with torch.no_grad():
         hf_cache = transformers.DynamicCache(config=ref.config)
         expected = torch.cat([ref(toks[:, a:b], cache=hf_cache, use_cache=True).logits for a, b in cuts], dim=1)
@@ -258,3 +259,22 @@ def test_plan_counts_attention_keys_and_the_mamba_state():
              seq=2048)
     per_token = 4 * 2 * 8 * 128
     assert p.kv_cache["bytes"] == (2048 * per_token + 28 * 8192 * 4) * 2 + 28 * 8192 * 16 * 4
+
+
+def test_the_mamba_mixers_terms_and_state_tensors_are_what_it_holds(models):
+    """Its declared parameters are transformers' JambaMambaMixer's, name by name; in a bfloat16 model the state a
+    forward leaves is a bfloat16 window and a float32 state, the bytes state_tensors count."""
+    from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+
+    with torch.device("meta"):
+        theirs = JambaMambaMixer(tiny_jamba.jamba_config(), layer_idx=0)
+    assert {t.name: t.shape for t in Mamba1Mixer.param_terms(models("base").cfg, 0)} == {
+        n: tuple(p.shape) for n, p in theirs.named_parameters()}
+    model = models("base", torch.bfloat16)
+    cache = KVCache.for_model(model)
+    with torch.no_grad():
+        model(tokens(shape=(2, 9)), past_kv_cache=cache)
+    state, tensors = cache.layers[0], {t.name: t for t in Mamba1Mixer.state_tensors(model.cfg)}
+    assert state.recurrent.dtype == torch.float32 and state.conv.dtype == torch.bfloat16
+    assert 2 * tensors["recurrent"].nbytes(torch.bfloat16, 9) == state.recurrent.numel() * 4
+    assert 2 * tensors["conv"].nbytes(torch.bfloat16, 9) == state.conv.numel() * 2
