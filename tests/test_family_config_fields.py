@@ -946,6 +946,26 @@ CASES = {
             "tie_word_embeddings", "vocab_size"],
         ignored=(),
     ),
+    "jamba": Case(
+        raw={"attn_layer_offset": 1, "attn_layer_period": 3, "expert_layer_offset": 1, "expert_layer_period": 2,
+            "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 32, "mamba_conv_bias": True, "mamba_d_conv": 4,
+            "mamba_d_state": 8, "mamba_dt_rank": 4, "mamba_expand": 2, "mamba_proj_bias": False,
+            "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 3,
+            "num_hidden_layers": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+            "use_mamba_kernels": True, "vocab_size": 96},
+        # attention on layer 1 (1 % 3), mixtures on layers 1 and 3 (odd), no rotary
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=256, d_mlp=32,
+            moe_layers=(False, True, False, True), n_experts=8, top_k_per_layer=(0, 3, 0, 3), d_expert=32,
+            layer_types=("linear_attention", "full_attention", "linear_attention", "linear_attention"),
+            mamba_d_inner=128, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=4),
+        read=["attn_layer_offset", "attn_layer_period", "expert_layer_offset", "expert_layer_period", "head_dim",
+            "hidden_act", "hidden_size", "intermediate_size", "mamba_conv_bias", "mamba_d_conv", "mamba_d_state",
+            "mamba_dt_rank", "mamba_expand", "mamba_proj_bias", "max_position_embeddings", "num_attention_heads",
+            "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps",
+            "tie_word_embeddings", "vocab_size"],
+        ignored=("use_mamba_kernels",),
+    ),
 }
 
 # config.json with only what the family requires (and what its defaults would contradict): transformers' defaults
@@ -1312,6 +1332,17 @@ MINIMAL = {
             moe_layers=(True,) * 4, n_experts=8, top_k_per_layer=(2,) * 4, d_expert=14336, norm_topk_prob=True,
             layer_types=("full_attention", "linear_attention") * 2),
     ),
+    "jamba": (
+        # transformers' JambaConfig defaults: attention where layer % 8 == 4 (none of 4 layers), mixtures of 16
+        # experts (top 2) on odd layers, intermediate_size 14336 for experts and dense MLPs alike, 8 kv heads,
+        # Mamba: expand 2, d_state 16, kernel 4, dt rank ceil(64 / 16)
+        {"hidden_size": 64, "num_attention_heads": 8, "num_hidden_layers": 4, "vocab_size": 96},
+        dict(d_model=64, n_layers=4, n_heads=8, n_kv_heads=8, d_head=8, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=262144, d_mlp=14336,
+            moe_layers=(False, True, False, True), n_experts=16, top_k_per_layer=(0, 2, 0, 2), d_expert=14336,
+            layer_types=("linear_attention",) * 4, mamba_d_inner=128, mamba_d_state=16, mamba_d_conv=4,
+            mamba_dt_rank=4),
+    ),
 }
 
 CONFIG_CLASSES = {
@@ -1358,6 +1389,7 @@ CONFIG_CLASSES = {
     "lfm2_moe": "Lfm2MoeConfig",
     "beam": "BeamConfig",
     "minimax": "MiniMaxConfig",
+    "jamba": "JambaConfig",
 }
 # Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's
 # and Beam's rope_parameters are keyed by layer type, which has no Hub spelling (transformers reads no other)

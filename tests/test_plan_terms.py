@@ -31,6 +31,8 @@ VARIANTS = {
     "qwen2_moe_tied": {**CONFIGS["qwen2_moe"], "tie_word_embeddings": True},
     # no experts: the shared MLP is each layer's dense MLP (granite-4.0-h-micro)
     "granitemoehybrid_dense": {**CONFIGS["granitemoehybrid"], "num_local_experts": 0},
+    # one expert: no mixture at all, every feed-forward the dense MLP
+    "jamba_dense": {**CONFIGS["jamba"], "num_experts": 1},
 }
 
 

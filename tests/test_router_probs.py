@@ -42,6 +42,7 @@ DEFINITION = {
     "dbrx": softmax,  # in the model's dtype; hook_router_probs is float32
     "lfm2_moe": normalised_sigmoid,  # its scores in the model's dtype; hook_router_probs is float32
     "beam": normalised_sigmoid,
+    "jamba": softmax,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

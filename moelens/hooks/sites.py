@@ -77,6 +77,8 @@ _MAMBA_GROUPS = "batch pos mamba_group mamba_d_state"
 _MAMBA_STATE = "batch mamba_head mamba_d_head mamba_d_state"
 _LIGHTNING = "batch pos head d_head"
 _LIGHTNING_STATE = "batch head d_head d_head"
+_MAMBA1 = "batch pos mamba_d_inner"  # Mamba (v1): one state per channel
+_MAMBA1_STATE = "batch mamba_d_inner mamba_d_state"
 
 # Every site some family has, in forward order.
 SITES: tuple[Site, ...] = (
@@ -184,7 +186,8 @@ SITES: tuple[Site, ...] = (
     # (Kimi-Linear; moelens.models.mixers.kimi_delta_attention: the delta rule with a decay per key channel, as many
     # key heads as value heads) its "kda" form; LFM2's gated short convolution (moelens.models.mixers.short_conv:
     # y = C * conv(B * x)) its "short_conv" form; lightning attention (MiniMax; moelens.models.mixers.lightning:
-    # linear attention with a fixed decay per head) its "lightning" form.
+    # linear attention with a fixed decay per head) its "lightning" form; Mamba (v1) with normed time step, B and C
+    # (Jamba; moelens.models.mixers.mamba1) its "mamba" form.
     _site("blocks.L.mixer.hook_q", "batch pos k_head d_k",
           "query per key head after the causal convolution and its SiLU, before the L2 norm",
           variants={"lightning": (_LIGHTNING, "query per head: SiLU of qkv_proj's query part (0 at padding)")}),
@@ -196,22 +199,35 @@ SITES: tuple[Site, ...] = (
     _site("blocks.L.mixer.hook_gate", "batch pos v_head d_v", "output gate per value head (transformers' z), before its SiLU",
           variants={"mamba2": (_MAMBA_HEADS, "gate z per head (in_proj's first part), silu-gating the norm"),
                     "kda": ("batch pos v_head d_v", "output gate per head (the g projection), before its sigmoid"),
-                    "lightning": (_LIGHTNING, "output gate per head (output_gate's output), before its sigmoid")}),
+                    "lightning": (_LIGHTNING, "output gate per head (output_gate's output), before its sigmoid"),
+                    "mamba": (_MAMBA1, "gate z per channel (in_proj's second half), before its SiLU")}),
     _site("blocks.L.mixer.hook_x", _MAMBA_HEADS,
-          "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)",
-          variants={"short_conv": (_RESID, "x: in_proj's last third, what the input gate B multiplies")}),
+          "scan input x per head: in_proj's x channels after the causal conv and SiLU (0 at padding)", variants={
+              "short_conv": (_RESID, "x: in_proj's last third, what the input gate B multiplies"),
+              "mamba": (_MAMBA1, "scan input x per channel: in_proj's first half after the causal conv and SiLU (0 at "
+                        + "padding); x_proj's input"),
+          }),
+    _site("blocks.L.mixer.hook_dt_low_rank", "batch pos mamba_dt_rank",
+          "low-rank time step: x_proj's first mamba_dt_rank outputs after their RMSNorm (dt_proj's input)"),
     _site("blocks.L.mixer.hook_B", _MAMBA_GROUPS,
-          "B per group (what the state takes in): after the causal conv and SiLU (0 at padding)",
-          variants={"short_conv": (_RESID, "input gate B: in_proj's first third, multiplies x before the convolution")}),
+          "B per group (what the state takes in): after the causal conv and SiLU (0 at padding)", variants={
+              "short_conv": (_RESID, "input gate B: in_proj's first third, multiplies x before the convolution"),
+              "mamba": ("batch pos mamba_d_state", "B (what the state takes in), shared by the channels: x_proj's "
+                        + "output after its RMSNorm"),
+          }),
     _site("blocks.L.mixer.hook_C", _MAMBA_GROUPS,
-          "C per group (what the output reads of the state): after the causal conv and SiLU (0 at padding)",
-          variants={"short_conv": (_RESID, "output gate C: in_proj's second third, multiplies the convolution's output")}),
+          "C per group (what the output reads of the state): after the causal conv and SiLU (0 at padding)", variants={
+              "short_conv": (_RESID, "output gate C: in_proj's second third, multiplies the convolution's output"),
+              "mamba": ("batch pos mamba_d_state", "C (what the output reads of the state), shared by the channels: "
+                        + "x_proj's output after its RMSNorm"),
+          }),
     _site("blocks.L.mixer.hook_conv_in", _RESID,
           "B * x: what the causal convolution reads, and what its cached window keeps for later positions"),
     _site("blocks.L.mixer.hook_conv_out", _RESID,
           "causal depthwise convolution of B * x over the last conv_L_cache positions (cached window first), "
           + "before the output gate"),
-    _site("blocks.L.mixer.hook_dt", "batch pos mamba_head", "time step per head: softplus(dt + dt_bias), clamped"),
+    _site("blocks.L.mixer.hook_dt", "batch pos mamba_head", "time step per head: softplus(dt + dt_bias), clamped",
+          variants={"mamba": (_MAMBA1, "time step per channel: softplus(dt_proj(hook_dt_low_rank)), the model's dtype")}),
     _site("blocks.L.mixer.hook_beta", "batch pos v_head", "write strength of each token's update: sigmoid(b)"),
     _site("blocks.L.mixer.hook_log_decay", "batch pos v_head",
           "log decay g = -exp(A_log) * softplus(a + dt_bias), float32: the state is multiplied by exp(g) before each "
@@ -225,18 +241,23 @@ SITES: tuple[Site, ...] = (
                          + "changes this and later forwards"),
               "lightning": (_LIGHTNING_STATE, "state sum of decayed k^T v the forward starts from (cached, or zeros), "
                             + "in the model's dtype; an edit changes this and later forwards"),
+              "mamba": (_MAMBA1_STATE, "recurrent state the forward starts from (cached, or zeros), float32; an edit "
+                        + "changes this and later forwards"),
           }),
     _site("blocks.L.mixer.hook_core_out", "batch pos v_head d_v", "read-out of the state per value head, before the gated norm",
           variants={"lightning": (_LIGHTNING, "per-position read-out per head (within-block plus earlier blocks, or "
                                   + "the recurrence), before the RMSNorm over all heads")}),
     _site("blocks.L.mixer.hook_y", _MAMBA_HEADS, "scan output per head, state read by C plus D * x, before the norm",
-          variants={"short_conv": (_RESID, "C * the convolution's output: out_proj's input")}),
+          variants={"short_conv": (_RESID, "C * the convolution's output: out_proj's input"),
+                    "mamba": (_MAMBA1, "scan output per channel, state read by C plus D * x, before the gate")}),
     _site("blocks.L.mixer.hook_state_out", "batch v_head d_k d_v",
           "recurrent state after the last new token, float32: what the cache keeps for the next forward", variants={
               "mamba2": (_MAMBA_STATE, "recurrent state after the last position, as cached, float32; an edit changes "
                          + "later forwards only"),
               "lightning": (_LIGHTNING_STATE, "state after the last new token, as cached, in the model's dtype; an "
                             + "edit changes later forwards only"),
+              "mamba": (_MAMBA1_STATE, "recurrent state after the last position, as cached, float32; an edit changes "
+                        + "later forwards only"),
           }, handed_on=True),
     _site("blocks.L.mixer.hook_z", "batch pos v_head d_v",
           "per-head outputs before out_proj: the gated RMSNorm of the read-out, times silu(gate)", variants={
@@ -244,6 +265,7 @@ SITES: tuple[Site, ...] = (
                       + "times sigmoid(gate)"),
               "lightning": (_LIGHTNING, "per-head outputs before out_proj: sigmoid(gate) times the RMSNorm of the "
                             + "read-out over all heads"),
+              "mamba": (_MAMBA1, "hook_y * silu(hook_gate) in the model's dtype: out_proj's input"),
           }),
     _site("blocks.L.mixer.hook_normed", _MAMBA_HEADS, "gated norm's output per head: out_proj's input"),
     _site("blocks.L.hook_attn_out", _RESID, "what the token mixer (attention or another kind) adds to the residual stream",
