@@ -14,6 +14,7 @@ What is special about the family:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
@@ -33,6 +34,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 class Qwen3NextConfig(MoeConfig):
     """MoeConfig plus the Gated DeltaNet sizes and each layer's kind ("linear_attention" or "full_attention")."""
 
+    # the layer kinds this family's layer_types may name
+    layer_kinds: ClassVar[tuple[str, ...]] = LAYER_TYPES
     layer_types: tuple[str, ...] = ()
     linear_n_key_heads: int = 0
     linear_n_value_heads: int = 0
@@ -44,9 +47,9 @@ class Qwen3NextConfig(MoeConfig):
         super().__post_init__()
         if len(self.layer_types) != self.n_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected one per layer ({self.n_layers})")
-        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
+        unknown = sorted({kind for kind in self.layer_types if kind not in self.layer_kinds})
         if unknown:
-            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(LAYER_TYPES)}")
+            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(self.layer_kinds)}")
 
 
 def read_layer_types(hf: HFConfig, n_layers: int) -> tuple[str, ...]:
