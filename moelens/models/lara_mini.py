@@ -84,9 +84,12 @@ class Float32LogitsSoftmaxTopK(SoftmaxTopK):
     def logits(self, x: Float[torch.Tensor, "... d_model"]) -> Float[torch.Tensor, "... n_experts"]:
         return F.linear(x.float(), self.weight.float())
 
-    def weights(self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype) -> torch.Tensor:
+    def weights(
+        self, scores: torch.Tensor, indices: torch.Tensor, logits_dtype: torch.dtype
+    ) -> Float[torch.Tensor, "... top_k"]:
+        """logits_dtype: the dtype the mixture asks for, here the stream's (weights_in_stream_dtype)."""
         w = scores.gather(-1, indices)
-        return w / w.sum(-1, keepdim=True) if self.norm_topk_prob else w
+        return (w / w.sum(-1, keepdim=True) if self.norm_topk_prob else w).to(logits_dtype)
 
 
 MIXERS = {"linear_attention": LaraGatedDeltaNet, "sliding_attention": LaraSlidingAttention,
