@@ -41,7 +41,7 @@ PATTERN = ("linear_attention", "sliding_attention", "linear_attention", "full_at
 DEFAULTS = dict(
     hidden_size=1024, num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6, head_dim=128,
     sliding_window=512, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=128,
-    num_experts_per_tok=4,
+    num_experts_per_tok=4, linear_num_key_heads=8, linear_num_value_heads=16,
 )
 # present in config.json (Qwen3-Next's names among them), unused by transformers' Lara Mini model
 IGNORED_FIELDS = ("attention_dropout", "router_aux_loss_coef", "output_router_logits", "intermediate_size",
@@ -139,7 +139,7 @@ class HookedLaraMini(HookedTransformer):
             **routed_fields(hf, (True,) * n_layers, n_experts,
                             hf.integer("moe_intermediate_size", d["moe_intermediate_size"], at_least=1),
                             num_experts_per_tok=d["num_experts_per_tok"]),
-            **gated_deltanet_fields(hf),
+            **gated_deltanet_fields(hf, d["linear_num_key_heads"], d["linear_num_value_heads"]),
             family=cls.model_type,
             layer_types=tuple(layer_types),
             attention_windows=tuple(window if kind == "sliding_attention" else None for kind in layer_types),

@@ -64,11 +64,12 @@ def read_layer_types(hf: HFConfig, n_layers: int) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def gated_deltanet_fields(hf: HFConfig) -> dict:
-    """The Gated DeltaNet sizes, under the names the mixer reads (transformers' defaults are Qwen3-Next's)."""
+def gated_deltanet_fields(hf: HFConfig, linear_num_key_heads: int = 16, linear_num_value_heads: int = 32) -> dict:
+    """The Gated DeltaNet sizes, under the names the mixer reads (transformers' defaults are Qwen3-Next's; the
+    keywords: a family's other defaults for the head counts)."""
     return dict(
-        linear_n_key_heads=hf.integer("linear_num_key_heads", 16, at_least=1),
-        linear_n_value_heads=hf.integer("linear_num_value_heads", 32, at_least=1),
+        linear_n_key_heads=hf.integer("linear_num_key_heads", linear_num_key_heads, at_least=1),
+        linear_n_value_heads=hf.integer("linear_num_value_heads", linear_num_value_heads, at_least=1),
         linear_d_key=hf.integer("linear_key_head_dim", 128, at_least=1),
         linear_d_value=hf.integer("linear_value_head_dim", 128, at_least=1),
         linear_conv_kernel=hf.integer("linear_conv_kernel_dim", 4, at_least=1),
