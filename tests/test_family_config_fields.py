@@ -744,6 +744,31 @@ CASES = {
             "vocab_size"],
         ignored=(),
     ),
+    "lara_mini": Case(
+        raw={"attention_bias": False, "attention_dropout": 0.0, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+            "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention",
+            "sliding_attention"], "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_value_head_dim": 12, "max_position_embeddings": 512,
+            "moe_intermediate_size": 32, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8,
+            "num_experts_per_tok": 3, "num_hidden_layers": 5, "num_key_value_heads": 2, "output_router_logits": False,
+            "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 40, "sliding_window": 5,
+            "tie_word_embeddings": True, "vocab_size": 96},
+        # the sliding layers' window; a mixture on every layer; tied by default
+        fields=dict(d_model=64, n_layers=5, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=512, attention_windows=(None, 5, None, None, 5),
+            moe_layers=(True,) * 5, n_experts=8, top_k_per_layer=(3,) * 5, d_expert=32, d_shared=40,
+            norm_topk_prob=True, tie_word_embeddings=True, layer_types=("linear_attention", "sliding_attention",
+            "linear_attention", "full_attention", "sliding_attention"), linear_n_key_heads=2, linear_n_value_heads=4,
+            linear_d_key=8, linear_d_value=12, linear_conv_kernel=4),
+        read=["attention_bias", "head_dim", "hidden_act", "hidden_size", "layer_types", "linear_conv_kernel_dim",
+            "linear_key_head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim",
+            "max_position_embeddings", "moe_intermediate_size", "norm_topk_prob", "num_attention_heads", "num_experts",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "partial_rotary_factor", "rms_norm_eps",
+            "rope_parameters", "rope_scaling", "rope_theta", "shared_expert_intermediate_size", "sliding_window",
+            "tie_word_embeddings", "vocab_size"],
+        ignored=("attention_dropout", "router_aux_loss_coef", "output_router_logits"),
+    ),
     "longcat_flash": Case(
         raw={"attention_bias": False, "expert_ffn_hidden_size": 32, "ffn_hidden_size": 80, "head_dim": 8,
             "hidden_act": "silu", "hidden_size": 64, "kv_lora_rank": 16, "max_position_embeddings": 512, "moe_topk": 3,
@@ -1243,6 +1268,17 @@ MINIMAL = {
             d_shared=512, norm_topk_prob=True, layer_types=("linear_attention",) * 3 + ("full_attention",),
             linear_n_key_heads=16, linear_n_value_heads=32, linear_d_key=128, linear_d_value=128, linear_conv_kernel=4),
     ),
+    "lara_mini": (
+        # transformers' defaults are Lara-4-Mini's sizes; layer_types the released period-5 pattern
+        {"num_attention_heads": 4, "num_hidden_layers": 5, "vocab_size": 96},
+        dict(d_model=1024, n_layers=5, n_heads=4, n_kv_heads=4, d_head=128, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=131072,
+            attention_windows=(None, 512, None, None, 512), moe_layers=(True,) * 5, n_experts=128,
+            top_k_per_layer=(4,) * 5, d_expert=512, d_shared=512, norm_topk_prob=True, tie_word_embeddings=True,
+            layer_types=("linear_attention", "sliding_attention", "linear_attention", "full_attention",
+            "sliding_attention"), linear_n_key_heads=8, linear_n_value_heads=16, linear_d_key=128, linear_d_value=128,
+            linear_conv_kernel=4),
+    ),
     "qwen3_5_moe_text": (
         # transformers' defaults are Qwen3.5-35B-A3B's sizes; a mixture on every layer, layer_types from
         # full_attention_interval 4
@@ -1375,6 +1411,7 @@ CONFIG_CLASSES = {
     "glm_moe_dsa": "DeepseekV32Config",
     "qwen3_next": "Qwen3NextConfig",
     "qwen3_5_moe_text": "Qwen3_5MoeConfig",
+    "lara_mini": "LaraMiniConfig",
     "longcat_flash": "LongcatFlashConfig",
     "llama4_text": "Llama4Config",
     "nemotron_h": "NemotronHConfig",

@@ -43,6 +43,7 @@ DEFINITION = {
     "lfm2_moe": normalised_sigmoid,  # its scores in the model's dtype; hook_router_probs is float32
     "beam": normalised_sigmoid,
     "jamba": softmax,
+    "lara_mini": softmax,  # of float32 logits
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

@@ -14,6 +14,7 @@ What is special about the family:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
@@ -33,6 +34,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 class Qwen3NextConfig(MoeConfig):
     """MoeConfig plus the Gated DeltaNet sizes and each layer's kind ("linear_attention" or "full_attention")."""
 
+    # the layer kinds this family's layer_types may name
+    layer_kinds: ClassVar[tuple[str, ...]] = LAYER_TYPES
     layer_types: tuple[str, ...] = ()
     linear_n_key_heads: int = 0
     linear_n_value_heads: int = 0
@@ -44,9 +47,9 @@ class Qwen3NextConfig(MoeConfig):
         super().__post_init__()
         if len(self.layer_types) != self.n_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected one per layer ({self.n_layers})")
-        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
+        unknown = sorted({kind for kind in self.layer_types if kind not in self.layer_kinds})
         if unknown:
-            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(LAYER_TYPES)}")
+            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(self.layer_kinds)}")
 
 
 def read_layer_types(hf: HFConfig, n_layers: int) -> tuple[str, ...]:
@@ -61,11 +64,12 @@ def read_layer_types(hf: HFConfig, n_layers: int) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def gated_deltanet_fields(hf: HFConfig) -> dict:
-    """The Gated DeltaNet sizes, under the names the mixer reads (transformers' defaults are Qwen3-Next's)."""
+def gated_deltanet_fields(hf: HFConfig, linear_num_key_heads: int = 16, linear_num_value_heads: int = 32) -> dict:
+    """The Gated DeltaNet sizes, under the names the mixer reads (transformers' defaults are Qwen3-Next's; the
+    keywords: a family's other defaults for the head counts)."""
     return dict(
-        linear_n_key_heads=hf.integer("linear_num_key_heads", 16, at_least=1),
-        linear_n_value_heads=hf.integer("linear_num_value_heads", 32, at_least=1),
+        linear_n_key_heads=hf.integer("linear_num_key_heads", linear_num_key_heads, at_least=1),
+        linear_n_value_heads=hf.integer("linear_num_value_heads", linear_num_value_heads, at_least=1),
         linear_d_key=hf.integer("linear_key_head_dim", 128, at_least=1),
         linear_d_value=hf.integer("linear_value_head_dim", 128, at_least=1),
         linear_conv_kernel=hf.integer("linear_conv_kernel_dim", 4, at_least=1),

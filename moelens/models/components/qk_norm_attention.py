@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from moelens.config import MoeConfig
 from moelens.models.components.attention import Attention
 from moelens.models.components.norm import RMSNorm
@@ -14,6 +16,8 @@ class QKNormBeforeRotaryAttention(Attention):
     (Qwen3-MoE). hook_q / hook_k hold the projections before the norm; hook_rot_q / hook_rot_k what enters
     the scores, after the norm and the rotary. The normed, not yet rotated heads have no hook."""
 
+    qk_norm: ClassVar[type[RMSNorm]] = RMSNorm  # the q/k norms' class (where their weight is applied)
+
     @classmethod
     def param_terms(cls, cfg: MoeConfig, layer: int) -> tuple[ParamTerm, ...]:
         return (super().param_terms(cfg, layer) + under("q_norm", RMSNorm.param_terms(cfg.d_head))
@@ -21,8 +25,8 @@ class QKNormBeforeRotaryAttention(Attention):
 
     def __init__(self, cfg: MoeConfig, layer: int) -> None:
         super().__init__(cfg, layer)
-        self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
-        self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps, hooked=False)
+        self.q_norm = self.qk_norm(cfg.d_head, cfg.norm_eps, hooked=False)
+        self.k_norm = self.qk_norm(cfg.d_head, cfg.norm_eps, hooked=False)
 
     def position(self, q, k, cos, sin):
         return super().position(self.q_norm(q), self.k_norm(k), cos, sin)

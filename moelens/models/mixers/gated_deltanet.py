@@ -99,6 +99,7 @@ class GatedDeltaNet(nn.Module):
     with GatedDeltaNetSizes' attributes."""
 
     block_attribute: ClassVar[str] = "mixer"
+    norm_class: ClassVar[type[GatedRMSNorm]] = GatedRMSNorm  # the output's gated norm (its weight's rounding order)
 
     @classmethod
     def param_terms(cls, cfg: object, layer: int) -> tuple[ParamTerm, ...]:
@@ -108,7 +109,7 @@ class GatedDeltaNet(nn.Module):
         return (cls.in_projections(cfg)
                 + depthwise_conv("conv1d", 2 * key_dim + value_dim, cfg.linear_conv_kernel, False, "attention")
                 + vector("dt_bias", cfg.linear_n_value_heads, "attention") + vector("A_log", cfg.linear_n_value_heads, "attention")
-                + under("norm", GatedRMSNorm.param_terms(cfg.linear_d_value, "attention"))
+                + under("norm", cls.norm_class.param_terms(cfg.linear_d_value, "attention"))
                 + linear("out_proj", value_dim, cfg.d_model, False, "attention"))
 
     @staticmethod
@@ -130,7 +131,7 @@ class GatedDeltaNet(nn.Module):
                                 padding=self.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.n_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.n_v_heads))
-        self.norm = GatedRMSNorm(self.d_v, cfg.norm_eps)
+        self.norm = self.norm_class(self.d_v, cfg.norm_eps)
         self.out_proj = nn.Linear(self.value_dim, self.d_model, bias=False)
         self.hook_q = site_hook("blocks.L.mixer.hook_q")
         self.hook_k = site_hook("blocks.L.mixer.hook_k")

@@ -34,8 +34,12 @@ class GatedRMSNorm(nn.Module):
         dtype = x.dtype
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
-        normed = self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
+        normed = self.apply_weight(x * torch.rsqrt(variance + self.eps), dtype)
         return (normed * F.silu(gate.to(torch.float32))).to(dtype)
+
+    def apply_weight(self, normed: Float[torch.Tensor, "... d"], dtype: torch.dtype) -> Float[torch.Tensor, "... d"]:
+        """The float32 normed input, back in the input's dtype, times the weight (Qwen3-Next's order)."""
+        return self.weight * normed.to(dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
