@@ -30,7 +30,7 @@ from moelens.models.base import HookedTransformer
 from moelens.models.components import SharedExpertMoe, TopKRouter
 from moelens.models.components.norm import CastAfterWeightRMSNorm
 from moelens.models.gpt_oss import SinkAttention
-from moelens.models.qwen2_moe import dense_width, mixture_layers
+from moelens.models.qwen2_moe import mixture_layers
 from moelens.models.recipe import Recipe, decoder_recipe
 from moelens.models.sites import (
     Entry, attention_projections, decoder_site_map, dense_mlp, gated_mlp, router_references, routed_experts,
@@ -41,7 +41,7 @@ from moelens.sitemap import Reference, SiteMap, Weight
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # transformers' FlintConfig defaults (Flint's sizes)
 DEFAULTS = dict(
-    hidden_size=2048, num_key_value_heads=4, max_position_embeddings=262144, rms_norm_eps=1e-6, head_dim=128,
+    hidden_size=2048, intermediate_size=6144, num_key_value_heads=4, max_position_embeddings=262144, rms_norm_eps=1e-6, head_dim=128,
     sliding_window=513, moe_intermediate_size=512, shared_expert_intermediate_size=1024, num_experts_per_tok=6,
     num_experts=256, mlp_only_layers=[0, 1],
 )
@@ -152,7 +152,8 @@ class HookedFlint(HookedTransformer):
             family=cls.model_type,
             qkv_bias=bias,
             o_bias=bias,
-            d_mlp=dense_width(hf, moe_layers),
+            d_mlp=(hf.integer("intermediate_size", 0, at_least=0) if all(moe_layers)  # no dense block: not needed
+                   else hf.integer("intermediate_size", d["intermediate_size"], at_least=1)),
             d_shared=(hf.integer("shared_expert_intermediate_size", d["shared_expert_intermediate_size"], at_least=1)
                       if any_moe else 0),
             norm_topk_prob=hf.flag("norm_topk_prob", True),
