@@ -24,15 +24,16 @@ from moelens.models.ernie4_5_moe import StatisticsBiasedSoftmaxTopK
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.llama4_text import SigmoidOfChosenLogits
+from moelens.models.flint import Float32SigmoidTopK
 from moelens.models.kolibri1 import BiasedLogitsSigmoidTopK
 from moelens.models.minimax_m2 import SigmoidTopKFloat32Weights
 from moelens.models.mixtral import SoftmaxTopKFloat32Weights
 
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
 # the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral, MiniMax-M2,
-# Kolibri 1)
+# Kolibri 1, Flint)
 FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK, SoftmaxTopKFloat32Weights, SigmoidTopKFloat32Weights,
-                   BiasedLogitsSigmoidTopK)
+                   BiasedLogitsSigmoidTopK, Float32SigmoidTopK)
 
 
 def sparsemixer_by_hand(logits, idx, eps):
@@ -95,7 +96,13 @@ def test_router_rules(family_models, family, tokens):
         logits, w, idx = cache["router_logits", layer], cache["expert_weights", layer], cache["expert_indices", layer]
         k = model.cfg.top_k_per_layer[layer]
         router = model.blocks[layer].mlp.router
-        if router.scoring == "sigmoid":  # MiniMax-M2's is one group of all experts, unscaled
+        if isinstance(router, Float32SigmoidTopK):  # Flint: the top-k of the sigmoid scores, no bias, no groups
+            scores = logits.float().sigmoid()
+            assert torch.equal(scores.topk(k, -1).indices, idx)
+            expected = scores.gather(-1, idx)
+            if model.cfg.norm_topk_prob:
+                expected = expected / expected.sum(-1, keepdim=True)
+        elif router.scoring == "sigmoid":  # MiniMax-M2's is one group of all experts, unscaled
             scores = logits.float().sigmoid()
             bias = model.blocks[layer].mlp.router.e_score_correction_bias
             biased = (scores + bias).unflatten(-1, (model.cfg.n_group, -1))
