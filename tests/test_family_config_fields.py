@@ -474,6 +474,25 @@ CASES = {
             "tie_word_embeddings", "vocab_size"],
         ignored=("attention_dropout",),
     ),
+    "flint": Case(
+        raw={"attention_bias": False, "attention_dropout": 0.0, "decoder_sparse_step": 1, "head_dim": 16,
+            "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 80, "layer_types": ["sliding_attention",
+            "full_attention", "sliding_attention"], "max_position_embeddings": 256, "mlp_only_layers": [0],
+            "moe_intermediate_size": 32, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8,
+            "num_experts_per_tok": 3, "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+            "rope_parameters": {"rope_theta": 1000.0, "rope_type": "default"}, "router_aux_loss_coef": 0.0005,
+            "shared_expert_intermediate_size": 40, "sliding_window": 5, "tie_word_embeddings": False, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, attention_windows=(5, None, 5), d_mlp=80,
+            moe_layers=(False, True, True), n_experts=8, top_k_per_layer=(0, 3, 3), d_expert=32, d_shared=40,
+            norm_topk_prob=True),
+        read=["attention_bias", "decoder_sparse_step", "head_dim", "hidden_act", "hidden_size", "intermediate_size",
+            "layer_types", "max_position_embeddings", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob",
+            "num_attention_heads", "num_experts", "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads",
+            "partial_rotary_factor", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+            "shared_expert_intermediate_size", "sliding_window", "tie_word_embeddings", "vocab_size"],
+        ignored=("attention_dropout", "router_aux_loss_coef"),
+    ),
     "aria_text": Case(
         raw={"attention_bias": False, "attention_dropout": 0.0, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
             "intermediate_size": 24, "max_position_embeddings": 256, "mlp_bias": False, "moe_num_experts": 8,
@@ -1116,6 +1135,16 @@ MINIMAL = {
             rope=RopeConfig(theta=10000.0), max_position_embeddings=262144, attention_windows=(513, 513, 513, 513, None),
             moe_layers=(True,) * 5, n_experts=384, top_k_per_layer=(6,) * 5, d_expert=512, d_shared=512),
     ),
+    "flint": (
+        # transformers' defaults are Flint's sizes: full attention on the first two layers, every fourth from layer 1
+        # and the last; the first two blocks dense
+        {"num_attention_heads": 4, "num_hidden_layers": 6, "vocab_size": 96},
+        dict(d_model=2048, n_layers=6, n_heads=4, n_kv_heads=4, d_head=128, d_vocab=96, norm_eps=1e-06,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=262144,
+            attention_windows=(None, None, 513, 513, 513, None), d_mlp=6144,
+            moe_layers=(False, False, True, True, True, True), n_experts=256, top_k_per_layer=(0, 0, 6, 6, 6, 6),
+            d_expert=512, d_shared=1024, norm_topk_prob=True),
+    ),
     "aria_text": (
         # transformers' AriaTextConfig defaults
         {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
@@ -1421,6 +1450,7 @@ CONFIG_CLASSES = {
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "axk1": "DeepseekV3Config",
     "kolibri1": "MoeConfig",
+    "flint": "MoeConfig",
     "aria_text": "AriaTextConfig",
     "mellum": "MellumConfig",
     "lfm2_moe": "Lfm2MoeConfig",

@@ -24,6 +24,7 @@ from moelens.models.ernie4_5_moe import StatisticsBiasedSoftmaxTopK
 from moelens.models.components import Float32SoftmaxTopK, GatedSharedExpertMoe, SharedFirstMoe, SigmoidGroupedTopK
 from moelens.models.gpt_oss import LogitTopKSoftmax
 from moelens.models.llama4_text import SigmoidOfChosenLogits
+from moelens.models.flint import Float32SigmoidTopK
 from moelens.models.kolibri1 import BiasedLogitsSigmoidTopK
 from moelens.models.lfm2_moe import Lfm2SigmoidTopK
 from moelens.models.minimax_m2 import SigmoidTopKFloat32Weights
@@ -31,9 +32,9 @@ from moelens.models.mixtral import SoftmaxTopKFloat32Weights
 
 zero = lambda t, hook: torch.zeros_like(t)  # noqa: E731
 # the routers whose slot weights stay float32 in any model dtype (Hunyuan, Solar / DeepSeek, Mixtral, MiniMax-M2,
-# Kolibri 1)
+# Kolibri 1, Flint)
 FLOAT32_WEIGHTS = (Float32SoftmaxTopK, SigmoidGroupedTopK, SoftmaxGroupLimitedTopK, SoftmaxTopKFloat32Weights, SigmoidTopKFloat32Weights,
-                   BiasedLogitsSigmoidTopK)
+                   BiasedLogitsSigmoidTopK, Float32SigmoidTopK)
 
 
 def sparsemixer_by_hand(logits, idx, eps):
@@ -115,6 +116,12 @@ def test_router_rules(family_models, family, tokens):
             if model.cfg.norm_topk_prob:
                 expected = expected / (expected.sum(-1, keepdim=True) + 1e-6)
             expected = expected * model.cfg.routed_scaling_factor
+        elif isinstance(router, Float32SigmoidTopK):  # Flint: the top-k of the sigmoid scores, no bias, no groups
+            scores = logits.float().sigmoid()
+            assert torch.equal(scores.topk(k, -1).indices, idx)
+            expected = scores.gather(-1, idx)
+            if model.cfg.norm_topk_prob:
+                expected = expected / expected.sum(-1, keepdim=True)
         elif router.scoring == "sigmoid":  # MiniMax-M2's is one group of all experts, unscaled
             scores = logits.float().sigmoid()
             bias = model.blocks[layer].mlp.router.e_score_correction_bias

@@ -68,7 +68,7 @@ def test_each_familys_parts_sum_to_mlp_out(family_models, family, tokens):
                 torch.testing.assert_close(by_hand, term, rtol=0, atol=1e-5)
     shared = {"qwen2_moe", "hunyuan_v1_moe", "solar_open", "deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa", "llama4_text",
               "qwen3_next", "qwen3_5_moe", "nemotron_h", "glm4_moe_lite", "deepseek_v2", "ernie4_5_moe",
-              "granitemoeshared", "afmoe", "kolibri1", "aria_text", "lara_mini"}
+              "granitemoeshared", "afmoe", "kolibri1", "aria_text", "lara_mini", "flint"}
     # a family derived from another (sarvam_mla from deepseek_v3) has its arrangement
     assert ("shared" in kinds) == any(name in shared for name in lineage(family))
     gated = [p for b in model.blocks if b.has_ffn for p in b.mlp.parts() if p.gate is not None]

@@ -44,6 +44,7 @@ DEFINITION = {
     "beam": normalised_sigmoid,
     "jamba": softmax,
     "lara_mini": softmax,  # of float32 logits
+    "flint": normalised_sigmoid,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

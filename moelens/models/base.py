@@ -80,10 +80,14 @@ _DRAWN_1D = ("sinks",)
 
 def keep_float32(model: nn.Module) -> None:
     """Back to float32, whatever the model's dtype: every tensor of a module whose class says float32_weight (some
-    routers and norms), as transformers keeps them."""
+    routers and norms), and the parameters a class names in float32_params (Flint's attention sinks), as
+    transformers keeps them."""
     for module in model.modules():
         if getattr(module, "float32_weight", False):
             module.float()
+        for name in getattr(module, "float32_params", ()):
+            param = module._parameters[name]
+            module._parameters[name] = nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
 
 
 class HookedTransformer(HookedSAEMixin, WeightViews, HookedRootModule, metaclass=_BuildsFromConfig):

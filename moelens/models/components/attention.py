@@ -103,11 +103,14 @@ def attend(
         if group > 1 and not rows_contiguous(k):
             k, v = k.contiguous(), v.contiguous()
         q_grouped = q.reshape(b, n_kv, group * n_q, d)
+        if attn.float32_scores:
+            q_grouped, k = q_grouped.float(), k.float()
         scores = torch.matmul(q_grouped, k.transpose(2, 3)).mul_(attn.scale).view(b, n_heads, n_q, n_k)
         # in place: these are the largest tensors of the block. finfo.min, not -inf: a row with nothing
         # allowed must not turn into NaN
         scores = attn.hook_attn_scores(scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min))
-        pattern = attn.hook_pattern(attn.softmax(scores))
+        # in the values' dtype (a no-op unless the scores are float32 in a half-precision model)
+        pattern = attn.hook_pattern(attn.softmax(scores).to(v.dtype))
         z = torch.matmul(pattern.reshape(b, n_kv, group * n_q, n_k), v).view(b, n_heads, n_q, v.shape[-1])
         z = attn.rescale_heads(z, scores)
     else:  # nothing reads the pattern: the fused kernel gives the same result
@@ -127,6 +130,8 @@ class Attention(AttentionWeightViews, nn.Module):
     use_attn_result = False  # model.set_use_attn_result switches it per instance
     # whether SDPA computes the same thing when nothing reads the scores or pattern (backend "fused")
     fusable: ClassVar[bool] = True
+    # scores and softmax in float32 whatever the model's dtype, the pattern cast back to the values' (Flint)
+    float32_scores: ClassVar[bool] = False
 
     q_proj_factor: ClassVar[int] = 1  # q_proj's rows per head and d_head (2: a query and an output gate)
 

@@ -115,6 +115,7 @@ class MultiHeadLatentAttention(AttentionWeightViews, nn.Module):
 
     block_attribute: ClassVar[str] = "attn"
     fusable: ClassVar[bool] = True
+    float32_scores: ClassVar[bool] = False  # scores in the model's dtype (attend reads it)
 
     def forward(
         self, x: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
