@@ -40,6 +40,7 @@ DEFINITION = {
     "aria_text": softmax,
     "mellum": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
     "dbrx": softmax,  # in the model's dtype; hook_router_probs is float32
+    "mimo_v2_flash": normalised_sigmoid,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

@@ -26,6 +26,7 @@ transformers, the model is the num_hidden_layers blocks: the checkpoint's multi-
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -199,9 +200,9 @@ class HookedMiMoV2Flash(HookedTransformer):
         types = _layer_types(hf, n_layers)
         moe_layers = _moe_layers(hf, n_layers)
         ropes = _ropes(hf)
-        window = _window(hf, raw)
+        window = _window(hf, raw) if "sliding_attention" in types else None
         kv, d_v = fields["n_kv_heads"], hf.integer("v_head_dim", d["v_head_dim"], at_least=1)
-        _check_hub_fields(hf, raw, fields, types, moe_layers, d_v, ropes)
+        _check_hub_fields(hf, fields, types, moe_layers, d_v, ropes)
         n_experts = hf.integer("n_routed_experts", d["n_routed_experts"], at_least=1)
         routed = routed_fields(
             hf, moe_layers, n_experts, hf.integer("moe_intermediate_size", d["moe_intermediate_size"], at_least=1),
@@ -264,12 +265,13 @@ def _ropes(hf: HFConfig) -> dict[str, RopeConfig]:
     if params is None:
         return dict(DEFAULT_ROPES)
     if not isinstance(params, dict) or set(params) != set(LAYER_TYPES):
+        got = f"the keys {sorted(params)}" if isinstance(params, dict) else reprlib.repr(params)
         raise ValueError(f"rope_parameters must map each of {list(LAYER_TYPES)} to its rotary settings (this "
-                         f"family's rotary differs per layer type); got {params!r}")
+                         f"family's rotary differs per layer type); got {got}")
     ropes = {}
     for kind in LAYER_TYPES:
         if not isinstance(params[kind], dict):
-            raise ValueError(f"rope_parameters.{kind} = {params[kind]!r}; expected a JSON object")
+            raise ValueError(f"rope_parameters.{kind} = {reprlib.repr(params[kind])}; expected a JSON object")
         section = HFConfig(params[kind], {key: f"rope_parameters.{kind}" for key in params[kind]})
         rope_type = section.text("rope_type", "default")
         if rope_type != "default":
@@ -285,8 +287,9 @@ def _ropes(hf: HFConfig) -> dict[str, RopeConfig]:
 def _window(hf: HFConfig, raw: dict) -> int:
     """sliding_window; a Hub config's sliding_window_size (the previous tokens a query sees besides itself)
     wins, plus one, as transformers reads it."""
-    if raw.get("sliding_window_size") is not None:
-        return hf.integer("sliding_window_size", at_least=0) + 1
+    size = hf.integer("sliding_window_size", None, at_least=0)
+    if size is not None:
+        return size + 1
     if "sliding_window" in raw and raw["sliding_window"] is None:
         raise ValueError("sliding_window = null: the sliding layers need a window length (transformers' default, "
                          f"{DEFAULTS['sliding_window']}, is for an absent field)")
@@ -294,7 +297,7 @@ def _window(hf: HFConfig, raw: dict) -> int:
 
 
 def _check_hub_fields(
-    hf: HFConfig, raw: dict, fields: dict, types: list[str], moe_layers: tuple[bool, ...], d_v: int,
+    hf: HFConfig, fields: dict, types: list[str], moe_layers: tuple[bool, ...], d_v: int,
     ropes: dict[str, RopeConfig],
 ) -> None:
     """The Hub config.json's pattern and head fields, which transformers does not read: each must agree with what
@@ -318,9 +321,9 @@ def _check_hub_fields(
     if len(partials) == 1:
         expected["partial_rotary_factor"] = (partials.pop(), "rope_parameters' partial_rotary_factor")
     for name, (want, source) in expected.items():
-        if raw.get(name) is None:
-            continue
         value = hf.opt(name)
+        if value is None:
+            continue
         if value != want or isinstance(value, bool) != isinstance(want, bool):  # 1 == True: a bool is no count
             raise ValueError(
                 f"{name} = {value!r} disagrees with {source} ({want!r}), which transformers builds the model from "
