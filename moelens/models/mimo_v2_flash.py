@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import reprlib
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +35,7 @@ from jaxtyping import Float
 from torch import nn
 
 from moelens.config import HFConfig, MoeConfig, RopeConfig, common_fields, routed_fields
+from moelens.hooks.sites import site_hook
 from moelens.models.base import HookedTransformer
 from moelens.models.components import SigmoidGroupedTopK, SparseMoe
 from moelens.models.components.attention import linear_per_head, split_inputs
@@ -120,6 +120,8 @@ class MiMoAttention(SlidingWindowAttention):
         self.d_v, self.value_scale = cfg.d_head_v, cfg.value_scale
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.d_v, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * self.d_v, cfg.d_model, bias=False)
+        self.hook_v = site_hook("blocks.L.attn.hook_v", "scaled")
+        self.hook_z = site_hook("blocks.L.attn.hook_z", "narrow")
         rope = cfg.layer_rope(layer)
         # the model's table serves the full layers' rotary; the other layer type gets its own
         self.layer_rotary = None if rope == cfg.rope else Rotary(dataclasses.replace(cfg, rope=rope))
