@@ -92,8 +92,8 @@ class MixtureLayers(LayerViews):
 
 class AttentionLayers(LayerViews):
     """An attention weight view (W_Q, W_K, W_V, W_O, their biases, QK, OV) of a hybrid model, where some blocks'
-    token mixer is not softmax attention (a linear-attention or state-space mixer: blocks[L].mixer) or absent:
-    {attention block index: tensor}."""
+    token mixer is not softmax attention (a linear-attention or state-space mixer: blocks[L].mixer) or absent,
+    or whose blocks' tensors differ in shape (kv heads per layer type): {attention block index: tensor}."""
 
     holders = "softmax-attention layer"
     others = "a linear-attention / state-space layer (read blocks[L].mixer), a layer without a token mixer,"
@@ -173,13 +173,14 @@ class WeightViews:
 
     # ---- attention: each block's views (moelens.models.components.attention_views), stacked ---------------
     def _per_layer(self, fn: Callable[[Attention], torch.Tensor], what: str = "") -> torch.Tensor | AttentionLayers:
-        """One stack over the blocks where every block's token mixer is softmax attention; else {attention
-        block index: tensor} (a stack over the attention layers alone would renumber them)."""
-        if all(block.has_attention for block in self.blocks):
-            return torch.stack([fn(block.attn) for block in self.blocks])
-        return AttentionLayers(
-            what, {l: fn(block.attn) for l, block in enumerate(self.blocks) if block.has_attention}, self.cfg.n_layers
-        )
+        """One stack over the blocks where every block's token mixer is softmax attention and the blocks' tensors
+        share a shape; else {attention block index: tensor} (a stack over the attention layers alone would
+        renumber them)."""
+        per_layer = {l: fn(block.attn) for l, block in enumerate(self.blocks) if block.has_attention}
+        # a stack needs one shape: the grouped views of a model whose kv heads differ by layer type are per block
+        if len(per_layer) == len(self.blocks) and len({t.shape for t in per_layer.values()}) == 1:
+            return torch.stack(list(per_layer.values()))
+        return AttentionLayers(what, per_layer, self.cfg.n_layers)
 
     @property
     def W_Q(self) -> Float[torch.Tensor, "n_layers n_heads d_model d_head"]:

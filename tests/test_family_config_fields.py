@@ -1010,6 +1010,34 @@ CASES = {
             "tie_word_embeddings", "vocab_size"],
         ignored=("use_mamba_kernels",),
     ),
+    "mimo_v2_flash": Case(
+        raw={"attention_bias": False, "attention_value_scale": 0.6, "head_dim": 24, "hidden_act": "silu", "hidden_size":
+            64, "intermediate_size": 80, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+            "sliding_attention"], "max_position_embeddings": 256, "mlp_layer_types": ["dense", "sparse", "sparse",
+            "sparse"], "moe_intermediate_size": 24, "n_group": 4, "n_routed_experts": 8, "norm_topk_prob": True,
+            "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 4, "num_key_value_heads": 1,
+            "rms_norm_eps": 1e-05, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 50000.0,
+            "partial_rotary_factor": 0.334}, "sliding_attention": {"rope_type": "default", "rope_theta": 100.0,
+            "partial_rotary_factor": 0.5}}, "routed_scaling_factor": 2.5, "sliding_window": 5, "tie_word_embeddings":
+            False, "topk_group": 2, "v_head_dim": 16, "vocab_size": 96},
+        # the sliding layers: twice the kv heads, their own rotary; values 16 wide, scaled by 0.6
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=1, d_head=24, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=50000.0, partial_rotary_factor=0.334), max_position_embeddings=256,
+            attention_windows=(None, 5, 5, 5), d_mlp=80, moe_layers=(False, True, True, True), n_experts=8,
+            top_k_per_layer=(0, 3, 3, 3), d_expert=24, norm_topk_prob=True, routed_scaling_factor=2.5, n_group=4,
+            topk_group=2, d_head_v=16, sliding_kv_heads=2, sliding_rope=RopeConfig(theta=100.0, partial_rotary_factor=0.5),
+            value_scale=0.6),
+        # the Hub's pattern and head fields are looked up too, to be checked against these where present
+        read=["add_full_attention_sink_bias", "add_swa_attention_sink_bias", "attention_bias", "attention_value_scale",
+            "head_dim", "hidden_act", "hidden_size", "hybrid_layer_pattern", "intermediate_size", "layer_types",
+            "layernorm_epsilon", "max_position_embeddings", "mlp_layer_types", "moe_intermediate_size", "moe_layer_freq",
+            "n_group", "n_routed_experts", "n_shared_experts", "norm_topk_prob", "num_attention_heads",
+            "num_experts_per_tok", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps", "rope_parameters",
+            "rope_theta", "routed_scaling_factor", "sliding_window", "sliding_window_size", "swa_head_dim",
+            "swa_num_attention_heads", "swa_num_key_value_heads", "swa_rope_theta", "swa_v_head_dim",
+            "tie_word_embeddings", "topk_group", "v_head_dim", "vocab_size"],
+        ignored=(),
+    ),
 }
 
 # config.json with only what the family requires (and what its defaults would contradict): transformers' defaults
@@ -1408,6 +1436,17 @@ MINIMAL = {
             layer_types=("linear_attention",) * 4, mamba_d_inner=128, mamba_d_state=16, mamba_d_conv=4,
             mamba_dt_rank=4),
     ),
+    "mimo_v2_flash": (
+        # MiMo-V2-Flash's sizes (transformers' MiMoV2FlashConfig): full attention on layers 0 and 5, the others
+        # sliding (window 129) with twice the 4 kv heads; the first block dense; thetas 5e6 / 1e4, 0.334 rotated
+        {"num_attention_heads": 8, "num_hidden_layers": 7, "vocab_size": 96},
+        dict(d_model=4096, n_layers=7, n_heads=8, n_kv_heads=4, d_head=192, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=5000000.0, partial_rotary_factor=0.334), max_position_embeddings=131072,
+            attention_windows=(None, 129, 129, 129, 129, None, 129), d_mlp=16384,
+            moe_layers=(False, True, True, True, True, True, True), n_experts=256, top_k_per_layer=(0, 8, 8, 8, 8, 8, 8),
+            d_expert=2048, norm_topk_prob=True, d_head_v=128, sliding_kv_heads=8,
+            sliding_rope=RopeConfig(theta=10000.0, partial_rotary_factor=0.334), value_scale=0.707),
+    ),
 }
 
 CONFIG_CLASSES = {
@@ -1457,10 +1496,12 @@ CONFIG_CLASSES = {
     "beam": "BeamConfig",
     "minimax": "MiniMaxConfig",
     "jamba": "JambaConfig",
+    "mimo_v2_flash": "MiMoV2FlashConfig",
 }
-# Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's
-# and Beam's rope_parameters are keyed by layer type, which has no Hub spelling (transformers reads no other)
-ROTARY_CASES = [family for family, case in CASES.items() if "rope_parameters" in case.raw and family not in ("mellum", "beam")]
+# Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's, Beam's
+# and MiMo-V2-Flash's rope_parameters are keyed by layer type, which has no Hub spelling (transformers reads no other)
+ROTARY_CASES = [family for family, case in CASES.items()
+                if "rope_parameters" in case.raw and family not in ("mellum", "beam", "mimo_v2_flash")]
 
 
 def identity(cfg) -> dict:

@@ -157,6 +157,11 @@ OWN_FIELDS = {
     # Mellum's rotary settings are keyed by layer type
     "mellum": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}},
+    # MiMo-V2-Flash's too, each with transformers' default share 0.334 of d_head unless given (5 of 16: odd); its
+    # sliding layers have twice num_key_value_heads kv heads, which must divide the heads
+    "mimo_v2_flash": {"n_group": 1, "topk_group": 1, "num_key_value_heads": 2, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25}}},
 }
 
 

@@ -45,6 +45,7 @@ DEFINITION = {
     "jamba": softmax,
     "lara_mini": softmax,  # of float32 logits
     "flint": normalised_sigmoid,
+    "mimo_v2_flash": normalised_sigmoid,
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}

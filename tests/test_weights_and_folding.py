@@ -100,24 +100,44 @@ def test_attention_views_reproduce_hooks(runs, toks, family):
 def check_qkv_views(model, cache, attn):
     """x @ W + b of ln1's output gives the hooks that are linear projections (attn.linear_hooks)."""
     cfg = model.cfg
-    H, G, D, M = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
-    W_Q, W_K, W_V = (attention_view(model, name, (H, M, D)) for name in ("W_Q", "W_K", "W_V"))
-    W_K_grouped = attention_view(model, "W_K_grouped", (G, M, D))
-    attention_view(model, "W_V_grouped", (G, M, D))
-    b_Q, b_K, b_V = (attention_view(model, name, (H, D)) for name in ("b_Q", "b_K", "b_V"))
-    for l in attention_layers(model):
+    H, D, M = cfg.n_heads, cfg.d_head, cfg.d_model
+    layers = attention_layers(model)
+    # each layer's kv heads, and the heads' value width, as its hooks hold them (MiMo-V2-Flash's kv heads differ
+    # by layer type, its values are narrower than its keys)
+    G = {l: cache["k", l].shape[2] for l in layers}
+    D_v = cache["v", layers[0]].shape[-1]
+    W_Q, W_K = (attention_view(model, name, (H, M, D)) for name in ("W_Q", "W_K"))
+    W_V = attention_view(model, "W_V", (H, M, D_v))
+    W_K_grouped = grouped_view(model, "W_K_grouped", {l: (G[l], M, D) for l in layers})
+    grouped_view(model, "W_V_grouped", {l: (G[l], M, D_v) for l in layers})
+    b_Q, b_K = (attention_view(model, name, (H, D)) for name in ("b_Q", "b_K"))
+    b_V = attention_view(model, "b_V", (H, D_v))
+    for l in layers:
         x = sublayer_input(model, cache, l, "mixer")
+        group = H // G[l]
         if "q" in attn.linear_hooks:
             close(torch.einsum("bpm,hmd->bphd", x, W_Q[l]) + b_Q[l], cache["q", l])
         if "k" in attn.linear_hooks:
             k = torch.einsum("bpm,gmd->bpgd", x, W_K_grouped[l])
-            close(k + b_K[l][:: H // G], cache["k", l])
+            close(k + b_K[l][::group], cache["k", l])
             # the repeated view: query head h uses kv head h // (H / G)
-            close(torch.einsum("bpm,hmd->bphd", x, W_K[l]) + b_K[l], cache["k", l].repeat_interleave(H // G, dim=2))
+            close(torch.einsum("bpm,hmd->bphd", x, W_K[l]) + b_K[l], cache["k", l].repeat_interleave(group, dim=2))
         v = torch.einsum("bpm,hmd->bphd", x, W_V[l]) + b_V[l]
         if "v" not in attn.linear_hooks:  # DBRX's clip_qkv: the values are the projection clamped
             v = v.clamp(-attn.clip_qkv, attn.clip_qkv)
-        close(v, cache["v", l].repeat_interleave(H // G, dim=2))
+        close(v, cache["v", l].repeat_interleave(group, dim=2))
+
+
+def grouped_view(model, name, shapes):
+    """A grouped view (W_K_grouped, W_V_grouped) given each attention layer's shape: attention_view where they
+    all share one; else {layer: tensor}, each of its layer's shape (a stack needs one)."""
+    if len(set(shapes.values())) == 1:
+        return attention_view(model, name, next(iter(shapes.values())))
+    view = getattr(model, name)
+    assert isinstance(view, dict) and {l: tuple(t.shape) for l, t in view.items()} == shapes, name
+    with pytest.raises(AttributeError, match="index it by block"):
+        view.shape
+    return view
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -420,8 +440,9 @@ def test_block_attention_views_are_transformer_lens_s(runs, family):
                     with pytest.raises(ValueError, match=rf"{view}: .*latent"):
                         getattr(attn, view)
                 continue
-            assert attn.W_Q.shape == attn.W_K.shape == attn.W_V.shape == (H, M, D)
-            assert attn.b_Q.shape == attn.b_K.shape == attn.b_V.shape == (H, D)
+            D_v = cache["v", l].shape[-1]  # each head's value width (narrower than d_head in MiMo-V2-Flash)
+            assert attn.W_Q.shape == attn.W_K.shape == (H, M, D) and attn.W_V.shape == (H, M, D_v)
+            assert attn.b_Q.shape == attn.b_K.shape == (H, D) and attn.b_V.shape == (H, D_v)
             for view in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_K_grouped", "W_V_grouped"):
                 assert torch.equal(getattr(attn, view), getattr(model, view)[l]), view
             # W_Q is a view of q_proj: TL code editing it in place edits the model

@@ -124,6 +124,8 @@ SITES: tuple[Site, ...] = (
           standard="attention_values", short="v", variants={
               "latent": ("batch pos head v_head_dim", "decompressed value per head"),
               "clamped": ("batch pos kv_head d_head", f"value projection (bias included){_CLAMP}"),
+              # MiMo-V2-Flash: values narrower than the keys, scaled as projected (and so cached)
+              "scaled": ("batch pos kv_head d_head_v", "value projection (bias included) times attention_value_scale"),
           }),
     _site("blocks.L.attn.hook_rot_q", "batch pos head d_head",
           "queries entering attention (after rotary, and q norm where the family has one)",
@@ -176,6 +178,7 @@ SITES: tuple[Site, ...] = (
                         + "output projection reads"),
               "gated_latent": ("batch pos head v_head_dim", "per-head outputs times sigmoid(hook_attn_gate) of their "
                                + "head, what the output projection reads"),
+              "narrow": ("batch pos head d_head_v", "per-head outputs before the output projection"),
           }),
     _site("blocks.L.attn.hook_result", "batch pos head d_model", "each head's output after W_O (without b_O)",
           short="result", switch="set_use_attn_result"),

@@ -76,6 +76,8 @@ class Block(nn.Module):
         if spec.mixer is not None:
             self.ln1 = spec.norm(cfg.d_model, cfg.norm_eps, site="blocks.L.ln1")
             mixer = spec.mixer(cfg, layer)
+            # the split key / value inputs are one per kv head of this attention (they may differ by layer type)
+            self.n_kv_heads = getattr(mixer, "n_kv_heads", cfg.n_kv_heads)
             self.mixer_attribute = mixer.block_attribute
             setattr(self, self.mixer_attribute, mixer)
         if spec.ffn is not None:
