@@ -50,7 +50,7 @@ BACKEND_CASES = [(f, b) for f in FAMILIES for b in ("torch", "triton") if b == "
 # Families whose norms are LayerNorms (Phi-3.5-MoE's with a bias, DBRX's without): they centre their input, so the
 # cache analyses that apply a norm to a stack of components refuse them (NormNotDecomposable); the tests of those
 # analyses expect the refusal there, strictly. fold_ln refuses only the biased ones (BIASED_NORM_FAMILIES).
-LAYER_NORM_FAMILIES = {"phimoe", "dbrx"}
+LAYER_NORM_FAMILIES = {"phimoe", "dbrx", "cohere2_moe"}
 BIASED_NORM_FAMILIES = {"phimoe"}
 
 

@@ -63,7 +63,7 @@ MLP_LAYER_TYPES = {"dense": False, "sparse": True}
 SELECTIONS = ("softmax", "sigmoid")
 # transformers' Cohere2MoeConfig defaults
 DEFAULTS = dict(vocab_size=256000, hidden_size=8192, intermediate_size=22528, logit_scale=0.0625,
-                num_hidden_layers=40, num_attention_heads=64, head_dim=128, max_position_embeddings=8192,
+                num_attention_heads=64, head_dim=128, max_position_embeddings=8192,
                 layer_norm_eps=1e-5, sliding_window=4096, num_experts_per_tok=2, num_experts=8,
                 sliding_window_pattern=4, prefix_dense_sliding_window_pattern=1)
 # present in transformers' config.json, unused by its model's forward
@@ -207,7 +207,7 @@ class HookedCohere2Moe(HookedTransformer):
     def config_from_hf(cls, raw: dict) -> Cohere2MoeConfig:
         hf = HFConfig(raw)
         d = DEFAULTS
-        n_layers = hf.integer("num_hidden_layers", d["num_hidden_layers"], at_least=1)
+        n_layers = hf.integer("num_hidden_layers", at_least=1)
         first_dense = hf.integer("first_k_dense_replace", 0, at_least=0, at_most=n_layers)
         types = _layer_types(hf, n_layers, first_dense)
         mlp_types = _listed(hf, "mlp_layer_types", n_layers, tuple(MLP_LAYER_TYPES),
@@ -226,7 +226,6 @@ class HookedCohere2Moe(HookedTransformer):
             hf, rms_norm_eps=d["layer_norm_eps"], max_position_embeddings=d["max_position_embeddings"],
             hidden_size=d["hidden_size"], d_head=hf.integer("head_dim", d["head_dim"], at_least=1),
         )
-        fields["n_layers"] = n_layers
         fields["tie_word_embeddings"] = hf.flag("tie_word_embeddings", True)
         if fields["rope"].partial_rotary_factor != 1.0:  # transformers' Cohere2Moe rotary turns the whole head
             raise ValueError(f"partial_rotary_factor = {fields['rope'].partial_rotary_factor}: Cohere2Moe's rotary "
@@ -240,8 +239,11 @@ class HookedCohere2Moe(HookedTransformer):
                              f"{list(SELECTIONS)}")
         intermediate = hf.integer("intermediate_size", d["intermediate_size"], at_least=1)
         n_shared = hf.integer("num_shared_experts", 0, at_least=0)
+        strategy = hf.text("shared_expert_combination_strategy", "average")
+        if strategy not in ("sum", "average"):
+            raise ValueError(f"shared_expert_combination_strategy = {strategy!r}; transformers' Cohere2Moe knows only "
+                             "'sum' and 'average'")
         if n_shared:
-            strategy = hf.text("shared_expert_combination_strategy", "average")
             if strategy != "sum":
                 raise ValueError(f"shared_expert_combination_strategy = {strategy!r} with num_shared_experts = "
                                  f"{n_shared}: only 'sum' is supported (transformers also knows 'average', "
@@ -258,7 +260,8 @@ class HookedCohere2Moe(HookedTransformer):
             o_bias=bias,
             d_mlp=dense_width if not all(moe_layers) else 0,
             d_shared=n_shared * intermediate,
-            norm_topk_prob=selection == "sigmoid" and hf.flag("norm_topk_prob", True),
+            # read by the sigmoid rule only, as transformers
+            norm_topk_prob=hf.flag("norm_topk_prob", True) and selection == "sigmoid",
             attention_windows=tuple(window if t == "sliding_attention" else None for t in types),
             logit_scale=logit_scale,
             rotary_layers=rotary,
@@ -312,6 +315,7 @@ def _layer_sites(cfg: Cohere2MoeConfig, layer: int, src: str, dst: str) -> list[
     ]
     if cfg.d_shared:
         entries += [*gated_mlp(f"{moe}.shared_experts", f"{dst}.mlp.shared_expert"),
-                    Reference(f"{dst}.mlp.hook_shared_out", f"{moe}.shared_experts")]
+                    Reference(f"{dst}.mlp.hook_shared_out", f"{moe}.shared_experts"),
+                    Reference(f"{dst}.mlp.shared_expert.hook_out", f"{moe}.shared_experts")]
     return entries
 
