@@ -165,6 +165,9 @@ class ParallelBlock(Block):
         return [Sublayer("mixer", self.ln1, self.token_mixer, "hook_attn_out"),
                 Sublayer("ffn", self.ln1, self.mlp, "hook_mlp_out")]
 
+    def ffn_input_sublayers(self) -> list[Sublayer]:
+        return []  # the feed-forward reads ln1(resid_pre), without the attention's output
+
     def forward(
         self, resid: Float[torch.Tensor, "batch pos d_model"], inputs: LayerInputs
     ) -> Float[torch.Tensor, "batch pos d_model"]:
