@@ -62,12 +62,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 MLP_LAYER_TYPES = {"dense": False, "sparse": True}
 SELECTIONS = ("softmax", "sigmoid")
 # transformers' Cohere2MoeConfig defaults
-DEFAULTS = dict(vocab_size=256000, hidden_size=8192, intermediate_size=22528, logit_scale=0.0625,
-                num_attention_heads=64, head_dim=128, max_position_embeddings=8192,
-                layer_norm_eps=1e-5, sliding_window=4096, num_experts_per_tok=2, num_experts=8,
+DEFAULTS = dict(hidden_size=8192, intermediate_size=22528, logit_scale=0.0625, head_dim=128,
+                max_position_embeddings=8192, layer_norm_eps=1e-5, sliding_window=4096, num_experts_per_tok=2, num_experts=8,
                 sliding_window_pattern=4, prefix_dense_sliding_window_pattern=1)
 # present in transformers' config.json, unused by its model's forward
-IGNORED_FIELDS = ("attention_dropout", "initializer_range", "output_router_logits", "router_aux_loss_coef", "use_cache")
+IGNORED_FIELDS = ("attention_dropout", "initializer_range", "output_router_logits", "use_cache")
 
 
 @dataclass(frozen=True)
@@ -233,9 +232,10 @@ class HookedCohere2Moe(HookedTransformer):
         if fields["rope"].partial_rotary_factor != 1.0:  # transformers' Cohere2Moe rotary turns the whole head
             raise ValueError(f"partial_rotary_factor = {fields['rope'].partial_rotary_factor}: Cohere2Moe's rotary "
                              "(transformers') turns every dimension of the head, so only 1 is supported")
+        # transformers builds an RMSNorm where rms_norm_eps is set, else its LayerNorm with layer_norm_eps
         rms_eps = fields["norm_eps"] if hf.opt("rms_norm_eps") is not None else None
-        fields["norm_eps"] = rms_eps if rms_eps is not None else hf.number("layer_norm_eps", d["layer_norm_eps"],
-                                                                             at_least=0)
+        layer_eps = hf.number("layer_norm_eps", d["layer_norm_eps"], at_least=0)
+        fields["norm_eps"] = layer_eps if rms_eps is None else rms_eps
         selection = hf.text("expert_selection_fn", "softmax")
         if selection not in SELECTIONS:
             raise ValueError(f"expert_selection_fn = {selection!r}; transformers' Cohere2Moe router knows only "
@@ -246,11 +246,10 @@ class HookedCohere2Moe(HookedTransformer):
         if strategy not in ("sum", "average"):
             raise ValueError(f"shared_expert_combination_strategy = {strategy!r}; transformers' Cohere2Moe knows only "
                              "'sum' and 'average'")
-        if n_shared:
-            if strategy != "sum":
-                raise ValueError(f"shared_expert_combination_strategy = {strategy!r} with num_shared_experts = "
-                                 f"{n_shared}: only 'sum' is supported (transformers also knows 'average', "
-                                 "(routed + shared) / 2, which moelens does not build)")
+        if n_shared and strategy != "sum":
+            raise ValueError(f"shared_expert_combination_strategy = {strategy!r} with num_shared_experts = {n_shared}: "
+                             "only 'sum' is supported (transformers also knows 'average', (routed + shared) / 2, "
+                             "which moelens does not build)")
         logit_scale = hf.number("logit_scale", d["logit_scale"], above=0)
         dense_width = hf.integer("prefix_dense_intermediate_size", intermediate, at_least=1)
         bias = hf.flag("attention_bias", False)
