@@ -128,10 +128,7 @@ class CacheAnalysis:
         self._check_stream_is_sum(min(layer + mlp_input, self.model.cfg.n_layers))
         terms = [(l, s) for l in range(layer) for s in self.model.blocks[l].sublayers()]
         if mlp_input:
-            for sub in self.model.blocks[layer].sublayers():
-                if sub.kind == "ffn":
-                    break
-                terms.append((layer, sub))
+            terms += [(layer, sub) for sub in self.model.blocks[layer].ffn_input_sublayers()]
         return terms
 
     def _check_stream_is_sum(self, n_blocks: int) -> None:
@@ -311,8 +308,8 @@ class CacheAnalysis:
         reader = next(sub for sub in block.sublayers() if sub.kind == "ffn" or not mlp_input)
         if reader.norm is None:
             return None
-        if mlp_input:
-            return f"blocks.{layer}.ln2.hook_scale"
+        if mlp_input:  # ln2; a parallel block's feed-forward reads ln1
+            return f"blocks.{layer}.{block.norm_name(reader.norm)}.hook_scale"
         return f"blocks.{layer}.{self.model.blocks[layer].first_norm_name}.hook_scale"
 
     def _post_norm_factor(self, layer: int, kind: str, pos_slice: PosSlice) -> torch.Tensor | None:

@@ -50,7 +50,7 @@ BACKEND_CASES = [(f, b) for f in FAMILIES for b in ("torch", "triton") if b == "
 # Families whose norms are LayerNorms (Phi-3.5-MoE's with a bias, DBRX's without): they centre their input, so the
 # cache analyses that apply a norm to a stack of components refuse them (NormNotDecomposable); the tests of those
 # analyses expect the refusal there, strictly. fold_ln refuses only the biased ones (BIASED_NORM_FAMILIES).
-LAYER_NORM_FAMILIES = {"phimoe", "dbrx"}
+LAYER_NORM_FAMILIES = {"phimoe", "dbrx", "cohere2_moe"}
 BIASED_NORM_FAMILIES = {"phimoe"}
 
 
@@ -228,8 +228,10 @@ def mixer_labels(model, layer: int, before_ffn: bool = False) -> list[str]:
     """The full decomposition's token-mixer components of a block: each softmax attention's heads ("L{l}H{h}"; a
     block's further attention "L{l}.{name}.H{h}", LongCat-Flash's "L{l}.attn_1.H{h}"), a headless mixer's whole
     output "{l}_attn_out" (linear attention, a state-space layer), or none. before_ffn: only the mixers before the
-    block's first feed-forward (what its ln2 reads)."""
+    block's first feed-forward (what its ln2 reads; none where it reads resid_pre, as a parallel block's does)."""
     labels = []
+    if before_ffn and not model.blocks[layer].has_resid_mid:
+        return labels
     for sub in model.blocks[layer].sublayers():
         if sub.kind == "ffn":
             if before_ffn:

@@ -212,9 +212,9 @@ def test_decompose_resid(runs, family):
     assert labels == ["embed"] + [label for l in range(n) for label in terms(l)]
     close(stack.sum(0), cache["resid_post", -1])
     stack, labels = cache.decompose_resid(layer=1, mlp_input=True, return_labels=True)
-    block = model.blocks[1]  # the sublayers before its first feed-forward
+    block = model.blocks[1]  # the sublayers before its first feed-forward (none in a parallel block: no resid_mid)
     first_ffn = next(i for i, sub in enumerate(block.sublayers()) if sub.kind == "ffn")
-    assert labels == ["embed"] + terms(0) + terms(1)[:first_ffn]
+    assert labels == ["embed"] + terms(0) + (terms(1)[:first_ffn] if block.has_resid_mid else [])
     close(stack.sum(0), cache[ffn_stream(block), 1])
     attn, labels = cache.decompose_resid(mode="attn", incl_embeds=False, return_labels=True)
     assert labels == [label for l in range(n) for label in terms(l, ("mixer",))]
@@ -238,10 +238,11 @@ def test_stack_activation(runs, family):
         assert logits.shape == (n, 2, 12, routable_experts(model))
         close(logits[1], cache["blocks.1.mlp.hook_router_logits"], 0)
     assert cache.stack_activation("resid_pre", layer=2).shape[0] == 2
-    if all(sub.norm is not None for block in model.blocks for sub in block.sublayers() if sub.kind == "ffn") and all(
-            block.has_ffn for block in model.blocks):
+    if all(any(sub.kind == "ffn" and sub.norm is not None and block.norm_name(sub.norm) == "ln2"
+               for sub in block.sublayers()) for block in model.blocks):
         close(cache.stack_activation("normalized", sublayer_type="ln2")[2], cache["blocks.2.ln2.hook_normalized"], 0)
-    else:  # a block without a feed-forward, or whose feed-forward reads the stream unnormed, has no ln2
+    else:  # a block without a feed-forward, or whose feed-forward reads the stream unnormed or through ln1 (a
+        # parallel block), has no ln2
         with pytest.raises(MissingHooksError, match="have no such tensor"):
             cache.stack_activation("normalized", sublayer_type="ln2")
     if len(set(model.cfg.top_k_per_layer)) > 1 and not model.cfg.dense_layer_indices:  # Hunyuan: top_k differs per layer

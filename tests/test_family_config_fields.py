@@ -530,6 +530,33 @@ CASES = {
             "vocab_size"],
         ignored=("attention_dropout", "router_aux_loss_coef"),
     ),
+    "cohere2_moe": Case(
+        # a full dense layer (rotated: prefix_dense_sliding_window_pattern 1), a full mixture layer (no rotary);
+        # transformers writes the top-level rope_theta beside rope_parameters, which is what it reads
+        raw={"attention_bias": False, "attention_dropout": 0.0, "expert_selection_fn": "softmax", "head_dim": 16,
+            "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 32,
+            "layer_norm_eps": 1e-05, "layer_types": ["full_attention", "sliding_attention", "full_attention",
+            "sliding_attention"], "logit_scale": 0.125, "max_position_embeddings": 256, "mlp_layer_types": ["dense",
+            "sparse", "sparse", "sparse"], "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8,
+            "num_experts_per_tok": 3, "num_hidden_layers": 4, "num_key_value_heads": 2, "num_shared_experts": 0,
+            "output_router_logits": False, "prefix_dense_intermediate_size": 48,
+            "prefix_dense_sliding_window_pattern": 1, "rms_norm_eps": None, "rope_parameters": {"rope_theta": 1000.0,
+            "rope_type": "default"}, "rope_scaling": None, "rope_theta": 10000.0,
+            "shared_expert_combination_strategy": "average", "sliding_window": 5, "sliding_window_pattern": 4,
+            "tie_word_embeddings": True, "use_cache": True, "vocab_size": 96},
+        fields=dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_head=16, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=1000.0), max_position_embeddings=256, attention_windows=(None, 5, None, 5), d_mlp=48,
+            moe_layers=(False, True, True, True), n_experts=8, top_k_per_layer=(0, 3, 3, 3), d_expert=32,
+            tie_word_embeddings=True, logit_scale=0.125, rotary_layers=(True, True, False, True)),
+        read=["attention_bias", "expert_selection_fn", "first_k_dense_replace", "head_dim", "hidden_act", "hidden_size",
+            "intermediate_size", "layer_norm_eps", "layer_types", "logit_scale", "max_position_embeddings",
+            "mlp_layer_types", "norm_topk_prob", "num_attention_heads", "num_experts", "num_experts_per_tok",
+            "num_hidden_layers", "num_key_value_heads", "num_shared_experts", "partial_rotary_factor",
+            "prefix_dense_intermediate_size", "prefix_dense_sliding_window_pattern", "rms_norm_eps",
+            "rope_parameters", "rope_scaling", "rope_theta", "shared_expert_combination_strategy", "sliding_window",
+            "sliding_window_pattern", "tie_word_embeddings", "vocab_size"],
+        ignored=("attention_dropout", "initializer_range", "output_router_logits", "use_cache"),
+    ),
     "deepseek_v32": Case(
         raw={"first_k_dense_replace": 1, "head_dim": 8, "hidden_act": "silu", "hidden_size": 64, "index_head_dim": 16,
             "index_n_heads": 4, "index_topk": 3, "intermediate_size": 80, "kv_lora_rank": 16,
@@ -1180,6 +1207,15 @@ MINIMAL = {
             rope=RopeConfig(theta=10000.0), max_position_embeddings=2048, moe_layers=(True, True), n_experts=8,
             top_k_per_layer=(2, 2), d_expert=4096, d_shared=8192),
     ),
+    "cohere2_moe": (
+        # transformers' Cohere2MoeConfig defaults: each fourth layer full (and without rotary), the others a window
+        # of 4096; every layer a mixture of 8 experts, top 2; Cohere's LayerNorm (eps 1e-5); a tied head
+        {"num_attention_heads": 4, "num_hidden_layers": 5, "vocab_size": 96},
+        dict(d_model=8192, n_layers=5, n_heads=4, n_kv_heads=4, d_head=128, d_vocab=96, norm_eps=1e-05,
+            rope=RopeConfig(theta=10000.0), max_position_embeddings=8192, attention_windows=(4096, 4096, 4096, None,
+            4096), moe_layers=(True,) * 5, n_experts=8, top_k_per_layer=(2,) * 5, d_expert=22528,
+            tie_word_embeddings=True, rotary_layers=(True, True, True, False, True)),
+    ),
     "mellum": (
         # transformers' defaults are Mellum2-12B-A2.5B's sizes: every layer full and a mixture, the full layers' base
         {"num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96},
@@ -1497,6 +1533,7 @@ CONFIG_CLASSES = {
     "minimax": "MiniMaxConfig",
     "jamba": "JambaConfig",
     "mimo_v2_flash": "MiMoV2FlashConfig",
+    "cohere2_moe": "Cohere2MoeConfig",
 }
 # Nemotron-H has no rotary to spell two ways (its own suite reads NVIDIA's config.json spelling); Mellum's, Beam's
 # and MiMo-V2-Flash's rope_parameters are keyed by layer type, which has no Hub spelling (transformers reads no other)

@@ -110,8 +110,9 @@ def test_norm_divides_by_the_hooked_scale(family_models, family, tokens):
     new_scale = lambda s, hook: s * 2.0 + 0.5  # noqa: E731
     norm = next(sub.norm for sub in model.blocks[1].sublayers() if sub.kind == "ffn")
     if norm is not None:
-        site = "blocks.1.ln2"
-        # the stream ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone (Nemotron-H)
+        site = f"blocks.1.{model.blocks[1].norm_name(norm)}"  # ln2; ln1 in a parallel block (Cohere2-MoE)
+        # the stream ln2 reads: resid_mid, or resid_pre in a block of a feed-forward alone (Nemotron-H) or a
+        # parallel block
         stream = f"blocks.1.hook_{ffn_stream(model.blocks[1])}"
     else:  # a post-norm block's feed-forward reads the stream unnormed: the final norm then
         norm, site, stream = model.ln_final, "ln_final", f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"

@@ -46,6 +46,7 @@ DEFINITION = {
     "lara_mini": softmax,  # of float32 logits
     "flint": normalised_sigmoid,
     "mimo_v2_flash": normalised_sigmoid,
+    "cohere2_moe": softmax,  # its scores are the logits; the weights are a softmax over the chosen k only
 }
 # what hook_router_scores holds, per family: the support() row says it
 SCORES_SAY = {softmax: "softmax of the logits", normalised_sigmoid: "sigmoid of each logit"}
@@ -80,7 +81,7 @@ def test_support_says_what_the_scores_and_the_probs_are(family_models, family):
     rows = {row.name: row for row in family_models[family].support().rows}
     probs, scores = rows["blocks.L.mlp.hook_router_probs"], rows["blocks.L.mlp.hook_router_scores"]
     assert "distribution over the experts" in probs.meaning and "observation only" in probs.meaning
-    if any(n in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared", "kolibri1", "aria_text") for n in lineage(family)):  # top-k on the logits (Kolibri 1: biased)
+    if any(n in ("gpt_oss", "llama4_text", "granitemoe", "granitemoeshared", "kolibri1", "aria_text", "cohere2_moe") for n in lineage(family)):  # top-k on the logits (Kolibri 1: biased)
         assert scores.meaning.startswith("the logits the top-k is taken on")
     elif family == "phimoe":  # the sparsemixer chooses slot by slot on the logits
         assert scores.meaning.startswith("the logits the slots are chosen on")

@@ -135,6 +135,16 @@ class Block(nn.Module):
             out.append(Sublayer("ffn", self.ln2, self.mlp, "hook_mlp_out"))
         return out
 
+    def ffn_input_sublayers(self) -> list[Sublayer]:
+        """The block's own sublayers whose outputs are in the stream its first feed-forward reads: those before
+        it (resid_mid = resid_pre + attn_out); none in a block whose sublayers all read resid_pre (a parallel one)."""
+        out = []
+        for sub in self.sublayers():
+            if sub.kind == "ffn":
+                break
+            out.append(sub)
+        return out
+
     def new_state(self, reserve: int = 0):
         """The block's empty state for a cache: its token mixer's (a block of several mixers holds one each)."""
         return self.token_mixer.new_state(reserve)

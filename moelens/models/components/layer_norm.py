@@ -54,11 +54,16 @@ class HookedLayerNorm(LayerNorm):
             self.hook_scale = site_hook(f"{site}.hook_scale")
             self.hook_normalized = site_hook(f"{site}.hook_normalized")
 
+    def unhooked(self, x: Float[torch.Tensor, "... d"]) -> Float[torch.Tensor, "... d"]:
+        """The norm's value where no hook changed the scale: torch's layer_norm (a subclass whose reference
+        orders the ops otherwise gives its own, so that it matches that reference bit for bit)."""
+        return LayerNorm.forward(self, x)
+
     def forward(self, x: Float[torch.Tensor, "... d"]) -> Float[torch.Tensor, "... d"]:
         if not self.hooked:
-            return super().forward(x)
+            return self.unhooked(x)
         if not self.hook_scale.has_hooks:
-            return self.hook_normalized(super().forward(x))
+            return self.hook_normalized(self.unhooked(x))
         x32 = x.float()
         centred = x32 - x32.mean(-1, keepdim=True)
         computed = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -66,7 +71,7 @@ class HookedLayerNorm(LayerNorm):
         formula = centred / scale * self.weight.float()
         formula = (formula if self.bias is None else formula + self.bias.float()).to(x.dtype)
         with torch.no_grad():
-            value = torch.where(scale == computed, super().forward(x), formula)
+            value = torch.where(scale == computed, self.unhooked(x), formula)
         return self.hook_normalized(_ValueWithGradOf.apply(formula, value))
 
     def effective_weight(self) -> Float[torch.Tensor, " d"]:
