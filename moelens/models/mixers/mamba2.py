@@ -30,6 +30,7 @@ from torch import nn
 from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
 from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.mixers.recurrent_checks import check_cached_state, padding_multiplier
 from moelens.models.terms import ParamTerm, depthwise_conv, linear, under, vector
 from moelens.state import RecurrentState
 
@@ -273,8 +274,8 @@ class Mamba2Mixer(nn.Module):
                             "RecurrentState (mixer.new_state())")
         cached = state is not None and state.recurrent is not None
         if cached:
-            self._check_cached(state, b, x.device)
-        mask = self._padding_mask(inputs.mask, b, t, dtype)
+            check_cached_state("Mamba2Mixer", self.layer, state, x.device, self._state_shapes(b))
+        mask = padding_multiplier("Mamba2Mixer", self.layer, inputs.mask, b, t, dtype)
 
         if mask is not None:
             x = x * mask
@@ -337,30 +338,11 @@ class Mamba2Mixer(nn.Module):
         seen = fed if window is not None else F.pad(xbc, (k, 0))
         return out.transpose(1, 2), seen[..., -k:].contiguous()
 
-    def _check_cached(self, state: RecurrentState, batch: int, device: torch.device) -> None:
-        expected = {
+    def _state_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
+        return {
             "conv": (batch, self.conv_dim, self.d_conv),
             "recurrent": (batch, self.n_heads, self.d_head, self.d_state),
         }
-        for name, shape in expected.items():
-            held = getattr(state, name)
-            if held is None or tuple(held.shape) != shape:
-                raise ValueError(
-                    f"Mamba2Mixer (layer {self.layer}): cached state.{name} has shape "
-                    f"{None if held is None else tuple(held.shape)}, expected {shape} for a batch of {batch}"
-                )
-            if held.device != device:
-                raise ValueError(f"Mamba2Mixer (layer {self.layer}): cached state.{name} is on {held.device}, "
-                                 f"the input on {device}")
-
-    def _padding_mask(self, mask: torch.Tensor | None, b: int, t: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """inputs.mask as a [batch pos 1] multiplier in the stream's dtype (None: every position is real)."""
-        if mask is None:
-            return None
-        if tuple(mask.shape) != (b, t):
-            raise ValueError(f"Mamba2Mixer (layer {self.layer}): inputs.mask has shape {tuple(mask.shape)}, "
-                             f"expected (batch, pos) = {(b, t)} (1 real, 0 padding)")
-        return mask[..., None].to(dtype)
 
     def extra_repr(self) -> str:
         return (f"heads={self.n_heads}, d_head={self.d_head}, groups={self.n_groups}, d_state={self.d_state}, "

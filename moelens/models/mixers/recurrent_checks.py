@@ -48,3 +48,29 @@ def state_entering(
     else:
         state_in = cached.clone() if hook.has_hooks else cached
     return hook(state_in)
+
+
+def padding_multiplier(
+    mixer: str, layer: int, mask: torch.Tensor | None, batch: int, n_pos: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """inputs.mask as a [batch pos 1] multiplier in the stream's dtype (None: every position is real), its shape
+    checked."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != (batch, n_pos):
+        raise ValueError(f"{mixer} (layer {layer}): inputs.mask has shape {tuple(mask.shape)}, expected (batch, pos) = "
+                         f"{(batch, n_pos)} (1 real, 0 padding)")
+    return mask[..., None].to(dtype)
+
+
+def check_cached_state(
+    mixer: str, layer: int, state: RecurrentState, device: torch.device, shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """A cached state's tensors: each of `shapes` held, of that shape (for this batch), on the input's device."""
+    for name, shape in shapes.items():
+        held = getattr(state, name)
+        if held is None or tuple(held.shape) != shape:
+            raise ValueError(f"{mixer} (layer {layer}): cached state.{name} has shape "
+                             f"{None if held is None else tuple(held.shape)}, expected {shape} for a batch of {shape[0]}")
+        if held.device != device:
+            raise ValueError(f"{mixer} (layer {layer}): cached state.{name} is on {held.device}, the input on {device}")

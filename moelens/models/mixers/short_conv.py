@@ -29,6 +29,7 @@ from torch import nn
 from moelens.hooks.sites import site_hook
 from moelens.models.context import LayerInputs
 from moelens.models.mixers.base import StateBytes, StateTensor, values_of
+from moelens.models.mixers.recurrent_checks import padding_multiplier
 from moelens.models.terms import ParamTerm, depthwise_conv, linear
 from moelens.state import ConvWindowState
 
@@ -106,7 +107,7 @@ class ShortConvMixer(nn.Module):
         if window is not None:
             self._check_window(window, b, x.device)
         if inputs.mask is not None:
-            x = x * self._padding_mask(inputs.mask, b, t, x.dtype)
+            x = x * padding_multiplier("ShortConvMixer", self.layer, inputs.mask, b, t, x.dtype)
         B, C, xs = self.in_proj(x).chunk(3, dim=-1)
         xs, B, C = self.hook_x(xs), self.hook_B(B), self.hook_C(C)  # the table's order
         gated = self.hook_conv_in(B * xs)
@@ -146,13 +147,6 @@ class ShortConvMixer(nn.Module):
         if window.device != device:
             raise ValueError(f"ShortConvMixer (layer {self.layer}): cached state.conv is on {window.device}, the input "
                              f"on {device}")
-
-    def _padding_mask(self, mask: torch.Tensor, b: int, t: int, dtype: torch.dtype) -> torch.Tensor:
-        """inputs.mask as a [batch pos 1] multiplier in the stream's dtype."""
-        if tuple(mask.shape) != (b, t):
-            raise ValueError(f"ShortConvMixer (layer {self.layer}): inputs.mask has shape {tuple(mask.shape)}, "
-                             f"expected (batch, pos) = {(b, t)} (1 real, 0 padding)")
-        return mask[..., None].to(dtype)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, kernel={self.kernel}"
