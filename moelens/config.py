@@ -369,6 +369,15 @@ SIZE_BOUNDS = {
 }
 
 
+
+def check_layer_kinds(layer_types: tuple[str, ...], n_layers: int, kinds: tuple[str, ...]) -> None:
+    """A hybrid family's per-layer kinds (its config's layer_types): one per layer, each one of `kinds`."""
+    if len(layer_types) != n_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries, expected one per layer ({n_layers})")
+    unknown = sorted({kind for kind in layer_types if kind not in kinds})
+    if unknown:
+        raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(kinds)}")
+
 def refuse_unread_fields(raw: dict, spellings: dict[str, str], config_class: str) -> None:
     """Refuse, naming the name to use, each field that config.json gives under moelens's name where the family's
     transformers config class reads only its own spelling ({its name: moelens's}): transformers would leave the

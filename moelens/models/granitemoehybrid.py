@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moelens.config import HFConfig, routed_fields
+from moelens.config import HFConfig, check_layer_kinds, routed_fields
 from moelens.models.components.attention import NoPositionAttention
 from moelens.models.components.mlp import FusedGateUpMLP
 from moelens.models.components.multiplier_attention import MultiplierScaledAttention
@@ -64,11 +64,7 @@ class GraniteMoeHybridConfig(GraniteMoeSharedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected one per layer ({self.n_layers})")
-        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
-        if unknown:
-            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(LAYER_TYPES)}")
+        check_layer_kinds(self.layer_types, self.n_layers, LAYER_TYPES)
         if self.position_embedding not in POSITION_TYPES:
             raise ValueError(f"position_embedding = {self.position_embedding!r}; expected one of {POSITION_TYPES}")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moelens.config import HFConfig, MoeConfig, RopeConfig, common_fields, routed_fields
+from moelens.config import HFConfig, MoeConfig, RopeConfig, check_layer_kinds, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import SoftmaxTopK, SparseMoe
 from moelens.models.components.attention import NoPositionAttention
@@ -56,11 +56,7 @@ class JambaConfig(MoeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected one per layer ({self.n_layers})")
-        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
-        if unknown:
-            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(LAYER_TYPES)}")
+        check_layer_kinds(self.layer_types, self.n_layers, LAYER_TYPES)
 
 
 class HookedJamba(HookedTransformer):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moelens.config import HFConfig, RopeConfig
+from moelens.config import HFConfig, RopeConfig, check_layer_kinds
 from moelens.models.components import SharedExpertMoe, SigmoidGroupedTopK
 from moelens.models.components.latent_attention import MultiHeadLatentAttention
 from moelens.models.components.norm import RMSNorm
@@ -69,11 +69,7 @@ class KimiLinearConfig(DeepseekV3Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected one per layer ({self.n_layers})")
-        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
-        if unknown:
-            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(LAYER_TYPES)}")
+        check_layer_kinds(self.layer_types, self.n_layers, LAYER_TYPES)
 
 
 class NoRotaryLatentAttention(MultiHeadLatentAttention):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 
-from moelens.config import HFConfig, MoeConfig, routed_fields
+from moelens.config import HFConfig, MoeConfig, check_layer_kinds, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import SparseMoe
 from moelens.models.components.qk_norm_attention import QKNormBeforeRotaryAttention
@@ -48,11 +48,7 @@ class Lfm2MoeConfig(MoeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected one per layer ({self.n_layers})")
-        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
-        if unknown:
-            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(LAYER_TYPES)}")
+        check_layer_kinds(self.layer_types, self.n_layers, LAYER_TYPES)
 
 
 class Lfm2SigmoidTopK(TopKRouter):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Float
 
-from moelens.config import HFConfig, common_fields, routed_fields
+from moelens.config import HFConfig, check_layer_kinds, common_fields, routed_fields
 from moelens.models.components import SparseMoe
 from moelens.models.components.block import Block
 from moelens.models.components.norm import RMSNorm
@@ -70,11 +70,7 @@ class MiniMaxConfig(MixtralConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected one per layer ({self.n_layers})")
-        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_TYPES})
-        if unknown:
-            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(LAYER_TYPES)}")
+        check_layer_kinds(self.layer_types, self.n_layers, LAYER_TYPES)
         if "linear_attention" in self.layer_types and self.act_fn != "silu":
             raise ValueError(f"hidden_act {self.act_fn!r}: the lightning layers' activation of q, k and v is implemented "
                              "for 'silu' only")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from moelens.config import HFConfig, MoeConfig, common_fields, routed_fields
+from moelens.config import HFConfig, MoeConfig, check_layer_kinds, common_fields, routed_fields
 from moelens.models.base import HookedTransformer
 from moelens.models.components import GatedSharedExpertMoe, SoftmaxTopK
 from moelens.models.components.gated_attention import OutputGatedAttention
@@ -45,11 +45,7 @@ class Qwen3NextConfig(MoeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected one per layer ({self.n_layers})")
-        unknown = sorted({kind for kind in self.layer_types if kind not in self.layer_kinds})
-        if unknown:
-            raise ValueError(f"layer_types: unknown layer kinds {unknown}; expected {' or '.join(self.layer_kinds)}")
+        check_layer_kinds(self.layer_types, self.n_layers, self.layer_kinds)
 
 
 def read_layer_types(hf: HFConfig, n_layers: int) -> tuple[str, ...]:
